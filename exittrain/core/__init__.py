@@ -1,0 +1,42 @@
+"""Pure math of exit-guided draft trees: torch and the standard library only.
+
+- :mod:`.tree`     DDTree construction (batched, exact) and tree tensors
+- :mod:`.exit_law` reach, missing probability, exit mass, expected block length
+- :mod:`.verify`   greedy, predraw-and-follow, sequential residual and TEV verifiers
+- :mod:`.losses`   block cross-entropy and the ExitTrain node losses
+"""
+
+from .exit_law import ExitLaw, exit_law, exit_law_reference
+from .losses import WEIGHT_TYPES, block_cross_entropy, exit_node_loss, exit_node_loss_reference
+from .tree import DraftTree, build_tree, build_tree_reference
+from .verify import (
+    VERIFIERS,
+    Verdict,
+    sample_categorical,
+    verify_greedy,
+    verify_predraw,
+    verify_sequential,
+    verify_tev,
+    warp_probs,
+)
+
+__all__ = [
+    "DraftTree",
+    "build_tree",
+    "build_tree_reference",
+    "ExitLaw",
+    "exit_law",
+    "exit_law_reference",
+    "Verdict",
+    "VERIFIERS",
+    "warp_probs",
+    "sample_categorical",
+    "verify_greedy",
+    "verify_predraw",
+    "verify_sequential",
+    "verify_tev",
+    "WEIGHT_TYPES",
+    "block_cross_entropy",
+    "exit_node_loss",
+    "exit_node_loss_reference",
+]

@@ -1,0 +1,171 @@
+"""Training objectives: block cross-entropy and the ExitTrain node losses (ALGORITHM.md section 7).
+
+Shape legend: N anchors (trees), K drafter positions, V vocabulary, B budget.
+
+**Block cross-entropy** ``L_tok``: the mean over anchors and positions of ``-log q_k(x_{a+k})``,
+optionally weighted by ``gamma^(k-1)`` (a weighted mean: ``sum w ce / sum w``).
+
+**ExitTrain node loss** ``L_exit = (1 / N_nodes) sum_v w(v) (-log q_{d(v)}(x_v))`` over the valid
+nodes of all trees, with ``w`` one of:
+
+- ``flow``:    ``w = P~(v)``, the reach from floored edges (pass ``exit_law(..., alpha)``);
+- ``exit``:    ``w = P~(v) rho(v) d(v)``;
+- ``missing``: a soft label of what the tree omitted: for every row v with ``d(v) < K``,
+  ``P(v) p_v(y)`` for each token y that is not one of v's children, supervising
+  ``q_{d(v)+1}``; normalised by the same ``N_nodes``.
+
+Rows sharing a depth share ``q_d``, so each loss is computed as one soft-label cross-entropy
+per (anchor, depth) row: ``sum_v w(v)(-log q_d(x_v)) = sum_y W_d(y) (-log q_d(y))``.
+The weights and soft labels are detached: gradients reach the drafter logits only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .exit_law import ExitLaw
+from .tree import DraftTree, at_least_float32
+
+__all__ = ["WEIGHT_TYPES", "block_cross_entropy", "exit_node_loss", "exit_node_loss_reference", "soft_labels"]
+
+WEIGHT_TYPES = ("flow", "exit", "missing")
+
+
+def block_cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    gamma: float | None = None,
+    label_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Weighted mean of ``-log q_k(labels[:, k])`` over (N, K); ``logits`` (N, K, V).
+
+    ``gamma`` weights position k (1-based) by ``gamma^(k-1)``; ``label_mask`` (N, K) bool excludes
+    positions (e.g. past the end of a sequence). Returns a scalar.
+    """
+    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
+        raise ValueError(f"logits must be (N, K, V) and labels (N, K); got {tuple(logits.shape)}, {tuple(labels.shape)}")
+    if gamma is not None and not gamma > 0:
+        raise ValueError(f"gamma must be > 0 (position decay) or None, got {gamma!r}")
+    N, K, V = logits.shape
+    ce_NK = torch.nn.functional.cross_entropy(
+        at_least_float32(logits.reshape(N * K, V)), labels.reshape(N * K), reduction="none"
+    ).view(N, K)
+    weight = torch.ones(K, dtype=ce_NK.dtype, device=ce_NK.device)
+    if gamma is not None:
+        weight = gamma ** torch.arange(K, dtype=ce_NK.dtype, device=ce_NK.device)
+    weight_NK = weight.expand(N, K)
+    if label_mask is not None:
+        weight_NK = weight_NK * label_mask.to(ce_NK.dtype)
+    return (ce_NK * weight_NK).sum() / weight_NK.sum().clamp_min(1e-12)
+
+
+def _node_weights(tree: DraftTree, law: ExitLaw, weight_type: str) -> torch.Tensor:
+    """(N, B) weight of every node for the ``flow`` and ``exit`` losses, 0 on padding."""
+    reach = law.reach[:, 1:]
+    if weight_type == "flow":
+        w = reach
+    else:
+        w = reach * law.missing[:, 1:] * tree.depths.to(reach.dtype)
+    return torch.where(tree.valid, w, torch.zeros_like(w))
+
+
+def soft_labels(
+    tree: DraftTree,
+    law: ExitLaw,
+    weight_type: str,
+    vocab_size: int,
+    probs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(N, K, V) detached soft labels ``W_d(y)`` such that the loss is ``sum W * (-log q)``.
+
+    ``probs`` (N, B+1, V), the target's per-row distributions, is needed for ``missing`` only.
+    """
+    if weight_type not in WEIGHT_TYPES:
+        raise ValueError(f"weight_type must be one of {WEIGHT_TYPES}, got {weight_type!r}")
+    N, B = tree.tokens.shape
+    K, V = tree.max_depth, vocab_size
+    dtype = law.reach.dtype
+    device = law.reach.device
+    flat = torch.zeros(N, K * V + 1, dtype=dtype, device=device)  # spare last column for padding
+    node_index = torch.where(tree.valid, (tree.depths - 1) * V + tree.tokens, K * V)  # (N, B)
+    if weight_type in ("flow", "exit"):
+        flat.scatter_add_(1, node_index, _node_weights(tree, law, weight_type))
+        return flat[:, : K * V].view(N, K, V).detach()
+
+    if probs is None:
+        raise ValueError("weight_type='missing' needs the target's per-row probs (N, B+1, V)")
+    # sum over rows v at depth d < K of P(v) p_v, as the label of q_{d+1} ...
+    depth_onehot = torch.nn.functional.one_hot(tree.positions, K + 1)[..., :K]  # (N, B+1, K)
+    row_weight = depth_onehot.to(dtype) * (law.reach * tree.valid_with_root).unsqueeze(-1)
+    label = torch.einsum("nbk,nbv->nkv", row_weight, probs.to(dtype))
+    # ... minus the children's tokens, which the tree did cover: P(parent) * p(child)
+    covered = law.reach.gather(1, tree.parents) * law.edge
+    flat.scatter_add_(1, node_index, torch.where(tree.valid, covered, torch.zeros_like(covered)))
+    label = label - flat[:, : K * V].view(N, K, V)
+    return label.clamp_min(0.0).detach()
+
+
+def exit_node_loss(
+    logits: torch.Tensor,
+    tree: DraftTree,
+    law: ExitLaw,
+    weight_type: str = "flow",
+    probs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The ExitTrain node loss for drafter ``logits`` (N, K, V) on the trees built from them.
+
+    ``law`` must come from :func:`exit_law` on the same trees (with the training ``alpha``);
+    ``probs`` (N, B+1, V) is required for ``missing``. Normalised by the number of valid nodes.
+    """
+    N, K, V = logits.shape
+    if tree.tokens.shape[0] != N or tree.max_depth != K:
+        raise ValueError(
+            f"logits are (N={N}, K={K}, V) but the trees are N={tree.tokens.shape[0]}, K={tree.max_depth}: "
+            "build the trees from these logits"
+        )
+    label_NKV = soft_labels(tree, law, weight_type, V, probs)
+    logq = torch.log_softmax(at_least_float32(logits), dim=-1)
+    n_nodes = tree.valid.sum().clamp_min(1)
+    return -(label_NKV.to(logq.dtype) * logq).sum() / n_nodes
+
+
+def exit_node_loss_reference(
+    logits: torch.Tensor,
+    tree: DraftTree,
+    law: ExitLaw,
+    weight_type: str = "flow",
+    probs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Loop twin of :func:`exit_node_loss`: one term per node (and per omitted token)."""
+    logq = torch.log_softmax(at_least_float32(logits), dim=-1)
+    N, B = tree.tokens.shape
+    K, V = logits.shape[1], logits.shape[2]
+    total = logq.new_zeros(())
+    n_nodes = 0
+    for n in range(N):
+        children: dict[int, set[int]] = {}
+        for j in range(B):
+            if not bool(tree.valid[n, j]):
+                continue
+            n_nodes += 1
+            d, x, parent = int(tree.depths[n, j]), int(tree.tokens[n, j]), int(tree.parents[n, j])
+            children.setdefault(parent, set()).add(x)
+            if weight_type == "flow":
+                w = law.reach[n, j + 1]
+            elif weight_type == "exit":
+                w = law.reach[n, j + 1] * law.missing[n, j + 1] * d
+            else:
+                continue
+            total = total - w.detach() * logq[n, d - 1, x]
+        if weight_type == "missing":
+            for row in range(B + 1):
+                depth = 0 if row == 0 else int(tree.depths[n, row - 1])
+                if (row > 0 and not bool(tree.valid[n, row - 1])) or depth >= K:
+                    continue
+                for y in range(V):
+                    if y in children.get(row, set()):
+                        continue
+                    w = law.reach[n, row] * probs[n, row, y]
+                    total = total - w.detach() * logq[n, depth, y]
+    return total / max(n_nodes, 1)

@@ -1,0 +1,288 @@
+"""Exact tree verifiers: greedy, predraw-and-follow, sequential residual, and TEV.
+
+Shape legend: N trees, B budget, K depth limit, V vocabulary; rows are root-first (B+1).
+
+All four take the target logits of every row, ``logits`` (N, B+1, V), apply one sampling warp
+(:func:`warp_probs`: temperature, then top-k, then top-p; temperature 0 is greedy) and return a
+:class:`Verdict`. They share the exit law and the bonus law of ALGORITHM.md section 4, so the
+output block ``path(exit) + bonus`` is an exact sample of the target: decoding is lossless.
+
+- greedy: follow the argmax child; bonus = argmax at the exit.
+- predraw-and-follow: draw ``y_u ~ p_u`` at every row at once, follow matching children.
+- sequential residual: at each node try children in column order, accepting child c with
+  probability ``r(x_c) / sum(r)`` and zeroing ``r(x_c)`` on rejection; bonus from the residual.
+  It walks depth by depth and synchronises with the host once per depth (to stop early); this
+  is the baseline the others are measured against.
+- TEV: compute the exit mass E of every row at once, draw ``v* ~ E``, then draw the bonus from
+  ``p_{v*}`` with v*'s children masked. No walk, no per-level loop; with ``validate=False`` no
+  host synchronisation at all.
+
+Input checks (shapes always; NaN only with ``validate=True``) raise ValueError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .exit_law import exit_law
+from .tree import DraftTree, at_least_float32
+
+__all__ = [
+    "Verdict",
+    "warp_probs",
+    "sample_categorical",
+    "verify_greedy",
+    "verify_predraw",
+    "verify_sequential",
+    "verify_tev",
+    "VERIFIERS",
+]
+
+
+@dataclass
+class Verdict:
+    """Outcome of verifying N trees.
+
+    ``exit_node`` (N,) row of the exit node (0 = root); ``accept_length`` (N,) accepted draft
+    tokens = depth of the exit node; ``bonus`` (N,) the bonus token; ``accepted_tokens`` (N, K)
+    the accepted path's tokens, padded with -1; ``accepted_rows`` (N, K) their rows, padded -1.
+    """
+
+    exit_node: torch.Tensor
+    accept_length: torch.Tensor
+    bonus: torch.Tensor
+    accepted_tokens: torch.Tensor
+    accepted_rows: torch.Tensor
+
+    @property
+    def block_length(self) -> torch.Tensor:
+        """(N,) tokens this round yields: accepted draft tokens plus the bonus."""
+        return self.accept_length + 1
+
+    def output_tokens(self, n: int = 0) -> list[int]:
+        """The round's output block for tree ``n`` (host transfer): accepted path then bonus."""
+        length = int(self.accept_length[n])
+        return self.accepted_tokens[n, :length].tolist() + [int(self.bonus[n])]
+
+
+# ----------------------------------------------------------------------------------------------
+# sampling helpers
+
+
+def _check_warp(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if not isinstance(temperature, (int, float)) or temperature < 0 or temperature != temperature:
+        raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        raise ValueError(f"top_k must be None or an integer >= 1, got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
+
+
+def warp_probs(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> torch.Tensor:
+    """The distribution actually decoded from, over the last dim of ``logits`` (..., V).
+
+    Order: temperature, then top-k, then top-p. ``temperature == 0``: one-hot on the argmax (first
+    index among ties), and top-k/top-p are moot. top-k keeps every logit >= the k-th largest
+    (ties at the boundary are kept). top-p keeps, in descending probability (stable order), each
+    token whose preceding cumulative mass is < top_p, so at least one token survives. Computes in
+    float32 at least; returns that dtype.
+    """
+    _check_warp(temperature, top_k, top_p)
+    x = at_least_float32(logits)
+    if temperature == 0:
+        return torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).to(x.dtype)
+    x = x / temperature
+    neg_inf = torch.tensor(float("-inf"), dtype=x.dtype, device=x.device)
+    if top_k is not None and top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = torch.where(x < kth, neg_inf, x)
+    if top_p is not None and top_p < 1.0:
+        probs = torch.softmax(x, dim=-1)
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p
+        drop = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, mass_before >= top_p)
+        x = torch.where(drop, neg_inf, x)
+    return torch.softmax(x, dim=-1)
+
+
+def sample_categorical(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row of (R, X) non-negative ``weights`` (need not be normalised), by inverse CDF.
+
+    One uniform per row; zero-weight entries are never drawn (``searchsorted(right=True)``). A row
+    of all zeros returns an arbitrary in-range index instead of raising, so no host sync happens.
+    """
+    cdf = weights.cumsum(-1)
+    u = torch.rand(weights.shape[:-1] + (1,), generator=generator, device=weights.device, dtype=cdf.dtype)
+    index = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)
+    return index.squeeze(-1).clamp_max(weights.shape[-1] - 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# shared pieces
+
+
+def _check_logits(tree: DraftTree, logits: torch.Tensor, validate: bool) -> None:
+    N, B = tree.tokens.shape
+    if not torch.is_tensor(logits) or logits.dim() != 3 or logits.shape[:2] != (N, B + 1):
+        shape = tuple(logits.shape) if torch.is_tensor(logits) else type(logits).__name__
+        raise ValueError(
+            f"logits must be ({N}, {B + 1}, V): one row of target logits for the root and each node of "
+            f"the {N} trees of budget {B}; got {shape}"
+        )
+    if validate and torch.isnan(logits).any():
+        raise ValueError("logits contains NaN; check the target forward (dtype overflow?)")
+
+
+def _verdict(tree: DraftTree, exit_node: torch.Tensor, bonus: torch.Tensor) -> Verdict:
+    """Assemble a Verdict: the exit node's path read off the ancestor mask, no host sync."""
+    N, B = tree.tokens.shape
+    K = tree.max_depth
+    rows = torch.arange(N, device=exit_node.device)
+    on_path = tree.ancestor_mask[rows, exit_node]  # (N, B+1)
+    on_path[:, 0] = False  # the root is not an accepted draft token
+    slot = torch.where(on_path, tree.positions - 1, K)  # depth-1, or a spare slot K
+    tokens_rows = torch.cat([torch.zeros_like(tree.tokens[:, :1]), tree.tokens], 1)
+    row_ids = torch.arange(B + 1, device=exit_node.device).expand(N, B + 1)
+    accepted_tokens = torch.full((N, K + 1), -1, dtype=torch.long, device=exit_node.device)
+    accepted_rows = torch.full_like(accepted_tokens, -1)
+    accepted_tokens.scatter_(1, slot, torch.where(on_path, tokens_rows, -1))
+    accepted_rows.scatter_(1, slot, torch.where(on_path, row_ids, -1))
+    return Verdict(
+        exit_node=exit_node,
+        accept_length=tree.positions.gather(1, exit_node.unsqueeze(1)).squeeze(1),
+        bonus=bonus,
+        accepted_tokens=accepted_tokens[:, :K],
+        accepted_rows=accepted_rows[:, :K],
+    )
+
+
+def _follow(tree: DraftTree, draws: torch.Tensor) -> Verdict:
+    """Follow, from the root, the child whose token equals the row's draw (N, B+1)."""
+    parent_draw = draws.gather(1, tree.parents)  # (N, B)
+    match = tree.valid & (tree.tokens == parent_draw)
+    match_rows = torch.cat([torch.ones_like(match[:, :1]), match], 1)  # (N, B+1)
+    # a row is reached iff every row on its path (root included) matched its parent's draw
+    reached = ~(tree.ancestor_mask & ~match_rows.unsqueeze(1)).any(-1)  # (N, B+1)
+    depth_if_reached = torch.where(reached, tree.positions, -1)
+    exit_node = depth_if_reached.argmax(-1)  # siblings are distinct: one reached row per depth
+    return _verdict(tree, exit_node, draws.gather(1, exit_node.unsqueeze(1)).squeeze(1))
+
+
+# ----------------------------------------------------------------------------------------------
+# the four verifiers
+
+
+def verify_greedy(tree: DraftTree, logits: torch.Tensor, *, validate: bool = True) -> Verdict:
+    """Temperature-0 verification: follow the argmax child; deterministic."""
+    _check_logits(tree, logits, validate)
+    return _follow(tree, logits.argmax(-1))
+
+
+def verify_predraw(
+    tree: DraftTree,
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    validate: bool = True,
+) -> Verdict:
+    """Predraw-and-follow: one independent draw per row, then follow the matching children."""
+    _check_logits(tree, logits, validate)
+    probs = warp_probs(logits, temperature, top_k, top_p)
+    N, B1, V = probs.shape
+    draws = sample_categorical(probs.reshape(N * B1, V), generator).view(N, B1)
+    return _follow(tree, draws)
+
+
+def verify_sequential(
+    tree: DraftTree,
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    validate: bool = True,
+) -> Verdict:
+    """Sequential residual verification (EAGLE/SpecInfer style, deterministic drafts).
+
+    Batched over trees, sequential over depths and over sibling slots (children are tried in
+    column order, i.e. the drafter's score order).
+    """
+    _check_logits(tree, logits, validate)
+    probs = warp_probs(logits, temperature, top_k, top_p)  # (N, B+1, V)
+    N, B = tree.tokens.shape
+    device = probs.device
+    rows = torch.arange(N, device=device)
+    # rank of each node among its siblings, in column order
+    same_parent = torch.nn.functional.one_hot(tree.parents, B + 1) & tree.valid.unsqueeze(-1)  # (N, B, B+1)
+    sibling_rank = (same_parent.cumsum(1) - 1).gather(2, tree.parents.unsqueeze(-1)).squeeze(-1)  # (N, B)
+    max_children = int(same_parent.sum(1).max()) if B else 0  # host sync: the loop bound
+
+    current = torch.zeros(N, dtype=torch.long, device=device)
+    done = torch.zeros(N, dtype=torch.bool, device=device)
+    residual = probs[:, 0].clone()  # (N, V)
+    total = residual.sum(-1)
+    for _ in range(tree.max_depth):
+        accepted = torch.zeros_like(done)
+        children = tree.valid & (tree.parents == current.unsqueeze(1))  # (N, B)
+        for slot in range(max_children):
+            is_slot = children & (sibling_rank == slot)
+            trying = is_slot.any(-1) & ~done & ~accepted
+            column = is_slot.to(torch.uint8).argmax(-1)
+            token = tree.tokens[rows, column]
+            mass = residual[rows, token]
+            u = torch.rand(N, generator=generator, device=device, dtype=residual.dtype)
+            accept = trying & (u * total < mass)
+            reject = trying & ~accept
+            residual[rows, token] = torch.where(reject, torch.zeros_like(mass), mass)
+            total = torch.where(reject, total - mass, total)
+            current = torch.where(accept, column + 1, current)
+            accepted |= accept
+        done |= ~accepted
+        if bool(done.all()):  # host sync once per depth: the walk's nature
+            break
+        moved = accepted.unsqueeze(1)
+        residual = torch.where(moved, probs[rows, current], residual)
+        total = torch.where(accepted, residual.sum(-1), total)
+    bonus = sample_categorical(residual, generator)
+    return _verdict(tree, current, bonus)
+
+
+def verify_tev(
+    tree: DraftTree,
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    validate: bool = True,
+) -> Verdict:
+    """Tree Exit Verification: one exit-node draw from E, one bonus draw from the masked row."""
+    _check_logits(tree, logits, validate)
+    probs = warp_probs(logits, temperature, top_k, top_p)  # (N, B+1, V)
+    N, B1, V = probs.shape
+    law = exit_law(tree, probs, validate=False)  # E for every row at once
+    exit_node = sample_categorical(law.exit_mass, generator)  # (N,)
+    rows = torch.arange(N, device=probs.device)
+    bonus_row = probs[rows, exit_node]  # (N, V)
+    bonus_row = bonus_row.masked_fill(tree.child_token_mask(V, rows=exit_node), 0.0)
+    return _verdict(tree, exit_node, sample_categorical(bonus_row, generator))
+
+
+VERIFIERS = {
+    "greedy": verify_greedy,
+    "predraw": verify_predraw,
+    "sequential": verify_sequential,
+    "tev": verify_tev,
+}
