@@ -30,7 +30,7 @@ import torch
 
 from .tree import DraftTree
 
-__all__ = ["ExitLaw", "exit_law", "exit_law_reference", "edge_probabilities", "reach_from_edges"]
+__all__ = ["ExitLaw", "exit_law", "exit_law_from_edges", "exit_law_reference", "edge_probabilities", "reach_from_edges"]
 
 
 @dataclass
@@ -119,13 +119,18 @@ def exit_law(tree: DraftTree, probs: torch.Tensor, alpha: float = 0.0, *, valida
     reach, one scatter-add for the missing probability. ``validate=False`` skips the input checks
     and their host synchronisation.
     """
-    if not (isinstance(alpha, (int, float)) and 0.0 <= alpha <= 1.0):
-        raise ValueError(f"alpha must be in [0, 1] (edge probability floor), got {alpha!r}")
     if validate:
         check_node_probs(tree, probs)
-    edge = edge_probabilities(tree, probs)
-    floored = edge.clamp_min(alpha) if alpha > 0 else edge
-    floored = torch.where(tree.valid, floored, torch.zeros_like(floored))
+    return exit_law_from_edges(tree, edge_probabilities(tree, probs), alpha)
+
+
+def exit_law_from_edges(tree: DraftTree, edge: torch.Tensor, alpha: float = 0.0) -> ExitLaw:
+    """The exit law from (N, B) edge probabilities alone (0 on padding): all it depends on."""
+    if not (isinstance(alpha, (int, float)) and 0.0 <= alpha <= 1.0):
+        raise ValueError(f"alpha must be in [0, 1] (edge probability floor), got {alpha!r}")
+    floored = edge
+    if alpha > 0:
+        floored = torch.where(tree.valid, edge.clamp_min(alpha), torch.zeros_like(edge))
     reach = reach_from_edges(tree, floored)
     missing = _missing(tree, edge)
     return ExitLaw(edge=edge, reach=reach, missing=missing, exit_mass=reach * missing)

@@ -44,7 +44,9 @@ def block_cross_entropy(
     positions (e.g. past the end of a sequence). Returns a scalar.
     """
     if logits.dim() != 3 or labels.shape != logits.shape[:2]:
-        raise ValueError(f"logits must be (N, K, V) and labels (N, K); got {tuple(logits.shape)}, {tuple(labels.shape)}")
+        raise ValueError(
+            f"logits must be (N, K, V) and labels (N, K); got {tuple(logits.shape)}, {tuple(labels.shape)}"
+        )
     if gamma is not None and not gamma > 0:
         raise ValueError(f"gamma must be > 0 (position decay) or None, got {gamma!r}")
     N, K, V = logits.shape

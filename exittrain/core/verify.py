@@ -11,8 +11,9 @@ output block ``path(exit) + bonus`` is an exact sample of the target: decoding i
 - predraw-and-follow: draw ``y_u ~ p_u`` at every row at once, follow matching children.
 - sequential residual: at each node try children in column order, accepting child c with
   probability ``r(x_c) / sum(r)`` and zeroing ``r(x_c)`` on rejection; bonus from the residual.
-  It walks depth by depth and synchronises with the host once per depth (to stop early); this
-  is the baseline the others are measured against.
+  It walks depth by depth, warps only the rows it visits, tries only the current node's
+  children, and synchronises with the host once per depth (its loop bound): the baseline
+  the others are measured against.
 - TEV: compute the exit mass E of every row at once, draw ``v* ~ E``, then draw the bonus from
   ``p_{v*}`` with v*'s children masked. No walk, no per-level loop; with ``validate=False`` no
   host synchronisation at all.
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .exit_law import exit_law
+from .exit_law import exit_law_from_edges
 from .tree import DraftTree, at_least_float32
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "verify_predraw",
     "verify_sequential",
     "verify_tev",
+    "warped_edge_probabilities",
     "VERIFIERS",
 ]
 
@@ -219,25 +221,30 @@ def verify_sequential(
     column order, i.e. the drafter's score order).
     """
     _check_logits(tree, logits, validate)
-    probs = warp_probs(logits, temperature, top_k, top_p)  # (N, B+1, V)
     N, B = tree.tokens.shape
-    device = probs.device
+    device = logits.device
     rows = torch.arange(N, device=device)
+
+    def row_probs(row: torch.Tensor) -> torch.Tensor:  # warp only the rows the walk visits
+        return warp_probs(logits[rows, row], temperature, top_k, top_p)
+
     # rank of each node among its siblings, in column order
     same_parent = torch.nn.functional.one_hot(tree.parents, B + 1) & tree.valid.unsqueeze(-1)  # (N, B, B+1)
     sibling_rank = (same_parent.cumsum(1) - 1).gather(2, tree.parents.unsqueeze(-1)).squeeze(-1)  # (N, B)
-    max_children = int(same_parent.sum(1).max()) if B else 0  # host sync: the loop bound
 
     current = torch.zeros(N, dtype=torch.long, device=device)
     done = torch.zeros(N, dtype=torch.bool, device=device)
-    residual = probs[:, 0].clone()  # (N, V)
+    residual = row_probs(current)  # (N, V)
     total = residual.sum(-1)
     for _ in range(tree.max_depth):
         accepted = torch.zeros_like(done)
-        children = tree.valid & (tree.parents == current.unsqueeze(1))  # (N, B)
-        for slot in range(max_children):
+        children = tree.valid & (tree.parents == current.unsqueeze(1)) & ~done.unsqueeze(1)  # (N, B)
+        n_slots = int(children.sum(-1).max())  # host sync once per depth: the walk's nature
+        if n_slots == 0:
+            break
+        for slot in range(n_slots):
             is_slot = children & (sibling_rank == slot)
-            trying = is_slot.any(-1) & ~done & ~accepted
+            trying = is_slot.any(-1) & ~accepted
             column = is_slot.to(torch.uint8).argmax(-1)
             token = tree.tokens[rows, column]
             mass = residual[rows, token]
@@ -249,13 +256,38 @@ def verify_sequential(
             current = torch.where(accept, column + 1, current)
             accepted |= accept
         done |= ~accepted
-        if bool(done.all()):  # host sync once per depth: the walk's nature
-            break
-        moved = accepted.unsqueeze(1)
-        residual = torch.where(moved, probs[rows, current], residual)
+        residual = torch.where(accepted.unsqueeze(1), row_probs(current), residual)
         total = torch.where(accepted, residual.sum(-1), total)
     bonus = sample_categorical(residual, generator)
     return _verdict(tree, current, bonus)
+
+
+def warped_edge_probabilities(
+    tree: DraftTree,
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> torch.Tensor:
+    """(N, B) warped edge probabilities ``p_{pi(v)}(x_v)``, 0 on padding.
+
+    Without top-k/top-p this needs only one log-normaliser per row, so the (N, B+1, V) warped
+    distribution is never materialised; with them it falls back to :func:`warp_probs`.
+    """
+    _check_warp(temperature, top_k, top_p)
+    N, B1, V = logits.shape
+    flat_index = tree.parents * V + tree.tokens  # (N, B)
+    if temperature == 0:
+        best = logits.argmax(-1)  # (N, B+1)
+        edge = (best.gather(1, tree.parents) == tree.tokens).to(at_least_float32(logits[:1, :1, :1]).dtype)
+    elif top_k is None and (top_p is None or top_p >= 1.0):
+        x = at_least_float32(logits)
+        x = x if temperature == 1 else x / temperature
+        log_norm = torch.logsumexp(x, dim=-1)  # (N, B+1)
+        edge = (x.reshape(N, B1 * V).gather(1, flat_index) - log_norm.gather(1, tree.parents)).exp()
+    else:
+        edge = warp_probs(logits, temperature, top_k, top_p).reshape(N, B1 * V).gather(1, flat_index)
+    return torch.where(tree.valid, edge, torch.zeros_like(edge))
 
 
 def verify_tev(
@@ -270,12 +302,12 @@ def verify_tev(
 ) -> Verdict:
     """Tree Exit Verification: one exit-node draw from E, one bonus draw from the masked row."""
     _check_logits(tree, logits, validate)
-    probs = warp_probs(logits, temperature, top_k, top_p)  # (N, B+1, V)
-    N, B1, V = probs.shape
-    law = exit_law(tree, probs, validate=False)  # E for every row at once
+    N, B1, V = logits.shape
+    edge = warped_edge_probabilities(tree, logits, temperature, top_k, top_p)  # (N, B)
+    law = exit_law_from_edges(tree, edge)  # E for every row at once
     exit_node = sample_categorical(law.exit_mass, generator)  # (N,)
-    rows = torch.arange(N, device=probs.device)
-    bonus_row = probs[rows, exit_node]  # (N, V)
+    rows = torch.arange(N, device=logits.device)
+    bonus_row = warp_probs(logits[rows, exit_node], temperature, top_k, top_p)  # (N, V)
     bonus_row = bonus_row.masked_fill(tree.child_token_mask(V, rows=exit_node), 0.0)
     return _verdict(tree, exit_node, sample_categorical(bonus_row, generator))
 

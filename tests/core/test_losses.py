@@ -1,7 +1,14 @@
 import pytest
 import torch
 
-from exittrain.core import WEIGHT_TYPES, block_cross_entropy, build_tree, exit_law, exit_node_loss, exit_node_loss_reference
+from exittrain.core import (
+    WEIGHT_TYPES,
+    block_cross_entropy,
+    build_tree,
+    exit_law,
+    exit_node_loss,
+    exit_node_loss_reference,
+)
 
 
 def setup_case(seed, N=4, K=3, V=7, B=9):

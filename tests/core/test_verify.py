@@ -164,7 +164,7 @@ def test_warps():
 def test_bad_logits_shape_and_nan():
     g = torch.Generator().manual_seed(0)
     tree, logits = random_tree_and_probs(2, 3, 5, 6, g)
-    for name, fn in VERIFIERS.items():
+    for fn in VERIFIERS.values():
         with pytest.raises(ValueError, match=r"\(2, 7, V\)"):
             fn(tree, logits[:, :5])
         with pytest.raises(ValueError, match="NaN"):
@@ -187,3 +187,16 @@ def test_no_host_sync_in_tev_tree_build_and_exit_law(monkeypatch):
     verdict = verify_tev(tree, logits, generator=g, validate=False)
     monkeypatch.undo()
     assert verdict.exit_node.shape == (4,) and law.reach.shape == (4, 17)
+
+
+@pytest.mark.parametrize("warp", [{"temperature": 0.0}, {"temperature": 1.0}, {"temperature": 0.6}, {"top_k": 3},
+                                  {"top_p": 0.7}])
+def test_fast_warped_edges_equal_edges_of_warped_probs(warp):
+    from exittrain.core.exit_law import edge_probabilities
+    from exittrain.core.verify import warped_edge_probabilities
+
+    g = torch.Generator().manual_seed(4)
+    tree, logits = random_tree_and_probs(5, 3, 8, 12, g, 2.0)
+    kwargs = {"temperature": 1.0, **warp}
+    expected = edge_probabilities(tree, warp_probs(logits, **kwargs))
+    torch.testing.assert_close(warped_edge_probabilities(tree, logits, **kwargs), expected)
