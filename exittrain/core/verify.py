@@ -15,8 +15,9 @@ output block ``path(exit) + bonus`` is an exact sample of the target: decoding i
   children, and synchronises with the host once per depth (its loop bound): the baseline
   the others are measured against.
 - TEV: compute the exit mass E of every row at once, draw ``v* ~ E``, then draw the bonus from
-  ``p_{v*}`` with v*'s children masked. No walk, no per-level loop; with ``validate=False`` no
-  host synchronisation at all.
+  ``p_{v*}`` with v*'s children masked. No walk, no per-level loop. With ``validate=False`` no
+  host synchronisation on an accelerator; on a CPU, where a sync is free, it selects the rows
+  that have children (a boolean mask index) so as to normalise only those.
 
 Input checks (shapes always; NaN only with ``validate=True``) raise ValueError.
 """
@@ -283,7 +284,14 @@ def warped_edge_probabilities(
     elif top_k is None and (top_p is None or top_p >= 1.0):
         x = at_least_float32(logits)
         x = x if temperature == 1 else x / temperature
-        log_norm = torch.logsumexp(x, dim=-1)  # (N, B+1)
+        if x.device.type == "cpu":
+            # the exp over V dominates on a CPU and a host sync costs nothing there: normalise only
+            # the rows that have children (on an accelerator, all rows, with no sync)
+            has_child = torch.zeros_like(tree.valid_with_root).scatter_(1, tree.parents, tree.valid)
+            log_norm = torch.zeros(N, B1, dtype=x.dtype, device=x.device)
+            log_norm[has_child] = torch.logsumexp(x[has_child], dim=-1)
+        else:
+            log_norm = torch.logsumexp(x, dim=-1)  # (N, B+1)
         edge = (x.reshape(N, B1 * V).gather(1, flat_index) - log_norm.gather(1, tree.parents)).exp()
     else:
         edge = warp_probs(logits, temperature, top_k, top_p).reshape(N, B1 * V).gather(1, flat_index)

@@ -1,0 +1,299 @@
+"""The Lightning DataModule of drafter training: prompts -> the target's own answers -> batches.
+
+Lifecycle (Lightning calls these; see ``lightning.pytorch.core.datamodule``):
+
+- ``prepare_data`` (one process per node): loads the prompt sources and regenerates the target's
+  answers into the Arrow cache (:func:`exittrain.data.regenerate.regenerate`). The target is built
+  by the ``target`` callable only when the cache entry is missing.
+- ``setup`` (every process): reloads the prompt lists (deterministic, cheap), opens the cached
+  dataset, drops rows whose prompt alone fills ``max_length`` and holds out ``val_fraction`` of the
+  training rows for a validation loss. Everything is counted in :attr:`ExitTrainDataModule.stats`.
+- ``train_dataloader`` / ``val_dataloader``: right-padded batches from :class:`~exittrain.data.collate.Collator`
+  (input_ids (L, T) long, loss_mask (L, T) bool, attention_mask (L, T) long, n_prompt_tokens (L,),
+  lengths (L,)).
+- :meth:`ExitTrainDataModule.eval_prompts`: the held-out evaluation prompts, chat-templated, for
+  decoding benchmarks. They never overlap the training prompts (:func:`exittrain.data.sources.load_domain`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import datasets
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+from exittrain.data.collate import Collator, truncation_stats
+from exittrain.data.regenerate import (
+    GenerationConfig,
+    TargetProvider,
+    cache_path,
+    chat_prompt_ids,
+    read_meta,
+    regenerate,
+)
+from exittrain.data.sources import DEFAULT_MAX_CHARS, DomainPrompts, PromptSource, load_domain
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_TARGET_NAME = "SmolLM2-135M-Instruct-Q4_1"
+"""Cache-key name of the embedded default target: ``load_target(None).name`` in exittrain.models.target."""
+
+
+def default_target_provider(target_name: str | None) -> TargetProvider:
+    """A provider that builds the target with ``exittrain.models.target.load_target`` when called."""
+
+    def provide() -> tuple[Any, Any]:
+        from exittrain.models.target import load_target
+
+        target = load_target(target_name)
+        return target.model, target.tokenizer
+
+    return provide
+
+
+SourceSpecs = Sequence[str | PromptSource | Mapping[str, Any]]
+
+
+class ExitTrainDataModule(pl.LightningDataModule):
+    """Self-distilled training data of one domain.
+
+    Args:
+        domain: ``"dialogue"``, ``"code"`` or ``"math"`` (default sources in
+            :data:`exittrain.data.sources.DOMAIN_SOURCES`); only a label when both source lists are given.
+        train_sources, eval_sources: prompt source specs overriding the domain defaults.
+        target_name: the target's hub id or path, or None for the embedded SmolLM2 target; it keys
+            the cache and is what the default provider loads.
+        target: callable returning ``(model, tokenizer)``, called only when regeneration is needed
+            (or for :meth:`eval_prompts` without ``tokenizer``). Default: ``load_target(target_name)``.
+        tokenizer: the target's tokenizer, or a callable returning it; lets :meth:`eval_prompts`
+            work without building the model.
+        cache_dir: folder of regenerated datasets.
+        max_length: training sequences (prompt + response) are truncated to this many tokens.
+        batch_size, num_workers: DataLoader settings.
+        generation: :class:`~exittrain.data.regenerate.GenerationConfig` or a mapping of its fields.
+        max_train_prompts: keep a seeded random sample of at most this many training prompts
+            (regeneration costs about 0.5-1 s per answer on a CPU).
+        val_fraction: fraction of the regenerated training rows held out for validation loss
+            (0 disables validation; otherwise at least one row).
+        seed: seed of the prompt sample, the validation split and the shuffling.
+        max_prompt_chars: prompts longer than this are rejected (counted) when sources are read.
+        progress: show the regeneration progress bar.
+    """
+
+    def __init__(
+        self,
+        domain: str | None = "code",
+        *,
+        train_sources: SourceSpecs | None = None,
+        eval_sources: SourceSpecs | None = None,
+        target_name: str | None = None,
+        target: TargetProvider | None = None,
+        tokenizer: Any = None,
+        cache_dir: str | os.PathLike = "data/cache/regen",
+        max_length: int = 512,
+        batch_size: int = 8,
+        num_workers: int = 0,
+        generation: GenerationConfig | Mapping[str, Any] | None = None,
+        max_train_prompts: int | None = None,
+        val_fraction: float = 0.05,
+        seed: int = 0,
+        max_prompt_chars: int | None = DEFAULT_MAX_CHARS,
+        progress: bool = True,
+    ) -> None:
+        super().__init__()
+        if max_length < 2:
+            raise ValueError(f"max_length={max_length} must be at least 2")
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be positive")
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction={val_fraction} must be in [0, 1)")
+        if max_train_prompts is not None and max_train_prompts < 1:
+            raise ValueError(f"max_train_prompts={max_train_prompts} must be positive or None")
+        self.domain = domain
+        self.train_sources = list(train_sources) if train_sources is not None else None
+        self.eval_sources = list(eval_sources) if eval_sources is not None else None
+        self.target_name = target_name or EMBEDDED_TARGET_NAME
+        self._target = target if target is not None else default_target_provider(target_name)
+        self._tokenizer_arg = tokenizer
+        self._tokenizer_obj: Any = None
+        self.cache_dir = Path(cache_dir)
+        self.max_length = max_length
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.generation = GenerationConfig.coerce(generation)
+        self.max_train_prompts = max_train_prompts
+        self.val_fraction = val_fraction
+        self.seed = seed
+        self.max_prompt_chars = max_prompt_chars
+        self.progress = progress
+
+        self._prompts: DomainPrompts | None = None
+        self.train_set: datasets.Dataset | None = None
+        self.val_set: datasets.Dataset | None = None
+        self.pad_token_id: int | None = None
+        self.stats: dict[str, Any] = {}
+
+    # -- prompts ---------------------------------------------------------------------------------
+
+    def prompts(self) -> DomainPrompts:
+        """Train and eval prompts after cleaning, overlap removal and ``max_train_prompts``."""
+        if self._prompts is None:
+            dp = load_domain(self.domain, train=self.train_sources, eval=self.eval_sources,
+                             max_chars=self.max_prompt_chars)
+            if self.max_train_prompts is not None and len(dp.train) > self.max_train_prompts:
+                keep = sorted(random.Random(self.seed).sample(range(len(dp.train)), self.max_train_prompts))
+                logger.info("using %d of %d training prompts (max_train_prompts)", len(keep), len(dp.train))
+                dp.train = [dp.train[i] for i in keep]
+            self._prompts = dp
+        return self._prompts
+
+    def _prompt_set_description(self) -> str:
+        """Where the training prompts came from; part of the regeneration cache key."""
+        dp = self.prompts()
+        return ";".join([
+            f"domain={dp.domain}",
+            "train=" + "+".join(s.source for s in dp.train_stats),
+            "eval=" + "+".join(s.source for s in dp.eval_stats),
+            f"max_chars={self.max_prompt_chars}",
+            f"max_train={self.max_train_prompts}",
+            f"seed={self.seed}",
+        ])
+
+    @property
+    def cache_path(self) -> Path:
+        """Folder of this configuration's regenerated dataset (exists after ``prepare_data``)."""
+        return cache_path(self.cache_dir, self.target_name, self._prompt_set_description(),
+                          self.prompts().train, self.generation)
+
+    # -- Lightning hooks -------------------------------------------------------------------------
+
+    def prepare_data(self) -> None:
+        """Regenerate the target's answers unless they are cached; loads the target only then."""
+        regenerate(
+            self.prompts().train,
+            self._provide_target,
+            target_name=self.target_name,
+            cache_dir=self.cache_dir,
+            gen=self.generation,
+            prompt_set=self._prompt_set_description(),
+            progress=self.progress,
+        )
+
+    def setup(self, stage: str | None = None) -> None:
+        """Open the cached dataset and split off the validation rows (every process)."""
+        if self.train_set is not None:
+            return
+        path = self.cache_path
+        if not path.is_dir():
+            raise ValueError(
+                f"no regenerated data at {path}; call prepare_data() first (Trainer.fit does), with the same "
+                "sources, target_name, generation settings, max_train_prompts and seed"
+            )
+        ds = datasets.load_from_disk(str(path))
+        meta = read_meta(path)
+        self.pad_token_id = int(meta["pad_token_id"])
+        n_prompt = ds["n_prompt_tokens"]
+        n_total = [p + r for p, r in zip(n_prompt, ds["n_response_tokens"])]
+        trunc = truncation_stats(n_prompt, n_total, self.max_length)
+        usable = [i for i, p in enumerate(n_prompt) if p < self.max_length]
+        if not usable:
+            raise ValueError(f"every prompt in {path} is at least max_length={self.max_length} tokens; raise max_length")
+        if trunc.truncated or trunc.no_response:
+            logger.warning(
+                "max_length=%d truncates %d of %d rows; %d of them keep no response token and are dropped",
+                self.max_length, trunc.truncated, trunc.rows, trunc.no_response,
+            )
+        order = list(usable)
+        random.Random(self.seed).shuffle(order)
+        n_val = 0
+        if self.val_fraction > 0:
+            n_val = max(1, round(self.val_fraction * len(order)))
+            if n_val >= len(order):
+                raise ValueError(
+                    f"{len(order)} usable rows cannot give {n_val} validation rows and some training rows; "
+                    "lower val_fraction or add prompts"
+                )
+        columns = ["input_ids", "loss_mask", "n_prompt_tokens"]
+        ds = ds.select_columns(columns)
+        self.val_set = ds.select(sorted(order[:n_val]), keep_in_memory=True) if n_val else None
+        self.train_set = ds.select(sorted(order[n_val:]), keep_in_memory=True)
+        dp = self.prompts()
+        self.stats = {
+            "prompts": dp.to_dict(),
+            "regeneration": {k: meta[k] for k in ("rows", "rejected_too_long", "unfinished", "n_prompts")},
+            "truncation": {"rows": trunc.rows, "truncated": trunc.truncated, "dropped_no_response": trunc.no_response},
+            "train_rows": len(self.train_set),
+            "val_rows": n_val,
+            "eval_prompts": len(dp.eval),
+            "cache_path": str(path),
+        }
+        logger.info("data: %d train rows, %d val rows, %d eval prompts (%s)",
+                    len(self.train_set), n_val, len(dp.eval), path)
+
+    def _collator(self) -> Collator:
+        if self.pad_token_id is None:
+            raise ValueError("the DataModule is not set up; call setup() first")
+        return Collator(pad_token_id=self.pad_token_id, max_length=self.max_length)
+
+    def train_dataloader(self) -> DataLoader:
+        if self.train_set is None:
+            raise ValueError("the DataModule is not set up; call setup('fit') first")
+        return DataLoader(
+            self.train_set,
+            batch_size=self.batch_size,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(self.seed),
+            collate_fn=self._collator(),
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def val_dataloader(self) -> DataLoader | list:
+        """Validation-loss batches over held-out training prompts; ``[]`` when ``val_fraction == 0``."""
+        if self.val_set is None:
+            return []
+        return DataLoader(
+            self.val_set,
+            batch_size=self.batch_size,
+            shuffle=False,
+            collate_fn=self._collator(),
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    # -- evaluation prompts ------------------------------------------------------------------------
+
+    def tokenizer(self) -> Any:
+        """The target's tokenizer: the ``tokenizer`` argument, else the target provider's (cached)."""
+        if self._tokenizer_obj is None:
+            arg = self._tokenizer_arg
+            if arg is None:
+                self._tokenizer_obj = self._provide_target()[1]
+            else:
+                self._tokenizer_obj = arg() if callable(arg) and not hasattr(arg, "apply_chat_template") else arg
+        return self._tokenizer_obj
+
+    def eval_prompt_texts(self, n: int | None = None) -> list[str]:
+        """The first ``n`` evaluation prompts (all when None), never seen in training."""
+        return self.prompts().eval[:n]
+
+    def eval_prompts(self, n: int | None = None) -> list[list[int]]:
+        """The first ``n`` evaluation prompts as chat-templated token ids ending with the assistant header.
+
+        Templated exactly like the training prompts (same ``generation.system_prompt``).
+        """
+        tok = self.tokenizer()
+        return [chat_prompt_ids(tok, p, self.generation.system_prompt) for p in self.eval_prompt_texts(n)]
+
+    def _provide_target(self) -> tuple[Any, Any]:
+        model, tokenizer = self._target()
+        if self._tokenizer_obj is None and self._tokenizer_arg is None:
+            self._tokenizer_obj = tokenizer
+        return model, tokenizer

@@ -1,0 +1,412 @@
+"""Self-distillation data: the frozen target answers every training prompt itself.
+
+Each prompt is wrapped in the target's chat template (one user turn, ``add_generation_prompt=True``)
+and answered greedily by default, in left-padded batches. A result row holds:
+
+- ``input_ids``: prompt ids followed by response ids, ``(n_prompt_tokens + n_response_tokens,)``;
+- ``loss_mask``: 0 over the prompt, 1 over the response (its EOS included when it ended with one);
+- ``prompt``, ``response`` (decoded without special tokens), ``prompt_index`` (position in the
+  prompt list), ``n_prompt_tokens``, ``n_response_tokens``, ``finished`` (ended with EOS rather than
+  at ``max_new_tokens``).
+
+Prompts whose templated length exceeds ``GenerationConfig.max_prompt_tokens`` are not answered; they
+are counted in the cache metadata (``rejected_too_long``) and logged.
+
+Cache layout under ``cache_dir`` (a ``datasets`` Arrow dataset written with ``save_to_disk``)::
+
+    <name>-<key>/              complete; read with datasets.load_from_disk (+ meta.json)
+    <name>-<key>.partial/      in progress: shard_00000/, shard_00001/, ... one per finished batch
+
+``key`` hashes the target name, the prompt-set description, the prompt list and the generation
+settings (:func:`cache_key`). Each shard and the final dataset are written to a temporary folder
+and renamed into place, so a folder with the final name is always complete; an interrupted run
+leaves finished shards behind and the next call with the same key generates only the missing
+batches. Batches are formed from prompts sorted by templated length (less padding); batch
+composition is part of the key because padding can change fp results, so ``batch_size`` is too.
+
+Limits: one process writes a given key at a time (Lightning's ``prepare_data`` runs on one rank per
+node); sampling (``do_sample=True``) is reproducible on resume because each batch reseeds torch
+with ``seed + batch index``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+# Shapes: N = prompts in a batch, P = padded prompt length, G = generated length.
+
+CACHE_VERSION = 1
+META_FILE = "exittrain_meta.json"
+
+FEATURES = datasets.Features(
+    {
+        "prompt_index": datasets.Value("int64"),
+        "prompt": datasets.Value("string"),
+        "response": datasets.Value("string"),
+        "input_ids": datasets.List(datasets.Value("int32")),
+        "loss_mask": datasets.List(datasets.Value("int8")),
+        "n_prompt_tokens": datasets.Value("int32"),
+        "n_response_tokens": datasets.Value("int32"),
+        "finished": datasets.Value("bool"),
+    }
+)
+
+TargetProvider = Callable[[], tuple[Any, Any]]
+"""A zero-argument callable returning ``(model, tokenizer)``: a Hugging Face causal LM and its tokenizer."""
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How the target answers. Every field is part of the cache key.
+
+    Attributes:
+        max_new_tokens: response length cap; a response that reaches it has ``finished=False``.
+        batch_size: prompts per ``generate`` call (40-50 suits the SmolLM2 target on a CPU).
+        do_sample: sample instead of greedy decoding.
+        temperature, top_p: sampling settings (used only with ``do_sample``).
+        seed: sampling seed; batch ``i`` runs under ``torch.manual_seed(seed + i)``.
+        max_prompt_tokens: templated prompts longer than this are not answered (counted).
+        system_prompt: a system turn to put before the user turn; None keeps the template's default.
+    """
+
+    max_new_tokens: int = 128
+    batch_size: int = 48
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    max_prompt_tokens: int = 512
+    system_prompt: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "batch_size", "max_prompt_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"GenerationConfig.{name}={getattr(self, name)} must be positive")
+        if self.do_sample and not (self.temperature > 0 and 0 < self.top_p <= 1):
+            raise ValueError(
+                f"GenerationConfig: sampling needs temperature > 0 and 0 < top_p <= 1, "
+                f"got temperature={self.temperature}, top_p={self.top_p}"
+            )
+
+    @classmethod
+    def coerce(cls, value: GenerationConfig | Mapping[str, Any] | None) -> GenerationConfig:
+        """Accept a config, a mapping of its fields (e.g. from Hydra) or None (defaults)."""
+        if value is None:
+            return cls()
+        if isinstance(value, GenerationConfig):
+            return value
+        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(
+                f"unknown generation settings {sorted(unknown)}; known: {[f.name for f in dataclasses.fields(cls)]}"
+            )
+        return cls(**dict(value))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chat template and response extraction
+# ----------------------------------------------------------------------------------------------
+
+
+def chat_prompt_ids(tokenizer: Any, prompt: str, system_prompt: str | None = None) -> list[int]:
+    """Token ids of ``prompt`` as one user turn in the chat template, ending with the assistant header."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} has no chat template; "
+            "self-distillation needs an instruct/chat target"
+        )
+    messages = [{"role": "user", "content": prompt}]
+    if system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    return list(out["input_ids"])
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """The ids that end a response: the tokenizer's EOS plus the model's generation-config EOS."""
+    ids: set[int] = set()
+    for value in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    if not ids:
+        raise ValueError("neither the tokenizer nor the model's generation_config names an EOS token; set one")
+    return sorted(ids)
+
+
+def split_response(generated: Sequence[int], eos_ids: Sequence[int]) -> tuple[list[int], bool]:
+    """The response part of ``generate``'s new tokens: up to and including the first EOS.
+
+    Returns ``(response ids, finished)``; without an EOS the whole sequence is the response and
+    ``finished`` is False. Padding after the EOS is dropped.
+    """
+    eos = set(eos_ids)
+    for i, tok in enumerate(generated):
+        if tok in eos:
+            return list(generated[: i + 1]), True
+    return list(generated), False
+
+
+def make_row(prompt_index: int, prompt: str, prompt_ids: list[int], response_ids: list[int],
+             finished: bool, tokenizer: Any) -> dict[str, Any]:
+    """One dataset row (see the module docstring)."""
+    return {
+        "prompt_index": prompt_index,
+        "prompt": prompt,
+        "response": tokenizer.decode(response_ids, skip_special_tokens=True),
+        "input_ids": prompt_ids + response_ids,
+        "loss_mask": [0] * len(prompt_ids) + [1] * len(response_ids),
+        "n_prompt_tokens": len(prompt_ids),
+        "n_response_tokens": len(response_ids),
+        "finished": finished,
+    }
+
+
+@torch.inference_mode()
+def generate_batch(
+    model: Any,
+    tokenizer: Any,
+    prompt_ids: Sequence[list[int]],
+    gen: GenerationConfig,
+    pad_token_id: int,
+    eos_ids: Sequence[int],
+) -> list[tuple[list[int], bool]]:
+    """Answer one batch of templated prompts; returns ``(response ids, finished)`` per prompt.
+
+    Prompts are left-padded to a common length ``P`` on the model's device.
+    """
+    device = next(model.parameters()).device
+    width = max(len(ids) for ids in prompt_ids)
+    input_ids_NP = torch.full((len(prompt_ids), width), pad_token_id, dtype=torch.long)
+    attention_mask_NP = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+    for i, ids in enumerate(prompt_ids):
+        input_ids_NP[i, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        attention_mask_NP[i, width - len(ids):] = 1
+    kwargs: dict[str, Any] = {"do_sample": gen.do_sample}
+    if gen.do_sample:
+        kwargs.update(temperature=gen.temperature, top_p=gen.top_p, top_k=0)
+    out = model.generate(
+        input_ids=input_ids_NP.to(device),
+        attention_mask=attention_mask_NP.to(device),
+        max_new_tokens=gen.max_new_tokens,
+        pad_token_id=pad_token_id,
+        eos_token_id=list(eos_ids),
+        **kwargs,
+    )
+    new_NG = out[:, width:].tolist()
+    return [split_response(row, eos_ids) for row in new_NG]
+
+
+# ----------------------------------------------------------------------------------------------
+# Cache
+# ----------------------------------------------------------------------------------------------
+
+
+def prompts_digest(prompts: Sequence[str]) -> str:
+    """sha256 of the prompt list (order matters)."""
+    h = hashlib.sha256()
+    for p in prompts:
+        h.update(p.encode("utf-8"))
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def cache_key(target_name: str, prompt_set: str, prompts: Sequence[str], gen: GenerationConfig) -> str:
+    """Hex key of a regenerated dataset: target, prompt-set description, prompt list, settings."""
+    payload = {
+        "version": CACHE_VERSION,
+        "target": target_name,
+        "prompt_set": prompt_set,
+        "n_prompts": len(prompts),
+        "prompts_sha256": prompts_digest(prompts),
+        "generation": gen.to_dict(),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def cache_path(cache_dir: str | os.PathLike, target_name: str, prompt_set: str, prompts: Sequence[str],
+               gen: GenerationConfig) -> Path:
+    """Folder of the complete regenerated dataset (it may not exist yet)."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", target_name.split("/")[-1])[:40] or "target"
+    return Path(cache_dir) / f"{slug}-{cache_key(target_name, prompt_set, prompts, gen)}"
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The metadata written beside a complete regenerated dataset."""
+    with open(Path(path) / META_FILE) as f:
+        return json.load(f)
+
+
+@contextlib.contextmanager
+def _quiet_datasets_bars():
+    """Hide datasets' per-save progress bars (one per shard would drown the regeneration bar)."""
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
+
+
+def _save_atomic(ds: datasets.Dataset, final: Path, meta: dict[str, Any] | None = None) -> None:
+    """Write ``ds`` (and ``meta``) to a temporary sibling folder, then rename it to ``final``."""
+    tmp = final.with_name(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    with _quiet_datasets_bars():
+        ds.save_to_disk(str(tmp))
+    if meta is not None:
+        with open(tmp / META_FILE, "w") as f:
+            json.dump(meta, f, indent=2, sort_keys=True)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not final.exists():
+            raise
+        shutil.rmtree(tmp)  # another writer finished first; its copy is equivalent
+
+
+def _resolve(target: tuple[Any, Any] | TargetProvider) -> tuple[Any, Any]:
+    model, tokenizer = target() if callable(target) else target
+    return model, tokenizer
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry point
+# ----------------------------------------------------------------------------------------------
+
+
+def regenerate(
+    prompts: Sequence[str],
+    target: tuple[Any, Any] | TargetProvider,
+    *,
+    target_name: str,
+    cache_dir: str | os.PathLike,
+    gen: GenerationConfig | Mapping[str, Any] | None = None,
+    prompt_set: str = "",
+    progress: bool = True,
+) -> datasets.Dataset:
+    """The target's own answers to ``prompts``, from the cache or generated now.
+
+    Args:
+        prompts: prompt texts; row ``prompt_index`` refers to a position in this list.
+        target: ``(model, tokenizer)`` or a callable returning them. A callable is called only when
+            something must be generated, so a cache hit never loads the model. The model is used
+            as it is (device, dtype); it should be in eval mode, fp32 on a CPU by default.
+        target_name: identifies the target in the cache key (e.g. its hub id or path).
+        cache_dir: folder of cached datasets.
+        gen: generation settings (:class:`GenerationConfig` or a mapping of its fields).
+        prompt_set: a description of where the prompts came from (source specs); part of the key.
+        progress: show a tqdm bar over batches.
+
+    Returns:
+        A ``datasets.Dataset`` with :data:`FEATURES`, rows sorted by ``prompt_index``. Prompts
+        rejected as too long have no row.
+    """
+    gen = GenerationConfig.coerce(gen)
+    if not prompts:
+        raise ValueError("regenerate got no prompts; check the prompt sources")
+    final = cache_path(cache_dir, target_name, prompt_set, prompts, gen)
+    if final.is_dir():
+        logger.info("regenerated data found in cache: %s", final)
+        return datasets.load_from_disk(str(final))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    partial = final.with_name(final.name + ".partial")
+    partial.mkdir(exist_ok=True)
+
+    model, tokenizer = _resolve(target)
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_token_id is None:
+        raise ValueError("tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token")
+    eos_ids = eos_token_ids(model, tokenizer)
+
+    templated = [chat_prompt_ids(tokenizer, p, gen.system_prompt) for p in prompts]
+    too_long = [i for i, ids in enumerate(templated) if len(ids) > gen.max_prompt_tokens]
+    if too_long:
+        logger.warning(
+            "%d of %d prompts exceed max_prompt_tokens=%d after the chat template and are not answered "
+            "(first indices %s)", len(too_long), len(prompts), gen.max_prompt_tokens, too_long[:5],
+        )
+    skip = set(too_long)
+    order = sorted((i for i in range(len(prompts)) if i not in skip), key=lambda i: -len(templated[i]))
+    if not order:
+        raise ValueError(f"every prompt exceeds max_prompt_tokens={gen.max_prompt_tokens}; raise it")
+    batches = [order[s: s + gen.batch_size] for s in range(0, len(order), gen.batch_size)]
+
+    def shard_dir(b: int) -> Path:
+        return partial / f"shard_{b:05d}"
+
+    todo = [b for b in range(len(batches)) if not shard_dir(b).is_dir()]
+    if len(todo) < len(batches):
+        logger.info("resuming regeneration: %d of %d batches already done", len(batches) - len(todo), len(batches))
+
+    was_training = model.training
+    model.eval()
+    bar = tqdm(total=len(batches), initial=len(batches) - len(todo), desc=f"regenerate ({target_name})",
+               unit="batch", disable=not progress)
+    new_tokens, t0 = 0, time.perf_counter()
+    try:
+        for b in todo:
+            idx = batches[b]
+            if gen.do_sample:
+                torch.manual_seed(gen.seed + b)
+            answers = generate_batch(model, tokenizer, [templated[i] for i in idx], gen, pad_token_id, eos_ids)
+            rows = [make_row(i, prompts[i], templated[i], resp, fin, tokenizer) for i, (resp, fin) in zip(idx, answers)]
+            _save_atomic(datasets.Dataset.from_list(rows, features=FEATURES), shard_dir(b))
+            new_tokens += sum(len(resp) for resp, _ in answers)
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
+    finally:
+        bar.close()
+        model.train(was_training)
+
+    shards = [datasets.load_from_disk(str(shard_dir(b))) for b in range(len(batches))]
+    for b, shard in enumerate(shards):
+        assert shard["prompt_index"] == batches[b], f"shard {b} in {partial} does not match its batch"
+    ds = datasets.concatenate_datasets(shards)
+    index = ds["prompt_index"]
+    ds = ds.select(sorted(range(len(ds)), key=index.__getitem__))
+    meta = {
+        "version": CACHE_VERSION,
+        "target": target_name,
+        "prompt_set": prompt_set,
+        "n_prompts": len(prompts),
+        "prompts_sha256": prompts_digest(prompts),
+        "generation": gen.to_dict(),
+        "rows": len(ds),
+        "rejected_too_long": len(too_long),
+        "unfinished": int(len(ds) - sum(ds["finished"])),
+        "pad_token_id": int(pad_token_id),
+        "eos_token_ids": eos_ids,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "versions": {"datasets": datasets.__version__, "torch": torch.__version__},
+    }
+    _save_atomic(ds, final, meta)
+    shutil.rmtree(partial, ignore_errors=True)
+    logger.info(
+        "regenerated %d responses (%d hit max_new_tokens=%d, %d prompts too long) -> %s",
+        len(ds), meta["unfinished"], gen.max_new_tokens, len(too_long), final,
+    )
+    return datasets.load_from_disk(str(final))

@@ -1,0 +1,550 @@
+"""The block drafter (ALGORITHM.md section 6, in the style of DFlash).
+
+Shape legend: N blocks (one per root / anchor), C context positions, F = len(layer_ids) * H
+target feature width, H target hidden size, D drafter width, S = block_size, K = S - 1 predicted
+tokens, V vocabulary, L sequences, T sequence length, A anchors per sequence, W context window.
+
+**What it computes.** For a root token r whose preceding context has target features
+``f_1..f_C`` (the concatenated hidden states of ``target_layer_ids``, see
+:mod:`exittrain.models.target` for the layer-id convention):
+
+1. ``ctx = RMSNorm(Linear(F -> D)(f))``: the context, projected once.
+2. The block input is ``[emb(r), m, ..., m]`` (S rows): the frozen target embedding of the root
+   followed by K copies of a learned mask embedding ``m`` (initialised from the target
+   embedding of ``mask_token_id`` when given, else from the mean embedding), mapped to the
+   drafter width by ``Linear(H -> D)`` when D != H.
+3. ``num_layers`` pre-norm transformer layers. In each, the block queries attend to the keys and
+   values of ``[ctx; block]`` (the context enters every layer through that layer's own K/V
+   projections and is not itself updated); attention is bidirectional inside the block.
+4. ``RMSNorm``, ``Linear(D -> H)`` when D != H, then the frozen target LM head on block rows
+   1..K gives the logits of ``q_1..q_K``.
+
+**Positions.** Rotary embeddings (``rope_theta``) on queries and keys, with each row at its
+sequence position: context position j at j, block row k at ``root_position + k``. Attention
+scores depend only on position differences, so the decode path (context right-aligned just
+before the root) and the training path (absolute positions) compute the same function.
+
+**Context window.** ``context_window`` W (config default, overridable per call; None = the whole
+prefix) limits the context to the last W positions before the root. Training with a window is
+cheaper and matches decoding only if decoding uses the same window: both read the config.
+
+**Sharing the target.** :meth:`BlockDrafter.attach_target` stores the target's embedding and LM
+head in a plain dict, outside the module tree: they are not in ``parameters()``,
+``state_dict()`` or the saved safetensors, so an optimizer over ``drafter.parameters()`` cannot
+touch them and a checkpoint holds only the drafter's own weights. The config records the target
+(name, vocabulary, hidden size, depth, layer ids); loading against another target raises a
+``ValueError`` naming both targets and the field that differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedConfig, PreTrainedModel
+from transformers import initialization as hf_init
+
+__all__ = ["BlockDrafter", "DrafterConfig", "check_pairing", "load_drafter", "new_drafter"]
+
+
+class DrafterConfig(PreTrainedConfig):
+    """Configuration of a :class:`BlockDrafter`; records the target it belongs to.
+
+    ``target_*`` describe the target (empty/0 only in the default instance Hugging Face builds
+    internally). ``block_size`` S >= 2 (the drafter predicts K = S - 1 tokens). ``hidden_size``
+    D must be a multiple of ``num_heads`` with an even head size. ``intermediate_size`` defaults
+    to 3 * D. ``context_window``: see the module docstring.
+    """
+
+    model_type = "exittrain_block_drafter"
+    attribute_map = {"num_hidden_layers": "num_layers", "num_attention_heads": "num_heads"}
+
+    target_name: str = ""
+    target_vocab_size: int = 0
+    target_hidden_size: int = 0
+    target_num_layers: int = 0
+    target_layer_ids: list[int] | None = None
+    block_size: int = 8
+    hidden_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int | None = None
+    mask_token_id: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    context_window: int | None = None
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        if self.intermediate_size is None:
+            self.intermediate_size = 3 * self.hidden_size
+        self.target_layer_ids = [int(x) for x in (self.target_layer_ids or [])]
+        super().__post_init__(**kwargs)
+        self._validate()
+
+    def _validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+
+        need(
+            isinstance(self.block_size, int) and self.block_size >= 2,
+            f"block_size={self.block_size!r}: need an int >= 2 (root + at least one predicted token); "
+            "set block_size to K + 1 for K draft tokens",
+        )
+        need(self.num_layers >= 1, f"num_layers={self.num_layers}: need at least 1 drafter layer")
+        need(
+            self.num_heads >= 1
+            and self.hidden_size % self.num_heads == 0
+            and (self.hidden_size // self.num_heads) % 2 == 0,
+            f"hidden_size={self.hidden_size} and num_heads={self.num_heads}: hidden_size must be a multiple "
+            "of num_heads with an even head size (rotary); change num_heads",
+        )
+        need(
+            self.context_window is None or self.context_window >= 1,
+            f"context_window={self.context_window!r}: need None (whole prefix) or a positive int",
+        )
+        if self.target_num_layers:
+            bad = [x for x in self.target_layer_ids if not 0 <= x < self.target_num_layers]
+            need(
+                bool(self.target_layer_ids) and not bad,
+                f"target_layer_ids={self.target_layer_ids}: need a non-empty list of layer ids in "
+                f"[0, {self.target_num_layers}) of target {self.target_name!r}",
+            )
+        if self.mask_token_id is not None and self.target_vocab_size:
+            need(
+                0 <= self.mask_token_id < self.target_vocab_size,
+                f"mask_token_id={self.mask_token_id}: need a token id in [0, {self.target_vocab_size}) or None",
+            )
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """K = block_size - 1."""
+        return self.block_size - 1
+
+    @property
+    def feature_size(self) -> int:
+        """F = len(target_layer_ids) * target_hidden_size."""
+        return len(self.target_layer_ids) * self.target_hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+# ----------------------------------------------------------------------------------------------
+# layers
+
+
+class DrafterRMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).to(x.dtype)
+
+
+def _rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate (B, heads, Q, hd) by positions (B, Q) (rotate-half convention, float32 angles)."""
+    hd = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
+    angles = positions.float().unsqueeze(-1) * inv_freq  # (B, Q, hd/2)
+    cos = torch.cat([angles.cos(), angles.cos()], -1).unsqueeze(1)  # (B, 1, Q, hd)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).unsqueeze(1)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated * sin).to(x.dtype)
+
+
+class DrafterAttention(nn.Module):
+    """Block queries attend to [context; block] keys/values under a boolean mask."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        D, self.heads, self.hd = config.hidden_size, config.num_heads, config.head_dim
+        self.theta = config.rope_theta
+        self.q_proj = nn.Linear(D, D, bias=False)
+        self.k_proj = nn.Linear(D, D, bias=False)
+        self.v_proj = nn.Linear(D, D, bias=False)
+        self.o_proj = nn.Linear(D, D, bias=False)
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:  # (B, Q, D) -> (B, heads, Q, hd)
+        return x.view(x.shape[0], x.shape[1], self.heads, self.hd).transpose(1, 2)
+
+    def forward(self, x, ctx, pos_x, pos_ctx, allowed):
+        # x (B, Q, D), ctx (B, C, D), pos_x (B, Q), pos_ctx (B, C), allowed (B, Q, C+Q) bool
+        kv_in = torch.cat([ctx, x], dim=1)
+        pos_kv = torch.cat([pos_ctx, pos_x], dim=1)
+        q = _rotary(self._split(self.q_proj(x)), pos_x, self.theta)
+        k = _rotary(self._split(self.k_proj(kv_in)), pos_kv, self.theta)
+        v = self._split(self.v_proj(kv_in))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1))
+        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        D, I = config.hidden_size, config.intermediate_size  # noqa: E741
+        self.gate_proj = nn.Linear(D, I, bias=False)
+        self.up_proj = nn.Linear(D, I, bias=False)
+        self.down_proj = nn.Linear(I, D, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.attn_norm = DrafterRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = DrafterAttention(config)
+        self.mlp_norm = DrafterRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DrafterMLP(config)
+
+    def forward(self, x, ctx, pos_x, pos_ctx, allowed):
+        x = x + self.attn(self.attn_norm(x), ctx, pos_x, pos_ctx, allowed)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+# ----------------------------------------------------------------------------------------------
+# pairing
+
+
+def check_pairing(config: DrafterConfig, target, *, check_name: bool = True) -> None:
+    """Raise ValueError if a drafter with ``config`` does not belong to ``target``.
+
+    Compares vocabulary size, hidden size, number of layers, the layer ids' range and (unless
+    ``check_name=False``) the target name.
+    """
+    mine, theirs = f"target {config.target_name!r}", f"target {target.name!r}"
+    fix = "load the target it was trained for, or train a new drafter with new_drafter(target)"
+    checks = [
+        ("target_vocab_size", config.target_vocab_size, target.vocab_size),
+        ("target_hidden_size", config.target_hidden_size, target.hidden_size),
+        ("target_num_layers", config.target_num_layers, target.num_layers),
+    ]
+    for field, want, got in checks:
+        if want != got:
+            raise ValueError(f"drafter was saved for {mine} with {field}={want}, but {theirs} has {got}; {fix}")
+    bad = [x for x in config.target_layer_ids if not 0 <= x < target.num_layers]
+    if bad or not config.target_layer_ids:
+        raise ValueError(
+            f"drafter target_layer_ids={config.target_layer_ids} (saved for {mine}) are out of range for "
+            f"{theirs} with {target.num_layers} layers; {fix}"
+        )
+    if check_name and config.target_name != target.name:
+        raise ValueError(
+            f"drafter was saved for {mine} (target_name), but it is being paired with {theirs}; {fix} "
+            "(if both are the same model under different names, pass check_name=False)"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# the model
+
+
+class BlockDrafter(PreTrainedModel):
+    """Block drafter; see the module docstring for the computation and the sharing contract.
+
+    Entry points: :meth:`forward` (decode: given the context features before each root) and
+    :meth:`forward_anchors` (training: many anchors per sequence in one pass). Both need
+    :meth:`attach_target` first.
+    """
+
+    config_class = DrafterConfig
+    base_model_prefix = "drafter"
+    main_input_name = "root_tokens"
+    _no_split_modules = ["DrafterLayer"]
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__(config)
+        H, D, Fw = config.target_hidden_size, config.hidden_size, config.feature_size
+        if H < 1 or Fw < 1:
+            raise ValueError(
+                "DrafterConfig has no target (target_hidden_size / target_layer_ids unset); "
+                "create drafters with new_drafter(target) or load them with load_drafter(path, target)"
+            )
+        self.context_proj = nn.Linear(Fw, D, bias=False)
+        self.context_norm = DrafterRMSNorm(D, config.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(H))
+        self.input_proj = nn.Linear(H, D, bias=False) if D != H else None
+        self.layers = nn.ModuleList([DrafterLayer(config) for _ in range(config.num_layers)])
+        self.norm = DrafterRMSNorm(D, config.rms_norm_eps)
+        self.output_proj = nn.Linear(D, H, bias=False) if D != H else None
+        # plain dict: the shared target modules stay outside parameters() and state_dict()
+        self._shared: dict[str, nn.Module] = {}
+        self.post_init()
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if module is self:
+            hf_init.normal_(self.mask_embedding, mean=0.0, std=self.config.initializer_range)
+
+    # -- the target ------------------------------------------------------------------------------
+
+    def attach_target(self, target, *, check_name: bool = True) -> BlockDrafter:
+        """Share ``target``'s input embeddings and LM head (frozen, not registered); returns self."""
+        check_pairing(self.config, target, check_name=check_name)
+        self._shared = {"embeddings": target.input_embeddings, "lm_head": target.lm_head}
+        return self
+
+    @property
+    def has_target(self) -> bool:
+        return bool(self._shared)
+
+    def _target_module(self, key: str) -> nn.Module:
+        if not self._shared:
+            raise ValueError("the drafter has no target attached: call drafter.attach_target(target) first")
+        return self._shared[key]
+
+    def init_mask_embedding(self) -> None:
+        """Set the mask embedding to the target embedding of ``mask_token_id`` (else the mean row)."""
+        table = self._target_module("embeddings").weight
+        row = table[self.config.mask_token_id] if self.config.mask_token_id is not None else table.mean(0)
+        with torch.no_grad():
+            self.mask_embedding.copy_(row.to(self.mask_embedding))
+
+    # -- core -------------------------------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def _block_input(self, root_tokens: torch.Tensor) -> torch.Tensor:
+        """(..., ) root ids -> (..., S, D) block input rows."""
+        dtype = self.context_proj.weight.dtype
+        emb = self._target_module("embeddings")(root_tokens.to(self.mask_embedding.device)).to(dtype)
+        mask = self.mask_embedding.to(dtype).expand(*root_tokens.shape, self.config.num_draft_tokens, -1)
+        block = torch.cat([emb.unsqueeze(-2), mask], dim=-2)  # (..., S, H)
+        return self.input_proj(block) if self.input_proj is not None else block
+
+    def _context(self, features: torch.Tensor) -> torch.Tensor:
+        if features.shape[-1] != self.config.feature_size:
+            raise ValueError(
+                f"context features have width {features.shape[-1]}, expected F = {self.config.feature_size} "
+                f"(layers {self.config.target_layer_ids} x hidden {self.config.target_hidden_size})"
+            )
+        return self.context_norm(self.context_proj(features.to(self.context_proj.weight.dtype)))
+
+    def _run(self, x, ctx, pos_x, pos_ctx, allowed, apply_lm_head: bool) -> torch.Tensor:
+        """Layers + head. x (B, Q, D) with Q = blocks * S; returns (B, Q/S, K, V or H)."""
+        for layer in self.layers:
+            x = layer(x, ctx, pos_x, pos_ctx, allowed)
+        x = self.norm(x)
+        if self.output_proj is not None:
+            x = self.output_proj(x)
+        S = self.config.block_size
+        x = x.view(x.shape[0], -1, S, x.shape[-1])[:, :, 1:]  # drop the root row
+        if not apply_lm_head:
+            return x
+        head = self._target_module("lm_head")
+        return head(x.to(head.weight.dtype))
+
+    def _window(self, context_window: int | None) -> int | None:
+        W = self.config.context_window if context_window is None else context_window
+        if W is not None and (not isinstance(W, int) or W < 1):
+            raise ValueError(f"context_window must be None or a positive int, got {W!r}")
+        return W
+
+    # -- decode path ------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        context_features: torch.Tensor,
+        root_tokens: torch.Tensor,
+        context_mask: torch.Tensor | None = None,
+        *,
+        context_window: int | None = None,
+        apply_lm_head: bool = True,
+    ) -> torch.Tensor:
+        """Draft one block per root.
+
+        ``context_features`` (N, C, F): target features of the C positions just before each root,
+        right-aligned (column C-1 is the position before the root); ``root_tokens`` (N,);
+        ``context_mask`` (N, C) bool, True for real positions (left padding False; default all
+        True). With a context window W only the last W columns are used. Returns logits
+        (N, K, V), or the pre-head hidden states (N, K, H) with ``apply_lm_head=False`` (for a
+        sampled-softmax loss).
+        """
+        if context_features.dim() != 3:
+            raise ValueError(f"context_features must be (N, C, F), got {tuple(context_features.shape)}")
+        N, C, _ = context_features.shape
+        if root_tokens.shape != (N,):
+            raise ValueError(f"root_tokens must be (N={N},), got {tuple(root_tokens.shape)}")
+        device = context_features.device
+        if context_mask is None:
+            context_mask = torch.ones(N, C, dtype=torch.bool, device=device)
+        elif context_mask.shape != (N, C):
+            raise ValueError(f"context_mask must be (N={N}, C={C}) bool, got {tuple(context_mask.shape)}")
+        W = self._window(context_window)
+        if W is not None and C > W:
+            context_features, context_mask, C = context_features[:, -W:], context_mask[:, -W:], W
+        S = self.config.block_size
+        x = self._block_input(root_tokens.to(device))  # (N, S, D)
+        ctx = self._context(context_features)  # (N, C, D)
+        pos_ctx = torch.arange(C, device=device).expand(N, C)
+        pos_x = torch.arange(C, C + S, device=device).expand(N, S)
+        allowed = torch.cat(
+            [context_mask.bool().unsqueeze(1).expand(N, S, C), torch.ones(N, S, S, dtype=torch.bool, device=device)],
+            dim=2,
+        )  # (N, S, C+S)
+        return self._run(x, ctx, pos_x, pos_ctx, allowed, apply_lm_head)[:, 0]
+
+    # -- training path ----------------------------------------------------------------------------
+
+    def forward_anchors(
+        self,
+        features_LTF: torch.Tensor,
+        input_ids_LT: torch.Tensor,
+        anchors_LA: torch.Tensor,
+        *,
+        context_window: int | None = None,
+        apply_lm_head: bool = True,
+    ) -> torch.Tensor:
+        """Draft the block of every anchor of L sequences in one pass.
+
+        Anchor a of sequence l has root ``input_ids_LT[l, a]`` and sees the features of positions
+        ``max(0, a - W) <= j < a`` (W = context window; all j < a when None), exactly as
+        :meth:`forward` would with those features as its context. The context is projected once
+        per sequence and each anchor's block is masked to its own prefix, so the cost is
+        O(A * S * T) attention scores per layer, with no per-anchor gather. Returns logits
+        (L*A, K, V) with row n = l * A + a (the tree order of ``TargetModel.score_trees``), or
+        hidden states (L*A, K, H) with ``apply_lm_head=False``.
+        """
+        if features_LTF.dim() != 3 or input_ids_LT.shape != features_LTF.shape[:2]:
+            raise ValueError(
+                f"features_LTF (L, T, F) and input_ids_LT (L, T) must agree, got {tuple(features_LTF.shape)} "
+                f"and {tuple(input_ids_LT.shape)}"
+            )
+        L, T, _ = features_LTF.shape
+        if anchors_LA.dim() != 2 or anchors_LA.shape[0] != L:
+            raise ValueError(f"anchors_LA must be (L={L}, A) positions, got {tuple(anchors_LA.shape)}")
+        if anchors_LA.numel() and (anchors_LA.min() < 0 or anchors_LA.max() >= T):
+            raise ValueError(f"anchors_LA must lie in [0, T={T})")
+        device = features_LTF.device
+        anchors_LA = anchors_LA.to(device=device, dtype=torch.long)
+        A = anchors_LA.shape[1]
+        S = self.config.block_size
+        W = self._window(context_window)
+
+        roots_LA = input_ids_LT.to(device).gather(1, anchors_LA)
+        x = self._block_input(roots_LA).reshape(L, A * S, -1)  # (L, A*S, D)
+        ctx = self._context(features_LTF)  # (L, T, D)
+        pos_ctx = torch.arange(T, device=device).expand(L, T)
+        anchor_rows = anchors_LA.repeat_interleave(S, dim=1)  # (L, A*S)
+        pos_x = anchor_rows + torch.arange(S, device=device).repeat(A)
+        j = torch.arange(T, device=device).view(1, 1, T)
+        sees = j < anchor_rows.unsqueeze(-1)  # (L, A*S, T)
+        if W is not None:
+            sees &= j >= anchor_rows.unsqueeze(-1) - W
+        block_id = torch.arange(A, device=device).repeat_interleave(S)
+        same_block = (block_id.view(-1, 1) == block_id.view(1, -1)).expand(L, A * S, A * S)
+        allowed = torch.cat([sees, same_block], dim=2)  # (L, A*S, T + A*S)
+        out = self._run(x, ctx, pos_x, pos_ctx, allowed, apply_lm_head)  # (L, A, K, .)
+        return out.reshape(L * A, S - 1, -1)
+
+    # -- loading ----------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, target=None, check_name: bool = True, **kwargs):
+        """``PreTrainedModel.from_pretrained``, plus pairing: with ``target`` given, the saved config
+        is checked against it (ValueError on mismatch, before any weight is read) and the target
+        is attached."""
+        config = kwargs.pop("config", None)
+        if config is None:
+            hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only") if k in kwargs}
+            config = DrafterConfig.from_pretrained(pretrained_model_name_or_path, **hub)
+        if target is not None:
+            check_pairing(config, target, check_name=check_name)
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)
+        if target is not None:
+            model.attach_target(target, check_name=check_name)
+        return model
+
+
+# ----------------------------------------------------------------------------------------------
+# constructors
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """About three target layers spread over its depth: [2, L // 2, L - 2], deduplicated."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    return sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 2, 0)})
+
+
+def _default_heads(hidden_size: int) -> int:
+    for head_dim in (64, 32, 16, 8, 4, 2):
+        if hidden_size % head_dim == 0:
+            return hidden_size // head_dim
+    raise ValueError(f"hidden_size={hidden_size} has no even head size; pass num_heads and an even hidden_size")
+
+
+def new_drafter(
+    target,
+    *,
+    block_size: int = 8,
+    num_layers: int = 2,
+    hidden_size: int | None = None,
+    num_heads: int | None = None,
+    intermediate_size: int | None = None,
+    layer_ids: Sequence[int] | None = None,
+    mask_token_id: int | None = None,
+    context_window: int | None = None,
+    rope_theta: float = 10000.0,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int | None = None,
+) -> BlockDrafter:
+    """A fresh drafter for ``target`` (attached), on ``device`` (default: the target's device).
+
+    ``hidden_size`` defaults to the target's (then no input/output projections); ``layer_ids``
+    to :func:`default_layer_ids`; ``num_heads`` to hidden_size / 64 (or the largest even head
+    size that divides it). ``seed`` makes the initialisation reproducible.
+    """
+    hidden_size = hidden_size or target.hidden_size
+    layer_ids = (
+        target.check_layers(layer_ids, "layer_ids") if layer_ids is not None else default_layer_ids(target.num_layers)
+    )
+    config = DrafterConfig(
+        target_name=target.name,
+        target_vocab_size=target.vocab_size,
+        target_hidden_size=target.hidden_size,
+        target_num_layers=target.num_layers,
+        target_layer_ids=list(layer_ids),
+        block_size=block_size,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads or _default_heads(hidden_size),
+        intermediate_size=intermediate_size,
+        mask_token_id=mask_token_id,
+        context_window=context_window,
+        rope_theta=rope_theta,
+    )
+    if seed is not None:
+        torch.manual_seed(seed)
+    drafter = BlockDrafter(config).attach_target(target)
+    drafter.init_mask_embedding()
+    return drafter.to(device=device or target.device, dtype=dtype)
+
+
+def load_drafter(
+    path,
+    target,
+    *,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+    check_name: bool = True,
+    **hf_kwargs,
+) -> BlockDrafter:
+    """Load a saved drafter and attach ``target``; ValueError if it was saved for another target."""
+    drafter = BlockDrafter.from_pretrained(path, target=target, check_name=check_name, dtype=dtype, **hf_kwargs)
+    return drafter.to(device or target.device)

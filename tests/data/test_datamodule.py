@@ -1,0 +1,113 @@
+"""Collation and the DataModule lifecycle: prepare_data -> setup -> dataloaders -> eval prompts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from exittrain.data.collate import Collator, truncation_stats
+from exittrain.data.datamodule import ExitTrainDataModule
+from exittrain.data.regenerate import chat_prompt_ids
+from exittrain.data.sources import normalize_prompt
+from tests.data.helpers import CountingTarget, tiny_llama
+
+TRAIN = [f"Question number {i}: what is {i} plus {i}?" for i in range(10)] + ["Shared prompt"]
+EVAL = ["shared   PROMPT", "Tell me a story.", "What is a prime number?"]
+
+
+def test_collator_pads_right_truncates_and_masks():
+    rows = [
+        {"input_ids": [5, 6, 7, 8, 9], "loss_mask": [0, 0, 1, 1, 1], "n_prompt_tokens": 2},
+        {"input_ids": [3, 4, 1], "loss_mask": [0, 1, 1], "n_prompt_tokens": 1},
+    ]
+    batch = Collator(pad_token_id=0, max_length=4)(rows)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8], [3, 4, 1, 0]]
+    assert batch["input_ids"].dtype == torch.long
+    assert batch["loss_mask"].dtype == torch.bool
+    assert batch["loss_mask"].tolist() == [[False, False, True, True], [False, True, True, False]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
+    assert batch["lengths"].tolist() == [4, 3] and batch["n_prompt_tokens"].tolist() == [2, 1]
+    stats = truncation_stats([2, 1, 6], [5, 3, 9], max_length=4)
+    assert (stats.rows, stats.truncated, stats.no_response) == (3, 2, 1)
+
+
+@pytest.fixture()
+def sources(tmp_path):
+    train, evals = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text("".join(json.dumps({"text": p}) + "\n" for p in TRAIN))
+    evals.write_text("".join(json.dumps({"text": p}) + "\n" for p in EVAL))
+    return [f"jsonl:{train}:text"], [f"jsonl:{evals}:text"]
+
+
+def _datamodule(tmp_path, sources, target, **kwargs):
+    train, evals = sources
+    args = dict(
+        domain="custom", train_sources=train, eval_sources=evals, target_name="tiny", target=target,
+        cache_dir=tmp_path / "cache", max_length=40, batch_size=4, val_fraction=0.2, seed=0,
+        generation={"max_new_tokens": 4, "batch_size": 8}, progress=False,
+    )
+    args.update(kwargs)
+    return ExitTrainDataModule(**args)
+
+
+def test_datamodule_prepares_once_and_yields_padded_batches(tmp_path, sources, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    target = CountingTarget(tiny_llama(tok, seed=0), tok)
+    prompt_len = max(len(chat_prompt_ids(tok, p)) for p in TRAIN)
+    max_length = prompt_len + 2  # every answer (4 tokens, no EOS from this model) is cut to 2 tokens
+    dm = _datamodule(tmp_path, sources, target, max_length=max_length)
+    dm.prepare_data()
+    assert target.provided == 1 and target.generate_calls == 2  # 10 train prompts in batches of 8
+    dm.setup("fit")
+
+    # the training prompt equal to an evaluation prompt was dropped; 2 of 10 rows held out
+    assert dm.stats["prompts"]["overlap_removed"] == 1
+    assert (dm.stats["train_rows"], dm.stats["val_rows"]) == (8, 2)
+    assert dm.stats["truncation"] == {"rows": 10, "truncated": 10, "dropped_no_response": 0}
+
+    batches = list(dm.train_dataloader())
+    assert [b["input_ids"].shape[0] for b in batches] == [4, 4]
+    for b in batches:
+        L, T = b["input_ids"].shape
+        assert T <= max_length
+        assert b["loss_mask"].shape == b["attention_mask"].shape == (L, T)
+        assert b["input_ids"].dtype == torch.long and b["loss_mask"].dtype == torch.bool
+        positions = torch.arange(T).expand(L, T)
+        expected = (positions >= b["n_prompt_tokens"][:, None]) & (positions < b["lengths"][:, None])
+        assert torch.equal(b["loss_mask"], expected)
+        assert torch.equal(b["attention_mask"].bool(), positions < b["lengths"][:, None])
+    val = list(dm.val_dataloader())
+    assert sum(b["input_ids"].shape[0] for b in val) == 2
+
+    ids = dm.eval_prompts(2)
+    assert ids == [chat_prompt_ids(tok, EVAL[0]), chat_prompt_ids(tok, EVAL[1])]
+    assert {normalize_prompt(p) for p in dm.eval_prompt_texts()}.isdisjoint(
+        normalize_prompt(p) for p in dm.prompts().train
+    )
+
+    # a fresh DataModule with the same settings reuses the cache: the target is never built
+    again = CountingTarget(tiny_llama(tok, seed=1), tok)
+    dm2 = _datamodule(tmp_path, sources, again, tokenizer=tok, max_length=max_length)
+    dm2.prepare_data()
+    dm2.setup("fit")
+    assert again.provided == 0 and again.generate_calls == 0
+    assert dm2.eval_prompts(1) == ids[:1] and again.provided == 0
+    first, second = next(iter(dm.train_dataloader())), next(iter(dm2.train_dataloader()))
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_setup_without_prepare_data_names_the_fix(tmp_path, sources, smollm2_tokenizer):
+    dm = _datamodule(tmp_path, sources, CountingTarget(tiny_llama(smollm2_tokenizer), smollm2_tokenizer))
+    with pytest.raises(ValueError, match="call prepare_data\\(\\) first"):
+        dm.setup("fit")
+
+
+def test_datamodule_rejects_bad_arguments(tmp_path, sources):
+    with pytest.raises(ValueError, match="val_fraction=1.0 must be in"):
+        _datamodule(tmp_path, sources, None, val_fraction=1.0)
+    with pytest.raises(ValueError, match="max_train_prompts=0"):
+        _datamodule(tmp_path, sources, None, max_train_prompts=0)
+    with pytest.raises(ValueError, match="unknown domain 'poetry'"):
+        ExitTrainDataModule("poetry", target_name="tiny").prompts()
