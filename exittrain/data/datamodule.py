@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -145,8 +145,9 @@ class ExitTrainDataModule(pl.LightningDataModule):
     def prompts(self) -> DomainPrompts:
         """Train and eval prompts after cleaning, overlap removal and ``max_train_prompts``."""
         if self._prompts is None:
-            dp = load_domain(self.domain, train=self.train_sources, eval=self.eval_sources,
-                             max_chars=self.max_prompt_chars)
+            dp = load_domain(
+                self.domain, train=self.train_sources, eval=self.eval_sources, max_chars=self.max_prompt_chars
+            )
             if self.max_train_prompts is not None and len(dp.train) > self.max_train_prompts:
                 keep = sorted(random.Random(self.seed).sample(range(len(dp.train)), self.max_train_prompts))
                 logger.info("using %d of %d training prompts (max_train_prompts)", len(keep), len(dp.train))
@@ -157,20 +158,23 @@ class ExitTrainDataModule(pl.LightningDataModule):
     def _prompt_set_description(self) -> str:
         """Where the training prompts came from; part of the regeneration cache key."""
         dp = self.prompts()
-        return ";".join([
-            f"domain={dp.domain}",
-            "train=" + "+".join(s.source for s in dp.train_stats),
-            "eval=" + "+".join(s.source for s in dp.eval_stats),
-            f"max_chars={self.max_prompt_chars}",
-            f"max_train={self.max_train_prompts}",
-            f"seed={self.seed}",
-        ])
+        return ";".join(
+            [
+                f"domain={dp.domain}",
+                "train=" + "+".join(s.source for s in dp.train_stats),
+                "eval=" + "+".join(s.source for s in dp.eval_stats),
+                f"max_chars={self.max_prompt_chars}",
+                f"max_train={self.max_train_prompts}",
+                f"seed={self.seed}",
+            ]
+        )
 
     @property
     def cache_path(self) -> Path:
         """Folder of this configuration's regenerated dataset (exists after ``prepare_data``)."""
-        return cache_path(self.cache_dir, self.target_name, self._prompt_set_description(),
-                          self.prompts().train, self.generation)
+        return cache_path(
+            self.cache_dir, self.target_name, self._prompt_set_description(), self.prompts().train, self.generation
+        )
 
     # -- Lightning hooks -------------------------------------------------------------------------
 
@@ -204,11 +208,16 @@ class ExitTrainDataModule(pl.LightningDataModule):
         trunc = truncation_stats(n_prompt, n_total, self.max_length)
         usable = [i for i, p in enumerate(n_prompt) if p < self.max_length]
         if not usable:
-            raise ValueError(f"every prompt in {path} is at least max_length={self.max_length} tokens; raise max_length")
+            raise ValueError(
+                f"every prompt in {path} is at least max_length={self.max_length} tokens; raise max_length"
+            )
         if trunc.truncated or trunc.no_response:
             logger.warning(
                 "max_length=%d truncates %d of %d rows; %d of them keep no response token and are dropped",
-                self.max_length, trunc.truncated, trunc.rows, trunc.no_response,
+                self.max_length,
+                trunc.truncated,
+                trunc.rows,
+                trunc.no_response,
             )
         order = list(usable)
         random.Random(self.seed).shuffle(order)
@@ -234,8 +243,9 @@ class ExitTrainDataModule(pl.LightningDataModule):
             "eval_prompts": len(dp.eval),
             "cache_path": str(path),
         }
-        logger.info("data: %d train rows, %d val rows, %d eval prompts (%s)",
-                    len(self.train_set), n_val, len(dp.eval), path)
+        logger.info(
+            "data: %d train rows, %d val rows, %d eval prompts (%s)", len(self.train_set), n_val, len(dp.eval), path
+        )
 
     def _collator(self) -> Collator:
         if self.pad_token_id is None:

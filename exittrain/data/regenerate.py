@@ -170,8 +170,9 @@ def split_response(generated: Sequence[int], eos_ids: Sequence[int]) -> tuple[li
     return list(generated), False
 
 
-def make_row(prompt_index: int, prompt: str, prompt_ids: list[int], response_ids: list[int],
-             finished: bool, tokenizer: Any) -> dict[str, Any]:
+def make_row(
+    prompt_index: int, prompt: str, prompt_ids: list[int], response_ids: list[int], finished: bool, tokenizer: Any
+) -> dict[str, Any]:
     """One dataset row (see the module docstring)."""
     return {
         "prompt_index": prompt_index,
@@ -203,8 +204,8 @@ def generate_batch(
     input_ids_NP = torch.full((len(prompt_ids), width), pad_token_id, dtype=torch.long)
     attention_mask_NP = torch.zeros((len(prompt_ids), width), dtype=torch.long)
     for i, ids in enumerate(prompt_ids):
-        input_ids_NP[i, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-        attention_mask_NP[i, width - len(ids):] = 1
+        input_ids_NP[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        attention_mask_NP[i, width - len(ids) :] = 1
     kwargs: dict[str, Any] = {"do_sample": gen.do_sample}
     if gen.do_sample:
         kwargs.update(temperature=gen.temperature, top_p=gen.top_p, top_k=0)
@@ -247,8 +248,9 @@ def cache_key(target_name: str, prompt_set: str, prompts: Sequence[str], gen: Ge
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def cache_path(cache_dir: str | os.PathLike, target_name: str, prompt_set: str, prompts: Sequence[str],
-               gen: GenerationConfig) -> Path:
+def cache_path(
+    cache_dir: str | os.PathLike, target_name: str, prompt_set: str, prompts: Sequence[str], gen: GenerationConfig
+) -> Path:
     """Folder of the complete regenerated dataset (it may not exist yet)."""
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", target_name.split("/")[-1])[:40] or "target"
     return Path(cache_dir) / f"{slug}-{cache_key(target_name, prompt_set, prompts, gen)}"
@@ -347,13 +349,17 @@ def regenerate(
     if too_long:
         logger.warning(
             "%d of %d prompts exceed max_prompt_tokens=%d after the chat template and are not answered "
-            "(first indices %s)", len(too_long), len(prompts), gen.max_prompt_tokens, too_long[:5],
+            "(first indices %s)",
+            len(too_long),
+            len(prompts),
+            gen.max_prompt_tokens,
+            too_long[:5],
         )
     skip = set(too_long)
     order = sorted((i for i in range(len(prompts)) if i not in skip), key=lambda i: -len(templated[i]))
     if not order:
         raise ValueError(f"every prompt exceeds max_prompt_tokens={gen.max_prompt_tokens}; raise it")
-    batches = [order[s: s + gen.batch_size] for s in range(0, len(order), gen.batch_size)]
+    batches = [order[s : s + gen.batch_size] for s in range(0, len(order), gen.batch_size)]
 
     def shard_dir(b: int) -> Path:
         return partial / f"shard_{b:05d}"
@@ -364,8 +370,13 @@ def regenerate(
 
     was_training = model.training
     model.eval()
-    bar = tqdm(total=len(batches), initial=len(batches) - len(todo), desc=f"regenerate ({target_name})",
-               unit="batch", disable=not progress)
+    bar = tqdm(
+        total=len(batches),
+        initial=len(batches) - len(todo),
+        desc=f"regenerate ({target_name})",
+        unit="batch",
+        disable=not progress,
+    )
     new_tokens, t0 = 0, time.perf_counter()
     try:
         for b in todo:
@@ -407,6 +418,10 @@ def regenerate(
     shutil.rmtree(partial, ignore_errors=True)
     logger.info(
         "regenerated %d responses (%d hit max_new_tokens=%d, %d prompts too long) -> %s",
-        len(ds), meta["unfinished"], gen.max_new_tokens, len(too_long), final,
+        len(ds),
+        meta["unfinished"],
+        gen.max_new_tokens,
+        len(too_long),
+        final,
     )
     return datasets.load_from_disk(str(final))

@@ -103,9 +103,7 @@ class PromptSource:
         if self.kind not in KINDS:
             raise ValueError(f"PromptSource.kind={self.kind!r} is not one of {KINDS}")
         if self.kind == "pkg" and self.path not in BUILTIN_SOURCES:
-            raise ValueError(
-                f"unknown builtin prompt set pkg:{self.path}; the builtins are {sorted(BUILTIN_SOURCES)}"
-            )
+            raise ValueError(f"unknown builtin prompt set pkg:{self.path}; the builtins are {sorted(BUILTIN_SOURCES)}")
         if self.limit is not None and self.limit <= 0:
             raise ValueError(f"PromptSource.limit={self.limit} must be positive or None ({self.path})")
 
@@ -139,9 +137,7 @@ class PromptSource:
                 return cls(kind="hf", path=parts[0], split=parts[1], field=parts[2], **options)
             if len(parts) == 4:
                 return cls(kind="hf", path=parts[0], name=parts[1], split=parts[2], field=parts[3], **options)
-            raise ValueError(
-                f"hub prompt source {spec!r} must be hf:REPO:SPLIT:FIELD or hf:REPO:CONFIG:SPLIT:FIELD"
-            )
+            raise ValueError(f"hub prompt source {spec!r} must be hf:REPO:SPLIT:FIELD or hf:REPO:CONFIG:SPLIT:FIELD")
         if kind in ("json", "parquet"):
             path, sep, fld = rest.rpartition(":")
             if not sep or not path or not fld:

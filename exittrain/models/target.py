@@ -131,9 +131,7 @@ class TargetModel:
     def __init__(self, model: nn.Module, tokenizer=None, *, name: str):
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string identifying the target, got {name!r}")
-        config = (
-            model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else (model.config)
-        )
+        config = model.config.get_text_config(decoder=True)
         self._check_supported(model, config)
         self.model = model
         self.tokenizer = tokenizer

@@ -44,9 +44,18 @@ def sources(tmp_path):
 def _datamodule(tmp_path, sources, target, **kwargs):
     train, evals = sources
     args = dict(
-        domain="custom", train_sources=train, eval_sources=evals, target_name="tiny", target=target,
-        cache_dir=tmp_path / "cache", max_length=40, batch_size=4, val_fraction=0.2, seed=0,
-        generation={"max_new_tokens": 4, "batch_size": 8}, progress=False,
+        domain="custom",
+        train_sources=train,
+        eval_sources=evals,
+        target_name="tiny",
+        target=target,
+        cache_dir=tmp_path / "cache",
+        max_length=40,
+        batch_size=4,
+        val_fraction=0.2,
+        seed=0,
+        generation={"max_new_tokens": 4, "batch_size": 8},
+        progress=False,
     )
     args.update(kwargs)
     return ExitTrainDataModule(**args)
@@ -111,3 +120,27 @@ def test_datamodule_rejects_bad_arguments(tmp_path, sources):
         _datamodule(tmp_path, sources, None, max_train_prompts=0)
     with pytest.raises(ValueError, match="unknown domain 'poetry'"):
         ExitTrainDataModule("poetry", target_name="tiny").prompts()
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_embedded_target_answers_math_prompts(tmp_path):
+    """The default provider (exittrain.models.target.load_target) regenerates with the real SmolLM2."""
+    dm = ExitTrainDataModule(
+        "math",
+        train_sources=["pkg:gsm_symbolic?limit=4&seed=1"],
+        cache_dir=tmp_path,
+        max_length=256,
+        batch_size=2,
+        val_fraction=0.0,
+        generation={"max_new_tokens": 24, "batch_size": 4},
+        progress=False,
+    )
+    dm.prepare_data()
+    dm.setup("fit")
+    rows = list(__import__("datasets").load_from_disk(str(dm.cache_path)))
+    assert len(rows) == 4
+    assert all(len(r["response"].split()) >= 3 for r in rows)  # real words, not noise
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["input_ids"].shape[0] == 2 and batch["loss_mask"].any()
+    assert dm.eval_prompts(1)[0][-3:] == batch["input_ids"][0, : batch["n_prompt_tokens"][0]].tolist()[-3:]

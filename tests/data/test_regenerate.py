@@ -83,8 +83,7 @@ def test_second_call_is_a_cache_hit_without_loading_the_target(tmp_path, smollm2
 
 def test_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path, smollm2_tokenizer):
     tok = smollm2_tokenizer
-    reference = regenerate(PROMPTS, _target(tok), target_name="tiny", cache_dir=tmp_path / "a", gen=GEN,
-                           progress=False)
+    reference = regenerate(PROMPTS, _target(tok), target_name="tiny", cache_dir=tmp_path / "a", gen=GEN, progress=False)
 
     crashing = _target(tok, fail_after=1)
     with pytest.raises(RuntimeError, match="simulated interruption"):
@@ -95,8 +94,7 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path, smollm2_t
     assert sorted(os.listdir(partial)) == ["shard_00000"]
 
     resumed_target = _target(tok)
-    resumed = regenerate(PROMPTS, resumed_target, target_name="tiny", cache_dir=tmp_path / "b", gen=GEN,
-                         progress=False)
+    resumed = regenerate(PROMPTS, resumed_target, target_name="tiny", cache_dir=tmp_path / "b", gen=GEN, progress=False)
     assert resumed_target.generate_calls == 2  # only the two missing batches
     assert _rows(resumed) == _rows(reference)
     assert not partial.exists()

@@ -98,7 +98,9 @@ def test_remove_overlap_compares_normalized_text(tmp_path):
     kept, removed = remove_overlap(train, evals)
     assert kept == ["keep me"] and removed == 2
     domain = load_domain(
-        "custom", train=[_write_prompts(tmp_path / "t.jsonl", train)], eval=[_write_prompts(tmp_path / "e.jsonl", evals)]
+        "custom",
+        train=[_write_prompts(tmp_path / "t.jsonl", train)],
+        eval=[_write_prompts(tmp_path / "e.jsonl", evals)],
     )
     assert domain.train == ["keep me"] and domain.overlap_removed == 2
 
@@ -126,8 +128,14 @@ def test_jsonl_bad_rows_are_rejected_and_counted(tmp_path, caplog):
     assert prompts == ["a good prompt", "another good prompt"]
     assert stats.rows == 11 and stats.kept == 2
     assert stats.rejected == {
-        "blank_line": 1, "non_utf8": 1, "malformed": 2, "missing_field": 1,
-        "not_string": 1, "empty": 1, "too_long": 1, "duplicate": 1,
+        "blank_line": 1,
+        "non_utf8": 1,
+        "malformed": 2,
+        "missing_field": 1,
+        "not_string": 1,
+        "empty": 1,
+        "too_long": 1,
+        "duplicate": 1,
     }
     assert stats.example_rows["malformed"] == [2, 3] and stats.example_rows["non_utf8"] == [7]
     assert "malformed=2" in caplog.text  # the summary is logged
@@ -155,7 +163,10 @@ def test_parquet_bad_rows_are_rejected_and_counted(tmp_path):
     assert prompts == ["a good prompt", "second good prompt"]
     assert stats.rows == 6
     assert {k: v for k, v in stats.rejected.items() if v} == {
-        "not_string": 1, "empty": 1, "too_long": 1, "duplicate": 1,
+        "not_string": 1,
+        "empty": 1,
+        "too_long": 1,
+        "duplicate": 1,
     }
 
     raw = tmp_path / "bytes.parquet"
@@ -231,10 +242,14 @@ def test_cross_source_repeats_are_counted(tmp_path):
 @pytest.mark.parametrize(
     "spec, expected",
     [
-        ("hf:HuggingFaceH4/ultrachat_200k:train_sft:prompt",
-         PromptSource("hf", "HuggingFaceH4/ultrachat_200k", field="prompt", split="train_sft")),
-        ("hf:openai/gsm8k:main:train:question?limit=100&seed=3",
-         PromptSource("hf", "openai/gsm8k", field="question", split="train", name="main", limit=100, seed=3)),
+        (
+            "hf:HuggingFaceH4/ultrachat_200k:train_sft:prompt",
+            PromptSource("hf", "HuggingFaceH4/ultrachat_200k", field="prompt", split="train_sft"),
+        ),
+        (
+            "hf:openai/gsm8k:main:train:question?limit=100&seed=3",
+            PromptSource("hf", "openai/gsm8k", field="question", split="train", name="main", limit=100, seed=3),
+        ),
         ("jsonl:/data/x.jsonl:text", PromptSource("json", "/data/x.jsonl", field="text")),
         ("parquet:rel/x.parquet:a.b", PromptSource("parquet", "rel/x.parquet", field="a.b")),
         ("pkg:ifbench?optional=1", PromptSource("pkg", "ifbench", optional=True)),
@@ -244,9 +259,21 @@ def test_spec_parsing_round_trips(spec, expected):
     src = PromptSource.parse(spec)
     assert src == expected
     assert PromptSource.parse(str(src)) == src
-    assert PromptSource.parse({"kind": src.kind, "path": src.path, "field": src.field,
-                               "split": src.split, "name": src.name, "limit": src.limit,
-                               "seed": src.seed, "optional": src.optional}) == src
+    assert (
+        PromptSource.parse(
+            {
+                "kind": src.kind,
+                "path": src.path,
+                "field": src.field,
+                "split": src.split,
+                "name": src.name,
+                "limit": src.limit,
+                "seed": src.seed,
+                "optional": src.optional,
+            }
+        )
+        == src
+    )
 
 
 def test_every_hub_recipe_spec_parses():

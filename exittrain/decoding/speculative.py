@@ -1,0 +1,240 @@
+"""Speculative decoding with draft trees: drafter -> build_tree -> one target forward -> verify -> commit.
+
+Shape legend: C committed context length, B budget, K drafter horizon, V vocabulary, F feature width.
+
+Round structure (ALGORITHM.md sections 0 and 5). The round's root is the last committed token
+that the target has not yet processed: the last prompt token in the first round, then the
+previous round's bonus token. The drafter sees the target features of the positions before the
+root and the root's embedding, and proposes K distributions; :func:`build_tree` turns them into
+a tree of ``budget`` nodes; the target scores root + nodes in one forward; the verifier picks
+the exit node and the bonus; the cache keeps only root + accepted path.
+
+Batch size 1 (one sequence). Every verifier is exact, so at temperature 0 the output equals the
+target's own greedy decoding, and at temperature > 0 it is a sample from the warped target.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from exittrain.core import VERIFIERS, build_tree
+from exittrain.core.verify import sample_categorical, warp_probs
+
+__all__ = ["RoundStats", "GenerationResult", "SpeculativeDecoder", "autoregressive_generate", "STAGES"]
+
+STAGES = ("draft", "tree", "target", "verify", "commit")
+
+
+@dataclass
+class RoundStats:
+    """One round: tokens it yielded (accepted + bonus, before any EOS/max cut) and stage times (s)."""
+
+    block_length: int
+    accept_length: int
+    times: dict[str, float]
+
+
+@dataclass
+class GenerationResult:
+    """New tokens (prompt excluded), per-round statistics and the total wall time."""
+
+    tokens: list[int]
+    rounds: list[RoundStats] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def mean_block_length(self) -> float:
+        """tau: mean tokens per round, bonus included (0 rounds -> 0.0)."""
+        return sum(r.block_length for r in self.rounds) / len(self.rounds) if self.rounds else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+    def stage_seconds(self) -> dict[str, float]:
+        """Total time per stage over all rounds."""
+        return {s: sum(r.times.get(s, 0.0) for r in self.rounds) for s in STAGES}
+
+    def to_dict(self) -> dict:
+        return {"tokens": self.tokens, "seconds": self.seconds, "rounds": [asdict(r) for r in self.rounds]}
+
+
+def _check_generate_args(input_ids, max_new_tokens, temperature) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise ValueError(f"input_ids must be one sequence, (T,) or (1, T); got {tuple(ids.shape)} (batch size 1)")
+    if ids.shape[1] < 2:
+        raise ValueError("input_ids needs at least 2 tokens (a context and a root); apply the chat template first")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    return ids
+
+
+def _check_context_fits(target, ids: torch.Tensor, max_new_tokens: int, extra: int) -> None:
+    limit = getattr(target.config, "max_position_embeddings", None)
+    needed = ids.shape[1] + max_new_tokens + extra
+    if limit is not None and needed > limit:
+        raise ValueError(
+            f"prompt of {ids.shape[1]} tokens + max_new_tokens={max_new_tokens} + tree of {extra} exceeds the "
+            f"target's context of {limit} positions; shorten the prompt or lower max_new_tokens"
+        )
+
+
+def _finish(tokens: list[int], new: list[int], eos_ids: set[int], max_new_tokens: int) -> bool:
+    """Append ``new`` to ``tokens`` up to EOS (kept) or the cap; True when generation must stop."""
+    for tok in new:
+        tokens.append(tok)
+        if tok in eos_ids or len(tokens) >= max_new_tokens:
+            return True
+    return False
+
+
+class _Clock:
+    """Stage timer; synchronises an accelerator before reading the clock so times are real."""
+
+    def __init__(self, device: torch.device):
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.times: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        self.sync()
+        now = time.perf_counter()
+        self.times[stage] = self.times.get(stage, 0.0) + now - self._t
+        self._t = now
+
+
+class SpeculativeDecoder:
+    """Tree speculative decoding of one sequence with a block drafter and an exact verifier.
+
+    ``verifier`` is one of ``"tev"``, ``"predraw"``, ``"sequential"``, ``"greedy"`` (the last only at
+    temperature 0). ``budget`` is the number of draft nodes per round. ``tree_builder`` may
+    replace the drafter-based tree (the oracle mode uses it).
+    """
+
+    def __init__(self, target, drafter, budget: int = 16, verifier: str = "tev"):
+        if verifier not in VERIFIERS:
+            raise ValueError(f"verifier must be one of {sorted(VERIFIERS)}, got {verifier!r}")
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+            raise ValueError(f"budget must be an integer >= 1 (draft nodes per round), got {budget!r}")
+        if drafter is not None and not drafter.has_target:
+            drafter.attach_target(target)
+        self.target, self.drafter, self.budget, self.verifier = target, drafter, budget, verifier
+        self.layers = list(drafter.config.target_layer_ids) if drafter is not None else None
+
+    def _verify(self, tree, logits, temperature, top_k, top_p, generator):
+        if self.verifier == "greedy":
+            if temperature != 0:
+                raise ValueError("verifier='greedy' decodes at temperature 0 only; pick tev/predraw/sequential")
+            return VERIFIERS["greedy"](tree, logits, validate=False)
+        return VERIFIERS[self.verifier](
+            tree, logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, validate=False
+        )
+
+    def _draft_tree(self, features_1CF, root_1):
+        """(tree, drafter time, build time) for the current root."""
+        clock = _Clock(self.target.device)
+        logits_1KV = self.drafter(features_1CF, root_1)
+        logq = torch.log_softmax(logits_1KV.float(), dim=-1)
+        clock.lap("draft")
+        tree = build_tree(logq, self.budget, validate=False)
+        clock.lap("tree")
+        return tree, clock.times
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+    ) -> GenerationResult:
+        """Decode up to ``max_new_tokens`` new tokens; stops after an EOS token (which is kept)."""
+        ids = _check_generate_args(input_ids, max_new_tokens, temperature)
+        _check_context_fits(self.target, ids, max_new_tokens, self.budget + 1)
+        device = self.target.device
+        ids = ids.to(device)
+        generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+        eos = set(self.target.eos_token_ids)
+        window = self.drafter.config.context_window if self.drafter is not None else None
+
+        start = time.perf_counter()
+        pre = self.target.prefill(ids[:, :-1], layers=self.layers)
+        cache, features = pre.cache, pre.features  # features (1, C, F) of the committed positions
+        root = ids[:, -1]
+        tokens: list[int] = []
+        result = GenerationResult(tokens)
+        while True:
+            tree, times = self._draft_tree(features, root)
+            clock = _Clock(device)
+            C = cache.get_seq_length()
+            out = self.target.tree_forward(cache, root, tree, layers=self.layers)
+            clock.lap("target")
+            verdict = self._verify(tree, out.logits, temperature, top_k, top_p, generator)
+            n_accept = int(verdict.accept_length[0])  # the round's one host transfer
+            clock.lap("verify")
+            rows = verdict.accepted_rows[0, :n_accept]
+            self.target.commit(cache, C, rows)
+            new_rows = torch.cat([rows.new_zeros(1), rows])  # root, then the accepted nodes
+            features = torch.cat([features, out.features[:, new_rows]], dim=1)
+            if window is not None:
+                features = features[:, -window:]
+            new = verdict.accepted_tokens[0, :n_accept].tolist() + [int(verdict.bonus[0])]
+            root = verdict.bonus
+            clock.lap("commit")
+            result.rounds.append(RoundStats(n_accept + 1, n_accept, {**times, **clock.times}))
+            if _finish(tokens, new, eos, max_new_tokens):
+                break
+        result.seconds = time.perf_counter() - start
+        return result
+
+
+@torch.no_grad()
+def autoregressive_generate(
+    target,
+    input_ids,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+) -> GenerationResult:
+    """The baseline: one target forward per token through the same wrapper and cache.
+
+    Each token is one "round" of block length 1 whose time is booked under ``target``.
+    """
+    ids = _check_generate_args(input_ids, max_new_tokens, temperature)
+    _check_context_fits(target, ids, max_new_tokens, 0)
+    device = target.device
+    ids = ids.to(device)
+    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    eos = set(target.eos_token_ids)
+    start = time.perf_counter()
+    pre = target.prefill(ids)
+    cache, logits = pre.cache, pre.logits  # (1, V) after the last prompt token
+    tokens: list[int] = []
+    result = GenerationResult(tokens)
+    while True:
+        clock = _Clock(device)
+        probs = warp_probs(logits, temperature, top_k, top_p)
+        token = sample_categorical(probs, generator)  # (1,)
+        clock.lap("verify")
+        result.rounds.append(RoundStats(1, 0, {}))
+        if _finish(tokens, [int(token[0])], eos, max_new_tokens):
+            result.rounds[-1].times = clock.times
+            break
+        out = target.model(input_ids=token.view(1, 1), cache=cache, use_cache=True)
+        logits = out.logits[:, -1]
+        clock.lap("target")
+        result.rounds[-1].times = clock.times
+    result.seconds = time.perf_counter() - start
+    return result

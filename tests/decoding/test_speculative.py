@@ -1,0 +1,123 @@
+"""The decoder is lossless: greedy equality with Hugging Face generate, and the sampling law."""
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from exittrain.decoding import SpeculativeDecoder, autoregressive_generate, oracle_generate
+from exittrain.models import new_drafter
+from tests.models.helpers import tiny_target
+
+PROMPT = [5, 17, 33, 2, 40, 41, 9, 12]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return new_drafter(target, block_size=4, num_layers=1, hidden_size=32, seed=0)
+
+
+def hf_greedy(target, prompt, n):
+    out = target.model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("verifier", ["tev", "predraw", "sequential", "greedy"])
+@pytest.mark.parametrize("budget", [1, 6, 20])
+def test_greedy_output_equals_target_greedy(target, drafter, verifier, budget):
+    target.eos_token_ids = []  # decode the full length: random tiny models emit EOS early
+    expected = hf_greedy(target, PROMPT, 30)
+    decoder = SpeculativeDecoder(target, drafter, budget=budget, verifier=verifier)
+    result = decoder.generate(PROMPT, max_new_tokens=30, temperature=0.0, seed=0)
+    assert result.tokens == expected
+    assert sum(r.block_length for r in result.rounds) >= 30
+    assert all(1 <= r.block_length <= drafter.config.block_size for r in result.rounds)
+    assert set(result.rounds[0].times) == {"draft", "tree", "target", "verify", "commit"}
+
+
+def test_autoregressive_and_oracle_match_target_greedy(target):
+    target.eos_token_ids = []
+    expected = hf_greedy(target, PROMPT, 25)
+    assert autoregressive_generate(target, PROMPT, 25).tokens == expected
+    result, analytic = oracle_generate(target, PROMPT, budget=5, max_new_tokens=25)
+    assert result.tokens == expected
+    # at temperature 0 the oracle tree is the greedy chain of depth B: every round yields B + 1
+    assert [r.block_length for r in result.rounds[:-1]] == [6] * (len(result.rounds) - 1)
+    assert analytic[0] == pytest.approx(6.0)
+
+
+def test_stops_at_eos(target, drafter):
+    target.eos_token_ids = []
+    free = hf_greedy(target, PROMPT, 20)
+    eos = free[7]
+    target.eos_token_ids = [eos]
+    out = SpeculativeDecoder(target, drafter, budget=8).generate(PROMPT, max_new_tokens=20)
+    assert out.tokens == free[: free.index(eos) + 1]
+    target.eos_token_ids = []
+
+
+def exact_three_token_law(target, prompt, temperature):
+    """P(y1, y2, y3 | prompt) of the warped target, by enumeration over a small vocabulary."""
+    from exittrain.core import warp_probs
+
+    V = target.vocab_size
+    law = {}
+    with torch.no_grad():
+        p1 = warp_probs(target.model(input_ids=torch.tensor([prompt])).logits[0, -1], temperature)
+        for y1 in range(V):
+            if p1[y1] < 1e-4:
+                continue
+            p2 = warp_probs(target.model(input_ids=torch.tensor([prompt + [y1]])).logits[0, -1], temperature)
+            for y2 in range(V):
+                if p1[y1] * p2[y2] < 1e-4:
+                    continue
+                p3 = warp_probs(target.model(input_ids=torch.tensor([prompt + [y1, y2]])).logits[0, -1], temperature)
+                for y3 in range(V):
+                    law[(y1, y2, y3)] = float(p1[y1] * p2[y2] * p3[y3])
+    return law
+
+
+def test_sampling_law_over_three_tokens(target, drafter):
+    """Spanning several rounds, the decoded 3-token prefixes follow the target's law (chi-square)."""
+    target.eos_token_ids = []
+    temperature = 0.35  # concentrated, so a few hundred outcomes carry the mass
+    law = exact_three_token_law(target, PROMPT, temperature)
+    decoder = SpeculativeDecoder(target, drafter, budget=6, verifier="tev")
+    n = 1500
+    counts = Counter(tuple(decoder.generate(PROMPT, 3, temperature=temperature, seed=s).tokens) for s in range(n))
+    # pool outcomes with small expected counts into one cell
+    stat, df, other_obs, other_exp = 0.0, 0, 0, 0.0
+    for key, p in law.items():
+        if p * n >= 5:
+            stat += (counts.get(key, 0) - p * n) ** 2 / (p * n)
+            df += 1
+        else:
+            other_obs += counts.get(key, 0)
+            other_exp += p * n
+    other_obs += sum(c for k, c in counts.items() if k not in law)
+    other_exp = n - sum(p * n for p in law.values() if p * n >= 5)
+    stat += (other_obs - other_exp) ** 2 / max(other_exp, 1e-9)
+    critical = df * (1 - 2 / (9 * df) + 3.719 * math.sqrt(2 / (9 * df))) ** 3  # 1e-4 tail
+    assert df >= 5
+    assert stat < critical, f"chi2 {stat:.1f} with {df} dof (critical {critical:.1f})"
+
+
+def test_bad_arguments(target, drafter):
+    with pytest.raises(ValueError, match="verifier"):
+        SpeculativeDecoder(target, drafter, verifier="beam")
+    with pytest.raises(ValueError, match="budget"):
+        SpeculativeDecoder(target, drafter, budget=0)
+    decoder = SpeculativeDecoder(target, drafter, budget=4)
+    with pytest.raises(ValueError, match="batch size 1"):
+        decoder.generate([PROMPT, PROMPT], 4)
+    with pytest.raises(ValueError, match="context"):
+        decoder.generate(PROMPT * 60, 100)
+    with pytest.raises(ValueError, match="greedy"):
+        SpeculativeDecoder(target, drafter, verifier="greedy").generate(PROMPT, 4, temperature=1.0)
