@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers import initialization as hf_init
+from exittrain.models.target import as_dtype
 
 __all__ = ["BlockDrafter", "DrafterConfig", "check_pairing", "load_drafter", "new_drafter"]
 
@@ -501,7 +502,7 @@ def new_drafter(
     context_window: int | None = None,
     rope_theta: float = 10000.0,
     device: str | torch.device | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     seed: int | None = None,
 ) -> BlockDrafter:
     """A fresh drafter for ``target`` (attached), on ``device`` (default: the target's device).
@@ -533,7 +534,7 @@ def new_drafter(
         torch.manual_seed(seed)
     drafter = BlockDrafter(config).attach_target(target)
     drafter.init_mask_embedding()
-    return drafter.to(device=device or target.device, dtype=dtype)
+    return drafter.to(device=device or target.device, dtype=as_dtype(dtype))
 
 
 def load_drafter(
@@ -541,10 +542,12 @@ def load_drafter(
     target,
     *,
     device: str | torch.device | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     check_name: bool = True,
     **hf_kwargs,
 ) -> BlockDrafter:
     """Load a saved drafter and attach ``target``; ValueError if it was saved for another target."""
-    drafter = BlockDrafter.from_pretrained(path, target=target, check_name=check_name, dtype=dtype, **hf_kwargs)
+    drafter = BlockDrafter.from_pretrained(
+        path, target=target, check_name=check_name, dtype=as_dtype(dtype), **hf_kwargs
+    )
     return drafter.to(device or target.device)

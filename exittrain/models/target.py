@@ -593,11 +593,21 @@ def convert_embedded_target(cache_dir: str | os.PathLike | None = None) -> Path:
     return final
 
 
+def as_dtype(value: torch.dtype | str) -> torch.dtype:
+    """A torch dtype from itself or its name (``"float32"``, ``"bfloat16"``, ``"torch.float16"``), for configs."""
+    if isinstance(value, torch.dtype):
+        return value
+    dtype = getattr(torch, str(value).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype={value!r} is not a floating torch dtype; use float32, bfloat16 or float16")
+    return dtype
+
+
 def load_target(
     name_or_path: str | os.PathLike | None = None,
     *,
     device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     cache_dir: str | os.PathLike | None = None,
     trust_remote_code: bool = False,
     device_map: str | dict | None = None,
@@ -625,7 +635,7 @@ def load_target(
         path, hub_cache, default_name = name_or_path, cache_dir, os.fspath(name_or_path).rstrip("/")
     model = AutoModelForCausalLM.from_pretrained(
         path,
-        dtype=dtype,
+        dtype=as_dtype(dtype),
         cache_dir=hub_cache,
         trust_remote_code=trust_remote_code,
         device_map=device_map,

@@ -1,0 +1,293 @@
+"""The one Hydra entry point: `fit` and `eval` (see exittrain/__main__.py for the command word).
+
+Objects are built with ``hydra.utils.instantiate`` from the config groups in conf/; every group
+file mirrors one constructor and runtime objects (the target, the drafter, the prompts) are
+passed at the call site. Recipes live in the top-level recipes/ folder, which Hydra cannot see
+by itself: they are registered in the ConfigStore as the ``recipe`` group before Hydra starts,
+so ``+recipe=code`` works exactly as typed. Every output goes to Hydra's run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("exittrain")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO_ROOT / "conf"
+RECIPES_DIR = REPO_ROOT / "recipes"
+STAGE_ORDER = ("pretrain", "exittrain")
+
+
+def register_recipes(recipes_dir: Path = RECIPES_DIR) -> list[str]:
+    """Store every recipes/*.yaml as option NAME of the ``recipe`` group (package _global_)."""
+    cs = ConfigStore.instance()
+    names = []
+    for path in sorted(recipes_dir.glob("*.yaml")):
+        cs.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
+        names.append(path.stem)
+    return names
+
+
+def write_json_atomic(path: Path, payload) -> None:
+    """Write JSON through a temporary file and a rename: a crash never leaves half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(payload, indent=2, default=float))
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# shared pieces
+
+
+def _output_dir(cfg: DictConfig) -> Path:
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _eval_settings(cfg: DictConfig) -> dict:
+    e = cfg.eval
+    if e.num_prompts < 1:
+        raise ValueError(f"eval.num_prompts={e.num_prompts} must be >= 1")
+    return dict(
+        budgets=list(e.budgets),
+        temperatures=list(e.temperatures),
+        max_new_tokens=int(e.max_new_tokens),
+        verifier=e.verifier,
+        baseline=bool(e.baseline),
+        oracle=bool(e.oracle),
+        seed=int(cfg.seed),
+    )
+
+
+def _make_logger(cfg: DictConfig, run_name: str):
+    """The configured logger for one stage; W&B gets max/last summaries for block length."""
+    if cfg.get("logger") is None:
+        return None
+    kwargs = {}
+    if "WandbLogger" in str(cfg.logger.get("_target_", "")):
+        kwargs["name"] = run_name
+        os.environ.setdefault("WANDB_SILENT", "true")
+    logger = instantiate(cfg.logger, **kwargs)
+    if "WandbLogger" in type(logger).__name__:
+        exp = logger.experiment
+        exp.define_metric("val/block_length", summary="max")
+        exp.define_metric("val/analytic_block_length", summary="max")
+        exp.define_metric("train/analytic_block_length", summary="last")
+        exp.config.update(OmegaConf.to_container(cfg, resolve=True), allow_val_change=True)
+    return logger
+
+
+def _close_logger(logger) -> None:
+    if logger is not None and "WandbLogger" in type(logger).__name__:
+        import wandb
+
+        wandb.finish()
+
+
+def _log_table(logger, name: str, table: list[dict]) -> None:
+    if logger is None:
+        return
+    flat = {}
+    for row in table:
+        key = f"{name}/B{row['budget']}_T{row['temperature']:g}"
+        flat[f"{key}/tau"] = row["tau"]
+        for extra in ("tau_oracle", "speedup", "tokens_per_s"):
+            if extra in row:
+                flat[f"{key}/{extra}"] = row[extra]
+    logger.log_metrics(flat)
+
+
+# ----------------------------------------------------------------------------------------------
+# fit
+
+
+def _stages_to_run(cfg: DictConfig) -> list[str]:
+    unknown = set(cfg.stages) - set(STAGE_ORDER)
+    if unknown:
+        raise ValueError(f"stages has unknown entries {sorted(unknown)}; use {list(STAGE_ORDER)}")
+    for name in STAGE_ORDER:
+        steps = cfg.stages[name].max_steps
+        if not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"stages.{name}.max_steps={steps!r} must be an integer >= 0")
+    stages = [s for s in STAGE_ORDER if cfg.stages[s].max_steps > 0]
+    if cfg.warm_start is not None and "pretrain" in stages:
+        stages.remove("pretrain")
+    if cfg.ckpt_path is not None:
+        import torch
+
+        saved = torch.load(cfg.ckpt_path, map_location="cpu", weights_only=True).get("hyper_parameters", {})
+        stage = saved.get("stage")
+        if stage not in STAGE_ORDER:
+            raise ValueError(f"ckpt_path={cfg.ckpt_path} records no known stage (got {stage!r})")
+        stages = [s for s in stages if STAGE_ORDER.index(s) >= STAGE_ORDER.index(stage)]
+    return stages
+
+
+def _build_callbacks(cfg: DictConfig, stage: str, eval_prompts: list[list[int]], out: Path) -> list:
+    from exittrain.lit import ExportDrafterCallback, MetricsFileCallback
+
+    callbacks = []
+    for name, node in cfg.callbacks.items():
+        if node is None:
+            continue
+        if name == "decode_eval":
+            node = OmegaConf.merge(node, {})
+            n = node.pop("num_prompts")
+            callbacks.append(instantiate(node)(prompts=eval_prompts[:n]))
+        elif name == "checkpoint":
+            callbacks.append(instantiate(node, dirpath=str(out / "checkpoints" / stage)))
+        else:
+            callbacks.append(instantiate(node))
+    export_dir = out / ("drafter" if stage == "exittrain" else "warmstart_drafter")
+    callbacks.append(ExportDrafterCallback(export_dir))
+    callbacks.append(MetricsFileCallback(out / f"metrics_{stage}.json"))
+    return callbacks
+
+
+def run_fit(cfg: DictConfig) -> dict:
+    """Regenerate data, warm start (pretrain), ExitTrain, then the final block-length table."""
+    import lightning as L
+
+    from exittrain.eval.decode_eval import evaluate_prompts, format_table, summarize
+    from exittrain.lit import save_drafter
+    from exittrain.models import load_drafter
+
+    out = _output_dir(cfg)
+    L.seed_everything(cfg.seed, workers=True)
+    stages = _stages_to_run(cfg)
+    settings = _eval_settings(cfg)
+    started = time.perf_counter()
+
+    target = instantiate(cfg.target)
+    datamodule = instantiate(cfg.data)(
+        target=lambda: (target.model, target.tokenizer), tokenizer=target.tokenizer, target_name=target.name
+    )
+    datamodule.prepare_data()  # regeneration (cached) before any training, with its progress bar
+    eval_prompts = datamodule.eval_prompts(max(cfg.eval.num_prompts, cfg.callbacks.decode_eval.num_prompts))
+    if cfg.warm_start is not None:
+        drafter = load_drafter(cfg.warm_start, target)
+    else:
+        drafter = instantiate(cfg.drafter)(target)
+
+    summary: dict = {"recipe": cfg.recipe_name, "stages": stages, "target": target.name, "tables": {}}
+    timings: dict[str, float] = {"regeneration_and_setup_s": time.perf_counter() - started}
+
+    def evaluate(label: str) -> list[dict]:
+        t0 = time.perf_counter()
+        rows = evaluate_prompts(target, drafter, eval_prompts[: cfg.eval.num_prompts], label=label, **settings)
+        table = summarize(rows)
+        summary["tables"][label] = table
+        write_json_atomic(out / f"eval_{label}.json", rows)
+        timings[f"eval_{label}_s"] = time.perf_counter() - t0
+        return table
+
+    for stage in stages:
+        label = "warm_start" if stage == "pretrain" else "exittrain"
+        logger = _make_logger(cfg, f"{cfg.recipe_name}-{stage}")
+        try:
+            if stage == "exittrain" and "warm_start" not in summary["tables"]:
+                _log_table(logger, "final/warm_start", evaluate("warm_start"))  # a given or resumed warm start
+            module = instantiate(cfg.objective)(drafter=drafter, target=target, stage=stage, lr=cfg.stages[stage].lr)
+            trainer = instantiate(cfg.trainer)(
+                max_steps=cfg.stages[stage].max_steps,
+                callbacks=_build_callbacks(cfg, stage, eval_prompts, out),
+                logger=logger if logger is not None else False,
+            )
+            t0 = time.perf_counter()
+            ckpt = cfg.ckpt_path if (cfg.ckpt_path is not None and stage == stages[0]) else None
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
+            timings[f"{stage}_s"] = time.perf_counter() - t0
+            summary[f"{stage}_metrics"] = {
+                k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1
+            }
+            _log_table(logger, f"final/{label}", evaluate(label))
+        finally:
+            _close_logger(logger)
+    save_drafter(drafter, out / "drafter")
+
+    timings["total_s"] = time.perf_counter() - started
+    summary["timings"] = timings
+    summary["drafter"] = str(out / "drafter")
+    write_json_atomic(out / "metrics.json", summary)
+    tables = [row for label in summary["tables"] for row in summary["tables"][label]]
+    print("\nHeld-out decoding (tau = tokens per round, bonus included):\n" + format_table(tables))
+    print(f"\nRun directory: {out}\nDrafter: {out / 'drafter'}  (python -m exittrain eval drafter={out / 'drafter'})")
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------
+# eval
+
+
+def run_eval(cfg: DictConfig) -> dict:
+    """Decode the recipe's held-out prompts with a saved drafter; write results.json/csv."""
+    import csv
+
+    from exittrain.eval.decode_eval import evaluate_prompts, format_table, summarize
+    from exittrain.models import load_drafter
+
+    path = Path(str(cfg.drafter_path))
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"drafter={path} is not a saved drafter folder (no config.json); pass drafter=RUN_DIR/drafter of a fit run"
+        )
+    out = _output_dir(cfg)
+    settings = _eval_settings(cfg)
+    target = instantiate(cfg.target)
+    drafter = load_drafter(path, target)
+    datamodule = instantiate(cfg.data)(
+        target=lambda: (target.model, target.tokenizer), tokenizer=target.tokenizer, target_name=target.name
+    )
+    prompts = datamodule.eval_prompts(cfg.eval.num_prompts)
+    limit = getattr(target.config, "max_position_embeddings", None)
+    for i, p in enumerate(prompts):
+        if limit is not None and len(p) + settings["max_new_tokens"] + max(settings["budgets"]) + 1 > limit:
+            raise ValueError(
+                f"eval prompt {i} has {len(p)} tokens: with eval.max_new_tokens={settings['max_new_tokens']} it "
+                f"exceeds the target's {limit} positions; lower eval.max_new_tokens"
+            )
+    logger = _make_logger(cfg, f"{cfg.recipe_name}-eval")
+    try:
+        rows = evaluate_prompts(target, drafter, prompts, label=cfg.recipe_name, **settings)
+        table = summarize(rows)
+        _log_table(logger, "eval", table)
+    finally:
+        _close_logger(logger)
+    write_json_atomic(out / "results.json", {"rows": rows, "summary": table, "drafter": str(path)})
+    with open(out / "results.csv", "w", newline="") as f:
+        flat = [{k: v for k, v in r.items() if not isinstance(v, list)} for r in rows]
+        writer = csv.DictWriter(f, fieldnames=list(flat[0]))
+        writer.writeheader()
+        writer.writerows(flat)
+    print(f"\n{cfg.recipe_name}: held-out decoding with {path}\n" + format_table(table))
+    print(f"\nResults: {out / 'results.json'}, {out / 'results.csv'}")
+    return {"rows": rows, "summary": table}
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=None)
+def _hydra_main(cfg: DictConfig) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    command = HydraConfig.get().job.config_name
+    if command == "fit":
+        run_fit(cfg)
+    elif command == "eval":
+        run_eval(cfg)
+    else:
+        raise ValueError(f"unknown command config {command!r}; use fit or eval")
+
+
+def hydra_entry() -> None:
+    register_recipes()
+    _hydra_main()

@@ -1,0 +1,37 @@
+"""Lightning glue only: the training LightningModule and its callbacks (no math, no models here)."""
+
+from exittrain.lit.callbacks import (
+    DecodeEvalCallback,
+    ExportDrafterCallback,
+    MetricsFileCallback,
+    save_drafter,
+    write_json_atomic,
+)
+from exittrain.lit.module import (
+    SCORING_MODES,
+    STAGES,
+    TIMED_PARTS,
+    ExitTrainModule,
+    WarmupCosine,
+    anchor_generator,
+    sample_anchors,
+    select_trees,
+    tree_metrics,
+)
+
+__all__ = [
+    "SCORING_MODES",
+    "STAGES",
+    "TIMED_PARTS",
+    "DecodeEvalCallback",
+    "ExitTrainModule",
+    "ExportDrafterCallback",
+    "MetricsFileCallback",
+    "WarmupCosine",
+    "anchor_generator",
+    "sample_anchors",
+    "save_drafter",
+    "select_trees",
+    "tree_metrics",
+    "write_json_atomic",
+]

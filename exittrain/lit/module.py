@@ -1,0 +1,563 @@
+"""The LightningModule of drafter training: block cross-entropy warm start and ExitTrain.
+
+Shape legend: L sequences in a batch, T sequence length, A anchors per sequence, N = L * A
+anchors (trees; row n = l * A + a), n valid anchors, K = block_size - 1 drafter positions,
+V vocabulary, B tree budget (rows root-first: B + 1), F target feature width.
+
+One training step (ALGORITHM.md sections 6-8):
+
+1. ``features`` (L, T, F) = the frozen target's hidden states of the drafter's layers, no grad, fp32.
+2. Anchors: :func:`sample_anchors` picks A positions per sequence whose K labels
+   ``x_{a+1..a+K}`` lie inside the sequence and inside the loss mask (the root ``x_a`` itself may
+   be the last prompt token). Seeded by ``(seed, global_step, rank)``: reproducible and
+   resume-consistent. Sequences with fewer candidates repeat some and mask the repeats out.
+3. ``logits`` (N, K, V) = ``drafter.forward_anchors``; ``L_tok`` = block cross-entropy on the
+   valid anchors (optionally decayed by ``gamma``).
+4. ``stage="exittrain"``: trees from the detached logits, target scores of every tree row, the
+   exit law (edges floored at ``alpha`` for the weights) and the node loss of ``weight_type`` on
+   the valid anchors; ``loss = lambda_tok * L_tok + lambda_exit * L_exit``.
+   ``stage="pretrain"``: ``loss = lambda_tok * L_tok``; every ``analytic_every`` steps the trees
+   are still built and scored, without gradients, for the metrics only.
+
+Metrics always use the raw law (alpha = 0): ``train/analytic_block_length`` is the mean over the
+step's valid trees of ``sum_v P(v)``, the block length TEV achieves on that tree in expectation.
+Logged per step (``self.log``, on_step): ``train/loss``, ``train/loss_tok``, ``train/loss_exit``
+(exittrain), ``train/acc_d{k}`` (k = 1..K: argmax of q_k equals the label), ``train/anchors``
+(valid anchors), ``lr``, ``train/time_{part}_ms`` (:data:`TIMED_PARTS`), ``train/anchors_per_s``
+and, when trees are scored, ``train/analytic_block_length``, ``train/coverage``,
+``train/mean_exit_depth`` and ``train/exit_mass_d{d}`` (d = 0..K, mean over trees; they sum to 1).
+Lightning keeps re-sending an on_step value until the epoch ends, so with ``analytic_every > 1``
+the tree metrics repeat the latest measurement on the steps in between (the times do not: they
+are logged every step, 0 for the parts skipped). Validation logs ``val/loss_tok``,
+``val/analytic_block_length`` and ``val/coverage`` per epoch, weighted by valid anchors.
+
+``weight_type="missing"`` uses the raw reach P(v) (ALGORITHM.md section 7 and
+:mod:`exittrain.core.losses` define that loss with P, not the floored P~), so ``alpha`` only
+affects ``flow`` and ``exit``.
+
+The target is a plain attribute (``TargetModel`` is not an ``nn.Module``): the drafter is the
+only submodule, so its parameters are the only trainable ones and the only checkpoint entries.
+The target must already sit on the device the trainer puts the module on (checked at fit start).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from exittrain.core import WEIGHT_TYPES, DraftTree, block_cross_entropy, build_tree, exit_law, exit_node_loss
+from exittrain.core.exit_law import ExitLaw
+from exittrain.models import BlockDrafter, DrafterConfig, TargetModel
+
+__all__ = [
+    "STAGES",
+    "SCORING_MODES",
+    "TIMED_PARTS",
+    "ExitTrainModule",
+    "WarmupCosine",
+    "anchor_generator",
+    "sample_anchors",
+    "select_trees",
+    "tree_metrics",
+]
+
+STAGES = ("pretrain", "exittrain")
+SCORING_MODES = ("exact", "windowed")
+TIMED_PARTS = ("features", "draft", "tree", "score", "exit", "backward", "step")
+"""Logged as ``train/time_{part}_ms`` every step: target features, drafter forward + block CE
+(+ accuracy), tree build, target scoring, exit law + node loss + tree metrics, backward, and the
+whole optimizer step (which contains the others; parts that did not run in a step report 0)."""
+
+CHECKPOINT_KEY = "exittrain"
+"""Checkpoint entry holding ``drafter_config`` (a JSON-safe dict) and ``target_name``."""
+
+
+# ----------------------------------------------------------------------------------------------
+# anchors
+
+
+def anchor_generator(seed: int, step: int, rank: int = 0, stream: int = 0) -> torch.Generator:
+    """A CPU generator seeded from ``(seed, step, rank, stream)``; stream 0 = train, 1 = validation."""
+    mixed = (int(seed) * 1_000_003 + int(step)) * 1_009 + int(rank) * 7 + int(stream)
+    return torch.Generator(device="cpu").manual_seed(mixed % (2**63 - 1))
+
+
+def sample_anchors(
+    loss_mask_LT: torch.Tensor,
+    lengths_L: torch.Tensor | None,
+    num_anchors: int,
+    horizon: int,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample ``num_anchors`` A anchor positions per sequence without replacement.
+
+    Candidates of sequence l: positions a with ``a + K < lengths[l]`` (K = ``horizon``) whose label
+    positions ``a+1..a+K`` are all in ``loss_mask_LT`` (the root ``x_a`` itself need not be).
+    Returns ``(anchors_LA long, valid_LA bool)`` on the mask's device. A sequence with c < A
+    candidates fills slots c..A-1 with repeats of its own candidates (valid False); with c = 0
+    every slot is position 0 and invalid. Sampling runs on the CPU with ``generator`` (one
+    uniform key per position), so the result does not depend on the device.
+    """
+    if loss_mask_LT.dim() != 2:
+        raise ValueError(f"loss_mask must be (L, T), got {tuple(loss_mask_LT.shape)}")
+    device = loss_mask_LT.device
+    mask = loss_mask_LT.detach().to("cpu", torch.bool)
+    L, T = mask.shape
+    if lengths_L is not None:
+        mask &= torch.arange(T).unsqueeze(0) < lengths_L.detach().to("cpu").view(L, 1)
+    # count of masked labels in a+1..a+K via a cumulative sum: cs[j] = mask[:, :j].sum()
+    cs = torch.nn.functional.pad(mask.long().cumsum(1), (1, 0))  # (L, T+1)
+    cand = torch.zeros(L, T, dtype=torch.bool)
+    if T > horizon:
+        a = torch.arange(T - horizon)
+        cand[:, : T - horizon] = (cs[:, a + horizon + 1] - cs[:, a + 1]) == horizon
+    keys = torch.rand(L, T, generator=generator)
+    keys = torch.where(cand, keys, torch.full_like(keys, -1.0))
+    order = torch.argsort(keys, dim=1, descending=True, stable=True)  # candidates first, random order
+    count = cand.sum(1, keepdim=True)  # (L, 1)
+    slot = torch.arange(num_anchors).unsqueeze(0)  # (1, A)
+    anchors = order.gather(1, slot % count.clamp_min(1))  # repeats wrap around the candidates
+    valid = slot < count
+    anchors = torch.where(count > 0, anchors, torch.zeros_like(anchors))
+    return anchors.to(device), valid.to(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# trees and metrics
+
+
+def select_trees(trees: DraftTree, index: torch.Tensor) -> DraftTree:
+    """The trees ``index`` (n,) of a batch, as a new :class:`DraftTree`."""
+    return DraftTree(
+        tokens=trees.tokens[index],
+        parents=trees.parents[index],
+        depths=trees.depths[index],
+        valid=trees.valid[index],
+        max_depth=trees.max_depth,
+        scores=trees.scores[index] if trees.scores is not None else None,
+    )
+
+
+@torch.no_grad()
+def tree_metrics(trees: DraftTree, law: ExitLaw) -> dict[str, torch.Tensor]:
+    """Means over n >= 1 trees of the raw exit law: analytic block length, coverage, exit mass by depth.
+
+    Keys: ``analytic_block_length`` (``sum_v P(v)``), ``coverage`` (``sum_{v != root} P(v)``),
+    ``mean_exit_depth`` (``sum_v E(v) d(v)``), ``exit_mass_d{d}`` for d = 0..K (root = depth 0).
+    """
+    K = trees.max_depth
+    depth_onehot = torch.nn.functional.one_hot(trees.positions, K + 1).to(law.exit_mass.dtype)  # (n, B+1, K+1)
+    by_depth = torch.einsum("nb,nbd->d", law.exit_mass, depth_onehot) / law.exit_mass.shape[0]  # (K+1,)
+    out = {
+        "analytic_block_length": law.expected_block_length.mean(),
+        "coverage": law.coverage.mean(),
+        "mean_exit_depth": (by_depth * torch.arange(K + 1, dtype=by_depth.dtype, device=by_depth.device)).sum(),
+    }
+    out.update({f"exit_mass_d{d}": by_depth[d] for d in range(K + 1)})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# schedule
+
+
+class WarmupCosine:
+    """LR factor: linear warmup over ``warmup_steps`` then cosine from 1 to ``min_ratio`` at ``total_steps``.
+
+    A callable object (not a closure) so that ``LambdaLR.state_dict`` stores its fields and a
+    checkpoint restores the same schedule. After ``total_steps`` the factor stays at ``min_ratio``.
+    """
+
+    def __init__(self, total_steps: int, warmup_steps: int, min_ratio: float):
+        self.total_steps = int(total_steps)
+        self.warmup_steps = int(warmup_steps)
+        self.min_ratio = float(min_ratio)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# ----------------------------------------------------------------------------------------------
+# timing
+
+
+class _StageTimer:
+    """perf_counter laps in ms; synchronises CUDA first so the parts are real device time."""
+
+    def __init__(self, device: torch.device, parts: tuple[str, ...] = ()):
+        self._sync = torch.cuda.synchronize if device.type == "cuda" else None
+        self.ms: dict[str, float] = dict.fromkeys(parts, 0.0)  # parts that do not run this step report 0
+        self._t = self._now()
+
+    def _now(self) -> float:
+        if self._sync is not None:
+            self._sync()
+        return time.perf_counter()
+
+    def lap(self, part: str) -> None:
+        now = self._now()
+        self.ms[part] = self.ms.get(part, 0.0) + (now - self._t) * 1e3
+        self._t = now
+
+
+# ----------------------------------------------------------------------------------------------
+# validation of arguments
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_args(a: Mapping[str, Any]) -> None:
+    def need(ok: bool, key: str, fix: str) -> None:
+        if not ok:
+            raise ValueError(f"{key}={a[key]!r}: {fix}")
+
+    need(a["stage"] in STAGES, "stage", f"must be one of {STAGES} (pretrain = block CE only)")
+    need(_is_int(a["anchors_per_seq"]) and a["anchors_per_seq"] >= 1, "anchors_per_seq", "need an int >= 1")
+    need(_is_int(a["budget"]) and a["budget"] >= 1, "budget", "need an int >= 1 (draft nodes per tree)")
+    need(a["weight_type"] in WEIGHT_TYPES, "weight_type", f"must be one of {WEIGHT_TYPES}")
+    need(_is_number(a["alpha"]) and 0.0 <= a["alpha"] <= 1.0, "alpha", "need a float in [0, 1] (edge floor)")
+    need(_is_number(a["lambda_tok"]) and a["lambda_tok"] >= 0, "lambda_tok", "need a float >= 0")
+    need(_is_number(a["lambda_exit"]) and a["lambda_exit"] >= 0, "lambda_exit", "need a float >= 0")
+    need(a["gamma"] is None or (_is_number(a["gamma"]) and a["gamma"] > 0), "gamma", "need None or a float > 0")
+    need(a["scoring"] in SCORING_MODES, "scoring", f"must be one of {SCORING_MODES}")
+    need(_is_int(a["window"]) and a["window"] >= 1, "window", "need an int >= 1 (prefix tokens in windowed scoring)")
+    need(
+        a["score_chunk_size"] is None or (_is_int(a["score_chunk_size"]) and a["score_chunk_size"] >= 1),
+        "score_chunk_size",
+        "need None (all anchors at once) or an int >= 1",
+    )
+    need(
+        a["context_window"] is None or (_is_int(a["context_window"]) and a["context_window"] >= 1),
+        "context_window",
+        "need None (drafter config default) or an int >= 1",
+    )
+    need(_is_number(a["lr"]) and a["lr"] > 0, "lr", "need a float > 0")
+    need(_is_number(a["weight_decay"]) and a["weight_decay"] >= 0, "weight_decay", "need a float >= 0")
+    need(_is_number(a["warmup_ratio"]) and 0 <= a["warmup_ratio"] < 1, "warmup_ratio", "need a float in [0, 1)")
+    need(_is_number(a["min_lr_ratio"]) and 0 <= a["min_lr_ratio"] <= 1, "min_lr_ratio", "need a float in [0, 1]")
+    need(_is_int(a["analytic_every"]) and a["analytic_every"] >= 0, "analytic_every", "need an int >= 0 (0 = never)")
+    need(_is_int(a["seed"]), "seed", "need an int")
+    if a["stage"] == "exittrain":
+        need(a["lambda_tok"] + a["lambda_exit"] > 0, "lambda_exit", "lambda_tok and lambda_exit are both 0: no loss")
+    else:
+        need(a["lambda_tok"] > 0, "lambda_tok", "stage='pretrain' trains on block CE only: need lambda_tok > 0")
+
+
+def _config_dict(config: DrafterConfig) -> dict[str, Any]:
+    """The drafter config as a JSON-safe dict of plain types (loadable with ``weights_only=True``)."""
+    return json.loads(config.to_json_string(use_diff=False))
+
+
+# ----------------------------------------------------------------------------------------------
+# the module
+
+
+class ExitTrainModule(pl.LightningModule):
+    """Trains a :class:`BlockDrafter` against a frozen :class:`TargetModel` (see the module docstring).
+
+    Args:
+        drafter: the model to train; becomes the only submodule (attached to ``target`` if needed).
+        target: the frozen target; a plain attribute, never registered or checkpointed.
+        stage: ``"pretrain"`` (block CE) or ``"exittrain"`` (block CE + exit node loss).
+        anchors_per_seq: A, anchors sampled per sequence and step.
+        budget: B, nodes per draft tree.
+        weight_type: the node weight of ``L_exit``, one of :data:`exittrain.core.WEIGHT_TYPES`.
+        alpha: floor of the edge probabilities in the training weights (``flow``, ``exit``).
+        lambda_tok, lambda_exit: loss weights.
+        gamma: position decay ``gamma^(k-1)`` of the block CE, or None.
+        scoring, window, score_chunk_size: how the target scores the trees
+            (:meth:`TargetModel.score_trees` ``mode``, ``window``, ``chunk_size``).
+        context_window: drafter context window override (None: the drafter config's).
+        lr, weight_decay: AdamW; weight decay applies to matrices only (not norms or the mask embedding).
+        warmup_ratio, min_lr_ratio: linear warmup over that fraction of
+            ``trainer.estimated_stepping_batches``, then cosine to ``min_lr_ratio * lr``.
+        analytic_every: in ``pretrain``, build and score trees for the metrics every this many
+            steps (0 = never). ``exittrain`` computes them every step anyway.
+        seed: seeds the anchor sampling (with the global step and rank).
+
+    Every argument is validated; a bad value raises ``ValueError`` naming the key.
+    """
+
+    def __init__(
+        self,
+        drafter: BlockDrafter,
+        target: TargetModel,
+        *,
+        stage: str = "exittrain",
+        anchors_per_seq: int = 8,
+        budget: int = 16,
+        weight_type: str = "flow",
+        alpha: float = 1e-4,
+        lambda_tok: float = 1.0,
+        lambda_exit: float = 0.1,
+        gamma: float | None = None,
+        scoring: str = "exact",
+        window: int = 64,
+        score_chunk_size: int | None = None,
+        context_window: int | None = None,
+        lr: float = 6e-4,
+        weight_decay: float = 0.0,
+        warmup_ratio: float = 0.02,
+        min_lr_ratio: float = 0.1,
+        analytic_every: int = 1,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        args = dict(locals())
+        args.pop("self"), args.pop("__class__", None)
+        _check_args(args)
+        if not isinstance(drafter, BlockDrafter):
+            raise ValueError(
+                f"drafter must be a BlockDrafter, got {type(drafter).__name__}; build one with new_drafter"
+            )
+        if not isinstance(target, TargetModel):
+            raise ValueError(f"target must be a TargetModel, got {type(target).__name__}; load one with load_target")
+        if not drafter.has_target:
+            drafter.attach_target(target)
+        self.save_hyperparameters(ignore=["drafter", "target"])
+        self.drafter = drafter
+        self.target = target  # not an nn.Module: a plain attribute, outside parameters() and state_dict()
+        self._t_step: float | None = None  # start of the current optimizer step (first accumulated batch)
+        self._t_backward: float | None = None
+        self._step_anchors = 0  # valid anchors since the last optimizer step
+
+    # -- properties -----------------------------------------------------------------------------
+
+    @property
+    def horizon(self) -> int:
+        """K, tokens the drafter predicts per anchor."""
+        return self.drafter.config.block_size - 1
+
+    def _rank(self) -> int:
+        return self._trainer.global_rank if self._trainer is not None else 0
+
+    # -- checkpoint -----------------------------------------------------------------------------
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[CHECKPOINT_KEY] = {
+            "drafter_config": _config_dict(self.drafter.config),
+            "target_name": self.target.name,
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get(CHECKPOINT_KEY, {}).get("target_name")
+        if saved is not None and saved != self.target.name:
+            raise ValueError(
+                f"checkpoint was trained against target {saved!r} but this module holds target {self.target.name!r}; "
+                "load the matching target"
+            )
+
+    @staticmethod
+    def drafter_from_checkpoint(path, target: TargetModel, *, map_location: Any = "cpu") -> BlockDrafter:
+        """Rebuild the trained drafter from a Lightning checkpoint alone (config + ``drafter.*`` weights).
+
+        Loads with ``weights_only=True``; the drafter is attached to ``target`` (pairing checked).
+        """
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        if CHECKPOINT_KEY not in ckpt:
+            raise ValueError(f"{path} holds no '{CHECKPOINT_KEY}' entry: not an ExitTrainModule checkpoint")
+        config = DrafterConfig.from_dict(ckpt[CHECKPOINT_KEY]["drafter_config"])
+        drafter = BlockDrafter(config).attach_target(target)
+        prefix = "drafter."
+        state = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+        drafter.load_state_dict(state, strict=True)
+        return drafter.to(target.device)
+
+    # -- fit ------------------------------------------------------------------------------------
+
+    def on_fit_start(self) -> None:
+        if self.target.device != self.device:
+            raise ValueError(
+                f"target is on {self.target.device} but the trainer put the drafter on {self.device}; "
+                "load the target on the trainer's device (load_target(..., device=...))"
+            )
+
+    def configure_optimizers(self):
+        """AdamW over the drafter's parameters; warmup + cosine, stepped every optimizer step."""
+        hp = self.hparams
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=hp.lr
+        )
+        total = self.trainer.estimated_stepping_batches
+        if not math.isfinite(total):
+            raise ValueError("the LR schedule needs a finite run: set trainer max_steps or max_epochs")
+        total = max(1, int(total))
+        schedule = WarmupCosine(total, round(hp.warmup_ratio * total), hp.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def _anchors(self, batch: Mapping[str, torch.Tensor], generator: torch.Generator):
+        lengths = batch.get("lengths")
+        if lengths is None and batch.get("attention_mask") is not None:
+            lengths = batch["attention_mask"].sum(1)
+        return sample_anchors(batch["loss_mask"], lengths, self.hparams.anchors_per_seq, self.horizon, generator)
+
+    def compute_losses(
+        self, batch: Mapping[str, torch.Tensor], generator: torch.Generator, *, exit_loss: bool, metrics: bool
+    ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """Losses and metrics of one batch; returns ``(values, times_ms)``.
+
+        ``values`` holds ``loss``, ``loss_tok``, ``anchors`` (valid count), ``acc_d{k}`` and, with
+        ``exit_loss``, ``loss_exit``; with ``exit_loss`` or ``metrics`` (and at least one valid
+        anchor) also the :func:`tree_metrics` of the raw law. Gradients flow into ``loss`` from the
+        drafter logits only.
+        """
+        hp = self.hparams
+        timer = _StageTimer(self.device, ("features", "draft", "tree", "score", "exit"))
+        input_ids = batch["input_ids"]  # (L, T)
+        K = self.horizon
+        with torch.no_grad():
+            features = self.target.sequence_features(input_ids, self.drafter.config.target_layer_ids).float()
+        timer.lap("features")
+
+        anchors_LA, valid_LA = self._anchors(batch, generator)
+        L, A = anchors_LA.shape
+        logits = self.drafter.forward_anchors(
+            features, input_ids, anchors_LA, context_window=hp.context_window
+        )  # (N, K, V)
+        label_pos = (anchors_LA.unsqueeze(-1) + torch.arange(1, K + 1, device=anchors_LA.device)).clamp_max(
+            input_ids.shape[1] - 1
+        )  # (L, A, K); clamped only for invalid anchors
+        labels = input_ids.gather(1, label_pos.reshape(L, A * K)).reshape(L * A, K)  # (N, K)
+        valid_N = valid_LA.reshape(-1)
+        loss_tok = block_cross_entropy(logits, labels, gamma=hp.gamma, label_mask=valid_N.unsqueeze(1).expand(-1, K))
+        values: dict[str, torch.Tensor] = {"loss_tok": loss_tok}
+        index = valid_N.nonzero().squeeze(1)  # (n,)
+        n_valid = int(index.numel())
+        values["anchors"] = torch.tensor(float(n_valid))
+        with torch.no_grad():
+            if n_valid:
+                hit = (logits[index].argmax(-1) == labels[index]).float().mean(0)  # (K,)
+                values.update({f"acc_d{k + 1}": hit[k] for k in range(K)})
+        timer.lap("draft")
+
+        loss = hp.lambda_tok * loss_tok
+        if (exit_loss or metrics) and n_valid:
+            with torch.no_grad():
+                trees = build_tree(torch.log_softmax(logits.detach().float(), dim=-1), hp.budget, validate=False)
+                timer.lap("tree")
+                scores = self.target.score_trees(
+                    input_ids, anchors_LA, trees, mode=hp.scoring, window=hp.window, chunk_size=hp.score_chunk_size
+                )
+                probs = torch.softmax(scores.logits[index].float(), dim=-1)  # (n, B+1, V)
+                timer.lap("score")
+                trees_v = select_trees(trees, index)
+                law_raw = exit_law(trees_v, probs, 0.0, validate=False)
+                values.update(tree_metrics(trees_v, law_raw))
+            if exit_loss:
+                law_w = law_raw
+                if hp.weight_type != "missing" and hp.alpha > 0:
+                    with torch.no_grad():
+                        law_w = exit_law(trees_v, probs, hp.alpha, validate=False)
+                loss_exit = exit_node_loss(logits[index], trees_v, law_w, hp.weight_type, probs)
+                values["loss_exit"] = loss_exit
+                loss = loss + hp.lambda_exit * loss_exit
+            timer.lap("exit")
+        elif exit_loss:
+            values["loss_exit"] = logits.sum() * 0.0  # no valid anchor: a zero that keeps the graph
+        values["loss"] = loss
+        return values, timer.ms
+
+    def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """One step of the stage's loss (see the module docstring); logs the step's metrics.
+
+        ``batch``: ``input_ids`` (L, T) long, ``loss_mask`` (L, T) bool, and ``lengths`` (L,) or
+        ``attention_mask`` (L, T) (right padding). Raises RuntimeError naming the global step and
+        the batch index if the loss is not finite, before anything is logged or updated.
+        """
+        hp = self.hparams
+        if self._t_step is None:
+            self._t_step = self._now()
+        step = self.global_step
+        generator = anchor_generator(hp.seed, step, self._rank(), stream=0)
+        want_metrics = hp.analytic_every > 0 and step % hp.analytic_every == 0
+        values, times = self.compute_losses(
+            batch, generator, exit_loss=hp.stage == "exittrain", metrics=want_metrics or hp.stage == "exittrain"
+        )
+        loss = values["loss"]
+        if not bool(torch.isfinite(loss)):
+            parts = ", ".join(f"{k}={float(values[k].detach()):.4g}" for k in ("loss_tok", "loss_exit") if k in values)
+            raise RuntimeError(
+                f"non-finite training loss {float(loss.detach())} at global step {step}, batch index {batch_idx} "
+                f"({parts}); refusing to train on it: check this batch's data, the learning rate and the target outputs"
+            )
+        self._step_anchors += int(values["anchors"])
+        L = batch["input_ids"].shape[0]
+        logged = {f"train/{k}": v.detach() for k, v in values.items() if k != "anchors"}
+        logged["train/anchors"] = values["anchors"]
+        logged.update({f"train/time_{k}_ms": torch.tensor(v) for k, v in times.items()})
+        if self._trainer is not None and self.trainer.optimizers:
+            logged["lr"] = torch.tensor(self.trainer.optimizers[0].param_groups[0]["lr"])
+        prog = {"train/loss", "train/analytic_block_length"}
+        self.log_dict({k: v for k, v in logged.items() if k not in prog}, on_step=True, on_epoch=False, batch_size=L)
+        self.log_dict(
+            {k: v for k, v in logged.items() if k in prog}, on_step=True, on_epoch=False, batch_size=L, prog_bar=True
+        )
+        return loss
+
+    def validation_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> None:
+        """Logs ``val/loss_tok``, ``val/analytic_block_length`` and ``val/coverage`` per epoch (anchor-weighted)."""
+        generator = anchor_generator(self.hparams.seed, batch_idx, self._rank(), stream=1)  # same anchors every epoch
+        values, _ = self.compute_losses(batch, generator, exit_loss=False, metrics=True)
+        n = int(values["anchors"])
+        if n == 0:
+            return
+        keys = ("loss_tok", "analytic_block_length", "coverage")
+        self.log_dict(
+            {f"val/{k}": values[k].detach() for k in keys if k in values},
+            on_step=False,
+            on_epoch=True,
+            batch_size=n,
+            sync_dist=True,
+            prog_bar=True,
+        )
+
+    # -- step timing (backward and whole step) --------------------------------------------------
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        self._t_backward = self._now()
+
+    def on_after_backward(self) -> None:
+        if self._t_backward is None:
+            return
+        ms = (self._now() - self._t_backward) * 1e3
+        self._t_backward = None
+        self.log("train/time_backward_ms", ms, on_step=True, on_epoch=False)
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
+        """The default step, timed: ``train/time_step_ms`` runs from the first ``training_step`` since
+        the previous update to the end of this one (forward, backward and update of every accumulated
+        batch; not the data loading), and ``train/anchors_per_s`` divides their valid anchors by it."""
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        if self._t_step is None:
+            return
+        seconds = self._now() - self._t_step
+        self.log("train/time_step_ms", seconds * 1e3, on_step=True, on_epoch=False)
+        self.log("train/anchors_per_s", self._step_anchors / max(seconds, 1e-9), on_step=True, on_epoch=False)
+        self._t_step, self._step_anchors = None, 0

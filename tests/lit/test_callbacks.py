@@ -1,0 +1,139 @@
+"""Callbacks: decoding evaluation feeding ModelCheckpoint, atomic drafter export, the metrics file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from exittrain.decoding import SpeculativeDecoder
+from exittrain.lit import DecodeEvalCallback, ExportDrafterCallback, save_drafter, write_json_atomic
+from exittrain.models import load_drafter
+from tests.lit.helpers import ListLogger, loader, make_module, trainer
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`"),
+    pytest.mark.filterwarnings("ignore:`isinstance.treespec, LeafSpec.` is deprecated"),
+]
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17]]
+
+
+def test_decode_eval_matches_the_decoder_and_restores_train_mode(target):
+    module = make_module(target)
+    module.drafter.train()
+    callback = DecodeEvalCallback(PROMPTS, every_n_steps=1, budget=8, max_new_tokens=6)
+    stats = callback.evaluate(module.drafter, target)
+    assert module.drafter.training
+    decoder = SpeculativeDecoder(target, module.drafter, budget=8)
+    results = [decoder.generate(p, max_new_tokens=6, seed=i) for i, p in enumerate(PROMPTS)]
+    rounds = sum(len(r.rounds) for r in results)
+    assert stats["rounds"] == rounds
+    assert stats["tokens"] == sum(len(r.tokens) for r in results)
+    assert stats["block_length"] == pytest.approx(sum(r.block_length for x in results for r in x.rounds) / rounds)
+    assert stats["tokens_per_s"] > 0
+
+
+def test_decode_eval_feeds_model_checkpoint_without_a_validation_loop(target, tmp_path):
+    """Logged from on_train_batch_end, val/block_length reaches callback_metrics before ModelCheckpoint runs."""
+    decode = DecodeEvalCallback(PROMPTS, every_n_steps=2, budget=8, max_new_tokens=6)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="val/block_length", mode="max", every_n_train_steps=2)
+    logger = ListLogger()
+    fit = trainer(4, callbacks=[decode, ckpt], logger=logger, checkpointing=True)
+    fit.fit(make_module(target, stage="pretrain", analytic_every=0), loader(8))
+    assert [h["step"] for h in decode.history] == [2, 4]
+    assert Path(ckpt.best_model_path).is_file()
+    assert float(ckpt.best_model_score) == pytest.approx(max(h["block_length"] for h in decode.history))
+    # the value logged at step 2 is the one evaluated at step 2
+    assert logger.history["val/block_length"][0][1] == pytest.approx(decode.history[0]["block_length"])
+    saved = torch.load(ckpt.best_model_path, weights_only=True)
+    state = next(v for k, v in saved["callbacks"].items() if k.startswith("DecodeEvalCallback"))
+    restored = DecodeEvalCallback(PROMPTS)
+    restored.load_state_dict(state)
+    assert restored.history == decode.history[: len(restored.history)] and restored.history
+
+
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"every_n_steps": -1}, "every_n_steps"),
+        ({"budget": 0}, "budget"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"prompts": [[3]]}, "prompts"),
+        ({"prompts": []}, "prompts"),
+    ],
+)
+def test_decode_eval_rejects_bad_arguments(kwargs, key):
+    kwargs = {"prompts": PROMPTS, **kwargs}
+    with pytest.raises(ValueError, match=key):
+        DecodeEvalCallback(**kwargs)
+
+
+def test_decode_eval_resolves_a_prompt_callable_lazily():
+    calls = []
+
+    def source():
+        calls.append(1)
+        return PROMPTS
+
+    callback = DecodeEvalCallback(source)
+    assert not calls
+    assert callback.prompts == PROMPTS and callback.prompts == PROMPTS
+    assert len(calls) == 1
+
+
+def test_save_drafter_replaces_and_never_leaves_a_partial_folder(target, tmp_path, monkeypatch):
+    first = make_module(target, drafter_seed=1).drafter
+    second = make_module(target, drafter_seed=2).drafter
+    path = tmp_path / "drafter"
+    save_drafter(first, path)
+    save_drafter(second, path)  # overwrite
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]
+    loaded = load_drafter(path, target)
+    assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in second.state_dict().items())
+
+    def crash(save_directory, **kwargs):
+        (Path(save_directory) / "config.json").write_text("{half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(first, "save_pretrained", crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_drafter(first, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"], "temporary folder removed"
+    loaded = load_drafter(path, target)  # the previous export is intact
+    assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in second.state_dict().items())
+
+
+def test_export_callback_writes_only_on_rank_zero(target, tmp_path):
+    class FakeStrategy:
+        def barrier(self, name=None):
+            self.barriers = getattr(self, "barriers", 0) + 1
+
+    class FakeTrainer:
+        is_global_zero = False
+        strategy = FakeStrategy()
+        checkpoint_callbacks = []
+
+    module = make_module(target)
+    callback = ExportDrafterCallback(tmp_path / "out")
+    callback.on_fit_end(FakeTrainer(), module)
+    assert not (tmp_path / "out").exists() and FakeTrainer.strategy.barriers == 1
+    FakeTrainer.is_global_zero = True
+    callback.on_fit_end(FakeTrainer(), module)
+    assert (tmp_path / "out" / "drafter" / "model.safetensors").is_file()
+    assert callback.exported == [tmp_path / "out" / "drafter"]
+    with pytest.raises(ValueError, match="name"):
+        ExportDrafterCallback(tmp_path, name="a/b")
+
+
+def test_write_json_atomic(tmp_path):
+    path = write_json_atomic(tmp_path / "sub" / "metrics.json", {"a": 1.5, "b": None})
+    assert json.loads(path.read_text()) == {"a": 1.5, "b": None}
+    with pytest.raises(TypeError):
+        write_json_atomic(path, {"a": object()})
+    assert json.loads(path.read_text()) == {"a": 1.5, "b": None}, "a failed write keeps the old file"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["metrics.json"]

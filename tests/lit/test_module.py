@@ -1,0 +1,268 @@
+"""ExitTrainModule without a full run: anchors, config checks, losses against a reference, gradients."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import exittrain.lit.module as lit_module
+from exittrain.core import build_tree, exit_law, exit_node_loss_reference
+from exittrain.lit import ExitTrainModule, WarmupCosine, anchor_generator, sample_anchors
+from exittrain.models import new_drafter
+from tests.lit.helpers import BLOCK, batch_of, collate, loader, make_module, trainer
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`"),
+    pytest.mark.filterwarnings("ignore:`isinstance.treespec, LeafSpec.` is deprecated"),
+]
+
+K = BLOCK - 1
+
+# ----------------------------------------------------------------------------------------------
+# anchors
+
+
+def brute_candidates(mask_T: torch.Tensor, length: int, k: int) -> set[int]:
+    return {a for a in range(length) if a + k < length and all(bool(mask_T[a + j]) for j in range(1, k + 1))}
+
+
+def test_sample_anchors_respects_horizon_mask_and_padding():
+    L, T, A = 4, 20, 4
+    lengths = torch.tensor([20, 14, 6, 3])
+    starts = [10, 7, 3, 1]
+    mask = torch.zeros(L, T, dtype=torch.bool)
+    for l, (n, s) in enumerate(zip(lengths.tolist(), starts)):
+        mask[l, s:n] = True
+    anchors, valid = sample_anchors(mask, lengths, A, K, anchor_generator(0, 0))
+    assert anchors.shape == valid.shape == (L, A) and anchors.dtype == torch.long
+    for l in range(L):
+        cand = brute_candidates(mask[l], int(lengths[l]), K)
+        chosen = anchors[l][valid[l]].tolist()
+        assert len(chosen) == min(A, len(cand)) == int(valid[l].sum())
+        assert len(set(chosen)) == len(chosen), "without replacement"
+        assert set(chosen) <= cand
+        assert valid[l].tolist() == sorted(valid[l].tolist(), reverse=True), "valid slots come first"
+        padded = anchors[l][~valid[l]].tolist()
+        assert set(padded) <= (cand or {0}), "padding repeats the sequence's own candidates (or 0 if none)"
+    # sequence 2: the root may be the last prompt token (a = 2, labels 3..5 are the whole response)
+    assert anchors[2, 0].item() == 2 and valid[2].tolist() == [True, False, False, False]
+    assert not valid[3].any() and anchors[3].eq(0).all()
+
+
+def test_sample_anchors_finds_every_candidate_of_random_masks():
+    g = torch.Generator().manual_seed(3)
+    L, T = 6, 30
+    mask = torch.rand(L, T, generator=g) < 0.8
+    lengths = torch.randint(K, T + 1, (L,), generator=g)
+    anchors, valid = sample_anchors(mask, lengths, T, K, anchor_generator(1, 7))
+    for l in range(L):
+        assert set(anchors[l][valid[l]].tolist()) == brute_candidates(mask[l], int(lengths[l]), K)
+
+
+def test_sample_anchors_reproducible_per_seed_and_step():
+    mask = torch.ones(2, 64, dtype=torch.bool)
+    lengths = torch.tensor([64, 64])
+
+    def draw(seed, step):
+        return sample_anchors(mask, lengths, 8, K, anchor_generator(seed, step))[0]
+
+    assert torch.equal(draw(0, 5), draw(0, 5))
+    assert not torch.equal(draw(0, 5), draw(0, 6))
+    assert not torch.equal(draw(0, 5), draw(1, 5))
+
+
+# ----------------------------------------------------------------------------------------------
+# configuration
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("stage", "finetune"),
+        ("anchors_per_seq", 0),
+        ("budget", 0),
+        ("budget", True),
+        ("weight_type", "reach"),
+        ("alpha", 1.5),
+        ("alpha", -1e-3),
+        ("lambda_tok", -1.0),
+        ("lambda_exit", -0.1),
+        ("lambda_exit", float("nan")),
+        ("gamma", 0.0),
+        ("scoring", "approx"),
+        ("window", 0),
+        ("score_chunk_size", 0),
+        ("context_window", 0),
+        ("lr", 0.0),
+        ("weight_decay", -1.0),
+        ("warmup_ratio", 1.0),
+        ("min_lr_ratio", 1.5),
+        ("analytic_every", -1),
+        ("seed", 1.5),
+    ],
+)
+def test_bad_config_raises_naming_the_key(target, key, value):
+    drafter = new_drafter(target, block_size=BLOCK, num_layers=1, seed=0)
+    with pytest.raises(ValueError, match=f"^{key}="):
+        ExitTrainModule(drafter, target, **{key: value})
+
+
+def test_config_combinations_that_train_nothing_are_rejected(target):
+    drafter = new_drafter(target, block_size=BLOCK, num_layers=1, seed=0)
+    with pytest.raises(ValueError, match="lambda_tok"):
+        ExitTrainModule(drafter, target, stage="pretrain", lambda_tok=0.0)
+    with pytest.raises(ValueError, match="lambda_exit"):
+        ExitTrainModule(drafter, target, stage="exittrain", lambda_tok=0.0, lambda_exit=0.0)
+    with pytest.raises(ValueError, match="BlockDrafter"):
+        ExitTrainModule(torch.nn.Linear(2, 2), target)
+
+
+def test_hparams_are_plain_and_only_the_drafter_is_a_submodule(target):
+    module = make_module(target, gamma=0.8)
+    assert "drafter" not in module.hparams and "target" not in module.hparams
+    plain = (str, int, float, bool, type(None))
+    assert all(isinstance(v, plain) for v in module.hparams.values()), dict(module.hparams)
+    assert module.hparams.gamma == 0.8 and module.hparams.stage == "exittrain"
+    assert [name for name, _ in module.named_children()] == ["drafter"]
+    assert {id(p) for p in module.parameters()} == {id(p) for p in module.drafter.parameters()}
+    assert all(k.startswith("drafter.") for k in module.state_dict())
+
+
+def test_checkpoint_of_another_target_is_refused(target):
+    module = make_module(target)
+    with pytest.raises(ValueError, match="other-target"):
+        module.on_load_checkpoint({"exittrain": {"target_name": "other-target"}})
+
+
+# ----------------------------------------------------------------------------------------------
+# schedule
+
+
+def test_warmup_cosine_shape():
+    f = WarmupCosine(total_steps=100, warmup_steps=10, min_ratio=0.1)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0) and f(10) == pytest.approx(1.0)
+    assert f(55) == pytest.approx(0.55) and f(100) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
+    after = [f(s) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(after, after[1:]))
+    assert WarmupCosine(10, 0, 0.0)(0) == pytest.approx(1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# losses and gradients
+
+
+def reference_losses(module, batch, generator):
+    """L_tok and L_exit recomputed step by step with the loop twins of core."""
+    hp = module.hparams
+    ids = batch["input_ids"]
+    features = module.target.sequence_features(ids, module.drafter.config.target_layer_ids).float()
+    anchors, valid = sample_anchors(batch["loss_mask"], batch["lengths"], hp.anchors_per_seq, K, generator)
+    logits = module.drafter.forward_anchors(features, ids, anchors)
+    ce, n = 0.0, 0
+    for l in range(anchors.shape[0]):
+        for a in range(anchors.shape[1]):
+            if valid[l, a]:
+                row = logits[l * anchors.shape[1] + a].log_softmax(-1)
+                pos = int(anchors[l, a])
+                ce -= sum(float(row[k, ids[l, pos + 1 + k]]) for k in range(K))
+                n += K
+    trees = build_tree(logits.detach().log_softmax(-1), hp.budget)
+    probs = module.target.score_trees(ids, anchors, trees).logits.softmax(-1)
+    index = valid.reshape(-1).nonzero().squeeze(1)
+    sub = lit_module.select_trees(trees, index)
+    alpha = 0.0 if hp.weight_type == "missing" else hp.alpha
+    law = exit_law(sub, probs[index], alpha)
+    exit_loss = exit_node_loss_reference(logits[index], sub, law, hp.weight_type, probs[index])
+    return ce / n, float(exit_loss), exit_law(sub, probs[index]).expected_block_length.mean()
+
+
+@pytest.mark.parametrize("weight_type", ["flow", "exit", "missing"])
+def test_losses_match_the_reference_twins(target, weight_type):
+    # 12 anchors per sequence: more than some sequences have, so padded anchors are in play
+    module = make_module(
+        target, weight_type=weight_type, alpha=0.05, lambda_tok=0.5, lambda_exit=2.0, anchors_per_seq=12
+    )
+    batch = batch_of(3, seed=4)
+    with torch.no_grad():
+        values, times = module.compute_losses(batch, anchor_generator(0, 0), exit_loss=True, metrics=True)
+        ref_tok, ref_exit, ref_tau = reference_losses(module, batch, anchor_generator(0, 0))
+    assert 0 < int(values["anchors"]) < 3 * 12
+    assert float(values["loss_tok"]) == pytest.approx(ref_tok, rel=1e-5)
+    assert float(values["loss_exit"]) == pytest.approx(ref_exit, rel=1e-5)
+    assert float(values["loss"]) == pytest.approx(0.5 * ref_tok + 2.0 * ref_exit, rel=1e-5)
+    assert float(values["analytic_block_length"]) == pytest.approx(float(ref_tau), rel=1e-5)
+    exit_mass = sum(float(values[f"exit_mass_d{d}"]) for d in range(K + 1))
+    assert exit_mass == pytest.approx(1.0, abs=1e-5)
+    assert float(values["coverage"]) == pytest.approx(float(values["analytic_block_length"]) - 1, abs=1e-6)
+    assert set(times) == {"features", "draft", "tree", "score", "exit"} and all(t >= 0 for t in times.values())
+
+
+def test_padded_anchors_do_not_change_the_losses(target):
+    """A sequence without candidates adds only masked anchors: the losses equal those of the good one alone."""
+    module = make_module(target)
+    good = batch_of(1, seed=5)
+    T = good["input_ids"].shape[1]
+    bad_row = (torch.randint(2, 64, (T,), generator=torch.Generator().manual_seed(1)), torch.zeros(T, dtype=torch.bool))
+    both = collate([(good["input_ids"][0], good["loss_mask"][0]), bad_row])
+    with torch.no_grad():
+        alone, _ = module.compute_losses(good, anchor_generator(0, 0), exit_loss=True, metrics=True)
+        mixed, _ = module.compute_losses(both, anchor_generator(0, 0), exit_loss=True, metrics=True)
+    assert int(mixed["anchors"]) == int(alone["anchors"]) == module.hparams.anchors_per_seq
+    for key in ("loss_tok", "loss_exit", "analytic_block_length", "acc_d1"):
+        assert float(mixed[key]) == pytest.approx(float(alone[key]), rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize("weight_type", ["flow", "exit", "missing"])
+def test_exit_loss_alone_trains_every_drafter_parameter_and_nothing_else(target, weight_type):
+    module = make_module(target, weight_type=weight_type, lambda_tok=0.0, lambda_exit=1.0)
+    values, _ = module.compute_losses(batch_of(2), anchor_generator(0, 0), exit_loss=True, metrics=False)
+    values["loss"].backward()
+    for name, p in module.drafter.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    assert sum(float(p.grad.abs().sum()) for p in module.drafter.parameters()) > 0
+    for p in target.model.parameters():
+        assert p.grad is None and not p.requires_grad
+
+
+def test_no_valid_anchor_gives_zero_loss_not_nan(target):
+    module = make_module(target)
+    batch = batch_of(2)
+    batch["loss_mask"][:] = False
+    values, _ = module.compute_losses(batch, anchor_generator(0, 0), exit_loss=True, metrics=True)
+    assert int(values["anchors"]) == 0
+    assert float(values["loss"].detach()) == 0.0 and "analytic_block_length" not in values
+    values["loss"].backward()  # the graph is intact
+
+
+# ----------------------------------------------------------------------------------------------
+# NaN guard
+
+
+def test_nan_loss_raises_naming_step_and_batch(target, monkeypatch):
+    real = lit_module.block_cross_entropy
+    calls = []
+
+    def poisoned(*args, **kwargs):
+        calls.append(1)
+        out = real(*args, **kwargs)
+        return out * math.nan if len(calls) == 3 else out
+
+    monkeypatch.setattr(lit_module, "block_cross_entropy", poisoned)
+    module = make_module(target, stage="pretrain", analytic_every=0)
+    weights = [p.detach().clone() for p in module.drafter.parameters()]
+    with pytest.raises(RuntimeError, match=r"global step 2, batch index 2"):
+        trainer(5).fit(module, loader(8))
+    assert len(calls) == 3
+    # two good steps happened, the poisoned one did not update the drafter with NaN
+    assert all(torch.isfinite(p).all() for p in module.drafter.parameters())
+    assert any(not torch.equal(w, p) for w, p in zip(weights, module.drafter.parameters()))
+
+
+def test_nan_drafter_logits_in_exittrain_raise_at_step_zero(target, monkeypatch):
+    module = make_module(target, stage="exittrain")
+    real = module.drafter.forward_anchors
+    monkeypatch.setattr(module.drafter, "forward_anchors", lambda *a, **k: real(*a, **k) * math.nan)
+    with pytest.raises(RuntimeError, match=r"global step 0, batch index 0"):
+        trainer(2).fit(module, loader(4))
