@@ -9,7 +9,6 @@ so ``+recipe=code`` works exactly as typed. Every output goes to Hydra's run dir
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -20,6 +19,8 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+
+from exittrain.lit.callbacks import write_json_atomic
 
 log = logging.getLogger("exittrain")
 
@@ -37,13 +38,6 @@ def register_recipes(recipes_dir: Path = RECIPES_DIR) -> list[str]:
         cs.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
         names.append(path.stem)
     return names
-
-
-def write_json_atomic(path: Path, payload) -> None:
-    """Write JSON through a temporary file and a rename: a crash never leaves half a file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=2, default=float))
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -109,6 +103,13 @@ def _log_table(logger, name: str, table: list[dict]) -> None:
     logger.log_metrics(flat)
 
 
+def _write_tree_example(target, drafter, prompt: list[int], budget: int, out: Path) -> None:
+    """One real draft tree with its exit law, for `report`'s tree plot."""
+    from exittrain.eval.tree_example import save_tree_example, tree_example
+
+    save_tree_example(tree_example(target, drafter, prompt, budget=budget), out / "tree_example.json")
+
+
 # ----------------------------------------------------------------------------------------------
 # fit
 
@@ -143,15 +144,14 @@ def _build_callbacks(cfg: DictConfig, stage: str, eval_prompts: list[list[int]],
         if node is None:
             continue
         if name == "decode_eval":
-            node = OmegaConf.merge(node, {})
+            node = OmegaConf.to_container(node, resolve=True)
             n = node.pop("num_prompts")
             callbacks.append(instantiate(node)(prompts=eval_prompts[:n]))
         elif name == "checkpoint":
             callbacks.append(instantiate(node, dirpath=str(out / "checkpoints" / stage)))
         else:
             callbacks.append(instantiate(node))
-    export_dir = out / ("drafter" if stage == "exittrain" else "warmstart_drafter")
-    callbacks.append(ExportDrafterCallback(export_dir))
+    callbacks.append(ExportDrafterCallback(out, name="drafter" if stage == "exittrain" else "warmstart_drafter"))
     callbacks.append(MetricsFileCallback(out / f"metrics_{stage}.json"))
     return callbacks
 
@@ -216,6 +216,7 @@ def run_fit(cfg: DictConfig) -> dict:
         finally:
             _close_logger(logger)
     save_drafter(drafter, out / "drafter")
+    _write_tree_example(target, drafter, eval_prompts[0], max(settings["budgets"]), out)
 
     timings["total_s"] = time.perf_counter() - started
     summary["timings"] = timings
@@ -266,6 +267,7 @@ def run_eval(cfg: DictConfig) -> dict:
     finally:
         _close_logger(logger)
     write_json_atomic(out / "results.json", {"rows": rows, "summary": table, "drafter": str(path)})
+    _write_tree_example(target, drafter, prompts[0], max(settings["budgets"]), out)
     with open(out / "results.csv", "w", newline="") as f:
         flat = [{k: v for k, v in r.items() if not isinstance(v, list)} for r in rows]
         writer = csv.DictWriter(f, fieldnames=list(flat[0]))

@@ -7,7 +7,15 @@
 """
 
 from .exit_law import ExitLaw, exit_law, exit_law_reference
-from .losses import WEIGHT_TYPES, block_cross_entropy, exit_node_loss, exit_node_loss_reference
+from .losses import (
+    WEIGHT_TYPES,
+    block_cross_entropy,
+    exit_node_loss,
+    exit_node_loss_reference,
+    sample_vocabulary,
+    sampled_block_cross_entropy,
+    sampled_block_cross_entropy_reference,
+)
 from .tree import DraftTree, build_tree, build_tree_reference
 from .verify import (
     VERIFIERS,
@@ -39,4 +47,7 @@ __all__ = [
     "block_cross_entropy",
     "exit_node_loss",
     "exit_node_loss_reference",
+    "sample_vocabulary",
+    "sampled_block_cross_entropy",
+    "sampled_block_cross_entropy_reference",
 ]

@@ -14,6 +14,13 @@ nodes of all trees, with ``w`` one of:
   ``P(v) p_v(y)`` for each token y that is not one of v's children, supervising
   ``q_{d(v)+1}``; normalised by the same ``N_nodes``.
 
+**Sampled block cross-entropy** (training only; evaluation keeps the full vocabulary): the
+softmax of ``q_k`` runs over a shared candidate set ``C`` = every label of the batch (U distinct
+tokens) plus ``m`` negatives drawn uniformly without replacement from the other ``V - U`` tokens.
+The logits of the negatives get ``+ log((V - U) / m)``, so ``sum_{y in C} exp(logit'(y))`` is an
+unbiased estimate of the full partition ``Z`` (the log of it, and so the loss, is consistent:
+exact when ``m = V - U``, slightly low for small ``m``). Cost: ``(U + m) / V`` of the LM head.
+
 Rows sharing a depth share ``q_d``, so each loss is computed as one soft-label cross-entropy
 per (anchor, depth) row: ``sum_v w(v)(-log q_d(x_v)) = sum_y W_d(y) (-log q_d(y))``.
 The weights and soft labels are detached: gradients reach the drafter logits only.
@@ -21,12 +28,23 @@ The weights and soft labels are detached: gradients reach the drafter logits onl
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .exit_law import ExitLaw
 from .tree import DraftTree, at_least_float32
 
-__all__ = ["WEIGHT_TYPES", "block_cross_entropy", "exit_node_loss", "exit_node_loss_reference", "soft_labels"]
+__all__ = [
+    "WEIGHT_TYPES",
+    "block_cross_entropy",
+    "exit_node_loss",
+    "exit_node_loss_reference",
+    "sample_vocabulary",
+    "sampled_block_cross_entropy",
+    "sampled_block_cross_entropy_reference",
+    "soft_labels",
+]
 
 WEIGHT_TYPES = ("flow", "exit", "missing")
 
@@ -47,19 +65,128 @@ def block_cross_entropy(
         raise ValueError(
             f"logits must be (N, K, V) and labels (N, K); got {tuple(logits.shape)}, {tuple(labels.shape)}"
         )
-    if gamma is not None and not gamma > 0:
-        raise ValueError(f"gamma must be > 0 (position decay) or None, got {gamma!r}")
     N, K, V = logits.shape
+    weight_NK = _position_weights(N, K, gamma, label_mask, at_least_float32(logits).dtype, logits.device)
     ce_NK = torch.nn.functional.cross_entropy(
         at_least_float32(logits.reshape(N * K, V)), labels.reshape(N * K), reduction="none"
     ).view(N, K)
-    weight = torch.ones(K, dtype=ce_NK.dtype, device=ce_NK.device)
+    return (ce_NK * weight_NK).sum() / weight_NK.sum().clamp_min(1e-12)
+
+
+def _position_weights(
+    N: int, K: int, gamma: float | None, label_mask: torch.Tensor | None, dtype, device
+) -> torch.Tensor:
+    if gamma is not None and not gamma > 0:
+        raise ValueError(f"gamma must be > 0 (position decay) or None, got {gamma!r}")
+    weight = torch.ones(K, dtype=dtype, device=device)
     if gamma is not None:
-        weight = gamma ** torch.arange(K, dtype=ce_NK.dtype, device=ce_NK.device)
+        weight = gamma ** torch.arange(K, dtype=dtype, device=device)
     weight_NK = weight.expand(N, K)
     if label_mask is not None:
-        weight_NK = weight_NK * label_mask.to(ce_NK.dtype)
+        weight_NK = weight_NK * label_mask.to(device=device, dtype=dtype)
+    return weight_NK
+
+
+def sample_vocabulary(
+    labels: torch.Tensor, vocab_size: int, num_negatives: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The candidate set of the sampled block cross-entropy.
+
+    Returns ``(candidates (U + m,) long, log_correction (U + m,) float32, label_index labels.shape)``:
+    the U distinct ``labels`` (sorted) first, then ``m = min(num_negatives, V - U)`` other tokens
+    drawn uniformly without replacement with ``generator`` (on the CPU; the result moves to the
+    labels' device); ``log_correction`` is 0 for labels and ``log((V - U) / m)`` for negatives;
+    ``label_index`` locates every label in ``candidates``.
+    """
+    if num_negatives < 0:
+        raise ValueError(f"num_negatives must be >= 0, got {num_negatives}")
+    device = labels.device
+    flat = labels.reshape(-1).to("cpu", torch.long)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= vocab_size):
+        raise ValueError(f"labels must lie in [0, vocab_size={vocab_size})")
+    uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+    U = int(uniq.numel())
+    m = min(int(num_negatives), vocab_size - U)
+    if m > 0:
+        is_label = torch.zeros(vocab_size, dtype=torch.bool)
+        is_label[uniq] = True
+        others = (~is_label).nonzero().squeeze(1)  # (V - U,)
+        negatives = others[torch.randperm(others.numel(), generator=generator)[:m]]
+    else:
+        negatives = torch.zeros(0, dtype=torch.long)
+    candidates = torch.cat([uniq, negatives])
+    correction = torch.zeros(U + m, dtype=torch.float32)
+    if m > 0:
+        correction[U:] = math.log((vocab_size - U) / m)
+    return candidates.to(device), correction.to(device), inverse.view(labels.shape).to(device)
+
+
+def sampled_block_cross_entropy(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    num_negatives: int,
+    generator: torch.Generator | None = None,
+    *,
+    gamma: float | None = None,
+    label_mask: torch.Tensor | None = None,
+    lm_head_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`block_cross_entropy` over a sampled vocabulary (see the module docstring).
+
+    ``hidden`` (N, K, H): the pre-head states of ``q_1..q_K``; ``lm_head_weight`` (V, H) (and the
+    optional bias (V,)): the LM head, ``logits = hidden @ W.T + b``; ``labels`` (N, K);
+    ``num_negatives`` m; ``gamma`` and ``label_mask`` as in :func:`block_cross_entropy`.
+    Equals :func:`block_cross_entropy` of the full logits when ``m >= V - U``. Returns a scalar.
+    """
+    if hidden.dim() != 3 or labels.shape != hidden.shape[:2]:
+        raise ValueError(
+            f"hidden must be (N, K, H) and labels (N, K); got {tuple(hidden.shape)}, {tuple(labels.shape)}"
+        )
+    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[2]:
+        raise ValueError(f"lm_head_weight must be (V, H={hidden.shape[2]}), got {tuple(lm_head_weight.shape)}")
+    N, K, _ = hidden.shape
+    V = lm_head_weight.shape[0]
+    candidates, correction, label_index = sample_vocabulary(labels, V, num_negatives, generator)
+    weight = lm_head_weight[candidates]  # (C, H)
+    logits = hidden @ weight.to(hidden.dtype).T  # (N, K, C); bf16 under autocast
+    if lm_head_bias is not None:
+        logits = logits + lm_head_bias[candidates].to(logits.dtype)
+    logits = at_least_float32(logits) + correction.to(at_least_float32(logits).dtype)
+    ce_NK = torch.nn.functional.cross_entropy(
+        logits.reshape(N * K, -1), label_index.reshape(N * K), reduction="none"
+    ).view(N, K)
+    weight_NK = _position_weights(N, K, gamma, label_mask, ce_NK.dtype, ce_NK.device)
     return (ce_NK * weight_NK).sum() / weight_NK.sum().clamp_min(1e-12)
+
+
+def sampled_block_cross_entropy_reference(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    candidates: torch.Tensor,
+    log_correction: torch.Tensor,
+    *,
+    gamma: float | None = None,
+    label_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Loop twin of :func:`sampled_block_cross_entropy` on a given candidate set: one term per (n, k)."""
+    N, K, _ = hidden.shape
+    total = hidden.new_zeros((), dtype=at_least_float32(hidden).dtype)
+    weight_sum = 0.0
+    cand = [int(c) for c in candidates]
+    for n in range(N):
+        for k in range(K):
+            w = 1.0 if gamma is None else gamma**k
+            if label_mask is not None and not bool(label_mask[n, k]):
+                continue
+            h = at_least_float32(hidden[n, k])
+            terms = [h @ at_least_float32(lm_head_weight[c]) + float(log_correction[i]) for i, c in enumerate(cand)]
+            log_z = torch.logsumexp(torch.stack(terms), 0)
+            y = int(labels[n, k])
+            total = total + w * (log_z - h @ at_least_float32(lm_head_weight[y]))
+            weight_sum += w
+    return total / max(weight_sum, 1e-12)
 
 
 def _node_weights(tree: DraftTree, law: ExitLaw, weight_type: str) -> torch.Tensor:

@@ -51,7 +51,15 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from exittrain.core import WEIGHT_TYPES, DraftTree, block_cross_entropy, build_tree, exit_law, exit_node_loss
+from exittrain.core import (
+    WEIGHT_TYPES,
+    DraftTree,
+    block_cross_entropy,
+    build_tree,
+    exit_law,
+    exit_node_loss,
+    sampled_block_cross_entropy,
+)
 from exittrain.core.exit_law import ExitLaw
 from exittrain.models import BlockDrafter, DrafterConfig, TargetModel
 
@@ -253,6 +261,11 @@ def _check_args(a: Mapping[str, Any]) -> None:
     need(_is_number(a["min_lr_ratio"]) and 0 <= a["min_lr_ratio"] <= 1, "min_lr_ratio", "need a float in [0, 1]")
     need(_is_int(a["analytic_every"]) and a["analytic_every"] >= 0, "analytic_every", "need an int >= 0 (0 = never)")
     need(_is_int(a["seed"]), "seed", "need an int")
+    need(
+        a["vocab_sample"] is None or (_is_int(a["vocab_sample"]) and a["vocab_sample"] >= 1),
+        "vocab_sample",
+        "need None (full softmax) or an int >= 1 (random negatives per step)",
+    )
     if a["stage"] == "exittrain":
         need(a["lambda_tok"] + a["lambda_exit"] > 0, "lambda_exit", "lambda_tok and lambda_exit are both 0: no loss")
     else:
@@ -290,6 +303,13 @@ class ExitTrainModule(pl.LightningModule):
         analytic_every: in ``pretrain``, build and score trees for the metrics every this many
             steps (0 = never). ``exittrain`` computes them every step anyway.
         seed: seeds the anchor sampling (with the global step and rank).
+        vocab_sample: None trains the block CE over the full vocabulary; an int m trains it, in
+            ``pretrain`` training steps only, with :func:`exittrain.core.sampled_block_cross_entropy`
+            over the step's labels plus m random negatives (drawn with the anchor generator), which
+            skips most of the LM head. The logged ``train/loss_tok`` is then the sampled estimate, and
+            ``train/acc_d{k}`` and the tree metrics are logged only on the ``analytic_every`` steps
+            (they need the full logits). ``exittrain`` steps need the full logits with gradients for
+            the node loss, so their block CE stays exact; validation always uses the full vocabulary.
 
     Every argument is validated; a bad value raises ``ValueError`` naming the key.
     """
@@ -317,6 +337,7 @@ class ExitTrainModule(pl.LightningModule):
         min_lr_ratio: float = 0.1,
         analytic_every: int = 1,
         seed: int = 0,
+        vocab_sample: int | None = None,
     ) -> None:
         super().__init__()
         args = dict(locals())
@@ -414,14 +435,22 @@ class ExitTrainModule(pl.LightningModule):
         return sample_anchors(batch["loss_mask"], lengths, self.hparams.anchors_per_seq, self.horizon, generator)
 
     def compute_losses(
-        self, batch: Mapping[str, torch.Tensor], generator: torch.Generator, *, exit_loss: bool, metrics: bool
+        self,
+        batch: Mapping[str, torch.Tensor],
+        generator: torch.Generator,
+        *,
+        exit_loss: bool,
+        metrics: bool,
+        vocab_sample: int | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """Losses and metrics of one batch; returns ``(values, times_ms)``.
 
         ``values`` holds ``loss``, ``loss_tok``, ``anchors`` (valid count), ``acc_d{k}`` and, with
         ``exit_loss``, ``loss_exit``; with ``exit_loss`` or ``metrics`` (and at least one valid
         anchor) also the :func:`tree_metrics` of the raw law. Gradients flow into ``loss`` from the
-        drafter logits only.
+        drafter logits only. ``vocab_sample`` m (ignored with ``exit_loss``): the block CE over the
+        labels plus m random negatives; the full logits are then computed (without gradients)
+        only when ``metrics`` asks, and ``acc_d{k}`` is reported only then.
         """
         hp = self.hparams
         timer = _StageTimer(self.device, ("features", "draft", "tree", "score", "exit"))
@@ -433,21 +462,41 @@ class ExitTrainModule(pl.LightningModule):
 
         anchors_LA, valid_LA = self._anchors(batch, generator)
         L, A = anchors_LA.shape
-        logits = self.drafter.forward_anchors(
-            features, input_ids, anchors_LA, context_window=hp.context_window
-        )  # (N, K, V)
+        sampled = vocab_sample is not None and not exit_loss
+        out = self.drafter.forward_anchors(
+            features, input_ids, anchors_LA, context_window=hp.context_window, apply_lm_head=not sampled
+        )  # (N, K, V) logits, or (N, K, H) pre-head states when sampled
         label_pos = (anchors_LA.unsqueeze(-1) + torch.arange(1, K + 1, device=anchors_LA.device)).clamp_max(
             input_ids.shape[1] - 1
         )  # (L, A, K); clamped only for invalid anchors
         labels = input_ids.gather(1, label_pos.reshape(L, A * K)).reshape(L * A, K)  # (N, K)
         valid_N = valid_LA.reshape(-1)
-        loss_tok = block_cross_entropy(logits, labels, gamma=hp.gamma, label_mask=valid_N.unsqueeze(1).expand(-1, K))
+        label_mask = valid_N.unsqueeze(1).expand(-1, K)
+        if sampled:
+            head = self.target.lm_head
+            loss_tok = sampled_block_cross_entropy(
+                out,
+                head.weight,
+                labels,
+                vocab_sample,
+                generator,
+                gamma=hp.gamma,
+                label_mask=label_mask,
+                lm_head_bias=getattr(head, "bias", None),
+            )
+            logits = None
+            if metrics:
+                with torch.no_grad():
+                    logits = head(out.detach().to(head.weight.dtype))
+        else:
+            logits = out
+            loss_tok = block_cross_entropy(logits, labels, gamma=hp.gamma, label_mask=label_mask)
         values: dict[str, torch.Tensor] = {"loss_tok": loss_tok}
         index = valid_N.nonzero().squeeze(1)  # (n,)
         n_valid = int(index.numel())
         values["anchors"] = torch.tensor(float(n_valid))
         with torch.no_grad():
-            if n_valid:
+            if n_valid and logits is not None:
                 hit = (logits[index].argmax(-1) == labels[index]).float().mean(0)  # (K,)
                 values.update({f"acc_d{k + 1}": hit[k] for k in range(K)})
         timer.lap("draft")
@@ -475,7 +524,7 @@ class ExitTrainModule(pl.LightningModule):
                 loss = loss + hp.lambda_exit * loss_exit
             timer.lap("exit")
         elif exit_loss:
-            values["loss_exit"] = logits.sum() * 0.0  # no valid anchor: a zero that keeps the graph
+            values["loss_exit"] = out.sum() * 0.0  # no valid anchor: a zero that keeps the graph
         values["loss"] = loss
         return values, timer.ms
 
@@ -493,7 +542,11 @@ class ExitTrainModule(pl.LightningModule):
         generator = anchor_generator(hp.seed, step, self._rank(), stream=0)
         want_metrics = hp.analytic_every > 0 and step % hp.analytic_every == 0
         values, times = self.compute_losses(
-            batch, generator, exit_loss=hp.stage == "exittrain", metrics=want_metrics or hp.stage == "exittrain"
+            batch,
+            generator,
+            exit_loss=hp.stage == "exittrain",
+            metrics=want_metrics or hp.stage == "exittrain",
+            vocab_sample=hp.vocab_sample,
         )
         loss = values["loss"]
         if not bool(torch.isfinite(loss)):

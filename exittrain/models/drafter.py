@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers import initialization as hf_init
+
 from exittrain.models.target import as_dtype
 
 __all__ = ["BlockDrafter", "DrafterConfig", "check_pairing", "load_drafter", "new_drafter"]

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -71,3 +73,80 @@ def test_bad_weight_type_and_missing_probs():
         exit_node_loss(logits, tree, law, "tokens")
     with pytest.raises(ValueError, match="missing"):
         exit_node_loss(logits, tree, law, "missing")
+
+
+def _sampled_case(seed, N=3, K=4, H=6, V=40):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, K, H, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, V, (N, K), generator=g)
+    return hidden, weight, labels
+
+
+@pytest.mark.parametrize("gamma", [None, 0.7])
+def test_sampled_block_ce_equals_full_ce_when_every_token_is_sampled(gamma):
+    from exittrain.core import sampled_block_cross_entropy
+
+    hidden, weight, labels = _sampled_case(0)
+    mask = torch.ones_like(labels, dtype=torch.bool)
+    mask[0, 2:] = False
+    full = block_cross_entropy(hidden @ weight.T, labels, gamma=gamma, label_mask=mask)
+    (grad_full,) = torch.autograd.grad(full, hidden)
+    g = torch.Generator().manual_seed(1)
+    sampled = sampled_block_cross_entropy(hidden, weight, labels, 10_000, g, gamma=gamma, label_mask=mask)
+    (grad_sampled,) = torch.autograd.grad(sampled, hidden)
+    torch.testing.assert_close(sampled, full)
+    torch.testing.assert_close(grad_sampled, grad_full)
+
+
+def test_sampled_block_ce_matches_loop_twin_on_the_same_candidates():
+    from exittrain.core import sample_vocabulary, sampled_block_cross_entropy, sampled_block_cross_entropy_reference
+
+    hidden, weight, labels = _sampled_case(2)
+    bias = torch.zeros(weight.shape[0], dtype=weight.dtype)
+    fast = sampled_block_cross_entropy(
+        hidden, weight, labels, 7, torch.Generator().manual_seed(5), gamma=0.8, lm_head_bias=bias
+    )
+    (grad_fast,) = torch.autograd.grad(fast, hidden)
+    cand, corr, index = sample_vocabulary(labels, weight.shape[0], 7, torch.Generator().manual_seed(5))
+    assert torch.equal(cand[index], labels)  # every label is a candidate, at its index
+    U = int(torch.unique(labels).numel())
+    assert cand.numel() == U + 7 and int(torch.unique(cand).numel()) == U + 7  # distinct negatives
+    torch.testing.assert_close(corr[U:], torch.full((7,), math.log((weight.shape[0] - U) / 7)))
+    slow = sampled_block_cross_entropy_reference(hidden, weight, labels, cand, corr, gamma=0.8)
+    (grad_slow,) = torch.autograd.grad(slow, hidden)
+    torch.testing.assert_close(fast, slow)
+    torch.testing.assert_close(grad_fast, grad_slow)
+
+
+def test_sampled_partition_is_unbiased_and_the_loss_consistent():
+    """E[sum_C exp(corrected logit)] = Z (Monte Carlo), and the loss approaches the full CE as m grows."""
+    from exittrain.core import sampled_block_cross_entropy
+
+    hidden, weight, labels = _sampled_case(3, N=1, K=1, V=60)
+    hidden = hidden.detach()
+    logit_label = (hidden[0, 0] @ weight[labels[0, 0]]).item()
+    z_full = torch.logsumexp(hidden[0, 0] @ weight.T, 0).exp().item()
+    g = torch.Generator().manual_seed(0)
+    draws = [sampled_block_cross_entropy(hidden, weight, labels, 10, g).item() for _ in range(4000)]
+    z_hat = torch.tensor(draws, dtype=torch.float64).add(logit_label).exp()
+    assert abs(z_hat.mean().item() / z_full - 1) < 0.05
+    full = block_cross_entropy(hidden @ weight.T, labels).item()
+    gaps = []
+    for m in (5, 20, 50):
+        g = torch.Generator().manual_seed(1)
+        mean = sum(sampled_block_cross_entropy(hidden, weight, labels, m, g).item() for _ in range(300)) / 300
+        gaps.append(abs(mean - full))
+    assert gaps[0] > gaps[1] > gaps[2]
+
+
+def test_sampled_block_ce_rejects_bad_shapes():
+    from exittrain.core import sampled_block_cross_entropy
+
+    hidden, weight, labels = _sampled_case(4)
+    with pytest.raises(ValueError, match="lm_head_weight"):
+        sampled_block_cross_entropy(hidden, weight[:, :3], labels, 5)
+    with pytest.raises(ValueError, match="labels"):
+        sampled_block_cross_entropy(hidden, weight, labels[:, :2], 5)
+    with pytest.raises(ValueError, match="num_negatives"):
+        sampled_block_cross_entropy(hidden, weight, labels, -1)

@@ -101,6 +101,8 @@ def test_sample_anchors_reproducible_per_seed_and_step():
         ("min_lr_ratio", 1.5),
         ("analytic_every", -1),
         ("seed", 1.5),
+        ("vocab_sample", 0),
+        ("vocab_sample", 2.5),
     ],
 )
 def test_bad_config_raises_naming_the_key(target, key, value):
@@ -212,6 +214,51 @@ def test_padded_anchors_do_not_change_the_losses(target):
     assert int(mixed["anchors"]) == int(alone["anchors"]) == module.hparams.anchors_per_seq
     for key in ("loss_tok", "loss_exit", "analytic_block_length", "acc_d1"):
         assert float(mixed[key]) == pytest.approx(float(alone[key]), rel=1e-5, abs=1e-7), key
+
+
+def test_vocab_sample_covering_the_vocabulary_equals_the_full_block_ce(target):
+    """With m >= V every token is a candidate: the sampled loss, its gradients and the metrics are exact."""
+    full = make_module(target, stage="pretrain", gamma=0.9)
+    sampled = make_module(target, stage="pretrain", gamma=0.9, vocab_sample=10_000)
+    batch = batch_of(2, seed=3)
+    ref, _ = full.compute_losses(batch, anchor_generator(0, 0), exit_loss=False, metrics=True)
+    got, _ = sampled.compute_losses(
+        batch, anchor_generator(0, 0), exit_loss=False, metrics=True, vocab_sample=sampled.hparams.vocab_sample
+    )
+    ref["loss"].backward()
+    got["loss"].backward()
+    assert float(got["loss_tok"].detach()) == pytest.approx(float(ref["loss_tok"].detach()), rel=1e-5)
+    for key in ("acc_d1", "analytic_block_length", "coverage"):
+        assert float(got[key]) == pytest.approx(float(ref[key]), rel=1e-5), key
+    for (name, p), q in zip(full.drafter.named_parameters(), sampled.drafter.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_vocab_sample_skips_the_full_head_without_metrics_and_is_ignored_by_exittrain(target):
+    module = make_module(target, stage="pretrain", vocab_sample=8)
+    values, _ = module.compute_losses(
+        batch_of(2), anchor_generator(0, 0), exit_loss=False, metrics=False, vocab_sample=8
+    )
+    assert "acc_d1" not in values and "analytic_block_length" not in values
+    assert math.isfinite(float(values["loss_tok"].detach()))
+    values["loss"].backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in module.drafter.parameters())
+    # exittrain needs the full logits with gradients: the block CE stays exact
+    ex = make_module(target, stage="exittrain")
+    a, _ = ex.compute_losses(batch_of(2), anchor_generator(0, 0), exit_loss=True, metrics=True, vocab_sample=8)
+    b, _ = ex.compute_losses(batch_of(2), anchor_generator(0, 0), exit_loss=True, metrics=True)
+    assert float(a["loss"]) == pytest.approx(float(b["loss"]), rel=1e-6)
+
+
+def test_fit_with_vocab_sample_logs_the_sampled_loss(target):
+    from tests.lit.helpers import ListLogger
+
+    logger = ListLogger()
+    module = make_module(target, stage="pretrain", vocab_sample=16, analytic_every=2)
+    trainer(4, logger=logger).fit(module, loader(8))
+    assert len(logger.values("train/loss_tok")) == 4
+    assert all(math.isfinite(v) for v in logger.values("train/loss_tok"))
+    assert len(logger.values("train/acc_d1")) >= 2  # on the analytic steps
 
 
 @pytest.mark.parametrize("weight_type", ["flow", "exit", "missing"])

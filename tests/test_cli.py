@@ -1,0 +1,69 @@
+"""Hydra configs compose the way users type them: every recipe, the sweep, debug=smoke, eval."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+
+from exittrain.cli import CONF_DIR, RECIPES_DIR, register_recipes
+
+RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "exittrain", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_all_three_recipes_exist():
+    assert RECIPES == ["code", "dialogue", "math"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_resolves_as_typed_on_the_command_line(recipe):
+    proc = run_cli("fit", f"+recipe={recipe}", "--cfg", "job")
+    assert proc.returncode == 0, proc.stderr
+    cfg = yaml.safe_load(proc.stdout)
+    assert cfg["data"]["domain"] == recipe and cfg["recipe_name"] == recipe
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_debug_smoke_wins_over_every_recipe(recipe):
+    register_recipes()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        base = compose("fit", overrides=[f"+recipe={recipe}"])
+        smoke = compose("fit", overrides=[f"+recipe={recipe}", "debug=smoke"])
+    assert smoke.data.domain == recipe
+    assert smoke.data.max_train_prompts < base.data.max_train_prompts
+    assert smoke.stages.pretrain.max_steps < base.stages.pretrain.max_steps
+    assert smoke.eval.num_prompts < base.eval.num_prompts
+
+
+def test_sweep_over_the_three_recipes():
+    register_recipes()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        parsed = OverridesParser.create().parse_overrides(["+recipe=dialogue,code,math"])
+        jobs = [f"+recipe={v}" for v in parsed[0].sweep_iterator()]
+        domains = [compose("fit", overrides=[j]).data.domain for j in jobs]
+    assert domains == ["dialogue", "code", "math"]
+
+
+def test_unknown_recipe_is_a_clear_error():
+    proc = run_cli("fit", "+recipe=poetry", "--cfg", "job")
+    assert proc.returncode != 0
+    assert "recipe" in proc.stderr and "poetry" in proc.stderr
+
+
+def test_eval_takes_drafter_path():
+    proc = run_cli("eval", "+recipe=math", "drafter=/tmp/some/drafter", "--cfg", "job")
+    assert proc.returncode == 0, proc.stderr
+    cfg = yaml.safe_load(proc.stdout)
+    assert cfg["drafter_path"] == "/tmp/some/drafter" and cfg["data"]["domain"] == "math"
+
+
+def test_unknown_command_prints_usage():
+    proc = run_cli("train")
+    assert proc.returncode == 2 and "usage" in proc.stderr
