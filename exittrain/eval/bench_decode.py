@@ -62,7 +62,9 @@ def to_markdown(result: dict) -> str:
         f"{result['drafter']}; {result['prompts']} {result['domain']} prompts x {result['new_tokens']} new tokens, "
         f"T=0, TEV. Autoregressive: {result['ar_tokens_per_s']:.1f} tok/s.",
         "",
-        "| B | tau | tok/s | speedup | ms/round | " + " | ".join(f"{s} ms" for s in STAGES) + " | overhead | lossless |",
+        "| B | tau | tok/s | speedup | ms/round | "
+        + " | ".join(f"{s} ms" for s in STAGES)
+        + " | overhead | lossless |",
         "|---" * (8 + len(STAGES)) + "|",
     ]
     for r in result["rows"]:

@@ -11,8 +11,8 @@ tokens, V vocabulary, L sequences, T sequence length, A anchors per sequence, W 
 1. ``ctx = RMSNorm(Linear(F -> D)(f))``: the context, projected once.
 2. The block input is ``[emb(r), m, ..., m]`` (S rows): the frozen target embedding of the root
    followed by K copies of a learned mask embedding ``m`` (initialised from the target
-   embedding of ``mask_token_id`` when given, else from the mean embedding), mapped to the
-   drafter width by ``Linear(H -> D)`` when D != H.
+   embedding of ``mask_token_id`` when given, else zero), mapped to the drafter width by
+   ``Linear(H -> D)`` when D != H.
 3. ``num_layers`` pre-norm transformer layers. In each, the block queries attend to the keys and
    values of ``[ctx; block]`` (the context enters every layer through that layer's own K/V
    projections and is not itself updated); attention is bidirectional inside the block.
@@ -288,7 +288,7 @@ class BlockDrafter(PreTrainedModel):
     def _init_weights(self, module):
         super()._init_weights(module)
         if module is self:
-            hf_init.normal_(self.mask_embedding, mean=0.0, std=self.config.initializer_range)
+            hf_init.zeros_(self.mask_embedding)
 
     # -- the target ------------------------------------------------------------------------------
 
@@ -308,11 +308,19 @@ class BlockDrafter(PreTrainedModel):
         return self._shared[key]
 
     def init_mask_embedding(self) -> None:
-        """Set the mask embedding to the target embedding of ``mask_token_id`` (else the mean row)."""
+        """Set the mask embedding to the target embedding of ``mask_token_id`` (else zero).
+
+        Not the mean embedding row: in a tied-embedding target such as SmolLM2 the mean row points
+        at the rarely trained tokens, so a block that starts near its input predicts those, and the
+        fresh drafter's block CE was ~40-80 nats (~144 through an identity block). A zero mask
+        starts the mask rows from the context and the root alone: about log V + 1.5 nats.
+        """
         table = self._target_module("embeddings").weight
-        row = table[self.config.mask_token_id] if self.config.mask_token_id is not None else table.mean(0)
         with torch.no_grad():
-            self.mask_embedding.copy_(row.to(self.mask_embedding))
+            if self.config.mask_token_id is not None:
+                self.mask_embedding.copy_(table[self.config.mask_token_id].to(self.mask_embedding))
+            else:
+                self.mask_embedding.zero_()
 
     # -- core -------------------------------------------------------------------------------------
 

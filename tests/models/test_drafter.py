@@ -193,6 +193,15 @@ def test_mask_embedding_starts_at_mask_token(target):
     torch.testing.assert_close(d.mask_embedding.detach(), target.input_embeddings.weight[5])
 
 
+def test_mask_embedding_starts_at_zero_without_mask_token(target):
+    d = new_drafter(target, block_size=3, seed=0)
+    assert float(d.mask_embedding.detach().abs().max()) == 0.0
+    assert float(BlockDrafter(d.config).mask_embedding.detach().abs().max()) == 0.0  # same without new_drafter
+    F = d.config.feature_size
+    logits = d.forward_anchors(_features(1, 6, F), _ids(1, 6), torch.tensor([[2, 3]]))
+    assert torch.isfinite(logits).all()
+
+
 def test_bf16_autocast_forward_and_backward(drafter):
     F = drafter.config.feature_size
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -1,0 +1,112 @@
+"""Training-step benchmark on the embedded target: anchors/s, peak memory, where a step's time goes.
+
+``python -m exittrain bench train [--steps 12] [--budgets 8 16 32] [--anchors 16] [--batch 4]``
+
+For each tree budget, side by side in one process on the same cached self-distilled code
+sequences: ExitTrain steps (stage ``exittrain``, exact scoring) through a real Lightning
+Trainer. Reports anchors per second, the peak resident memory of the process, and the share of
+the step spent in target features, the drafter (forward + block CE), tree building, target
+tree scoring, the exit law + node loss, and backward (from ``train/time_*_ms``; the first two
+steps are warm-up and not counted). Writes ``<out>.json`` and ``<out>.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+from pathlib import Path
+
+import torch
+
+PARTS = ("features", "draft", "tree", "score", "exit", "backward")
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def run(steps: int, budgets: list[int], anchors: int, batch: int, prompts: int) -> dict:
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+
+    from exittrain.data import ExitTrainDataModule
+    from exittrain.lit import ExitTrainModule
+    from exittrain.models import load_target, new_drafter
+
+    target = load_target(None)
+    dm = ExitTrainDataModule(
+        "code", target=lambda: (target.model, target.tokenizer), tokenizer=target.tokenizer, target_name=target.name,
+        cache_dir="data/cache/regen", max_length=448, batch_size=batch, max_train_prompts=prompts, val_fraction=0.0,
+        generation={"max_new_tokens": 32, "batch_size": 16}, progress=False,
+    )
+
+    class Collect(Callback):
+        def __init__(self):
+            self.rows = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            m = trainer.callback_metrics
+            self.rows.append({k: float(m[f"train/time_{k}_ms"]) for k in (*PARTS, "step")
+                              if f"train/time_{k}_ms" in m} | {"anchors": float(m.get("train/anchors", 0))})
+
+    results = []
+    for budget in budgets:
+        drafter = new_drafter(target, seed=0)
+        module = ExitTrainModule(drafter, target, stage="exittrain", budget=budget, anchors_per_seq=anchors)
+        collect = Collect()
+        trainer = L.Trainer(max_steps=steps, accelerator="cpu", precision="bf16-mixed", logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[collect], limit_val_batches=0, num_sanity_val_steps=0)
+        trainer.fit(module, datamodule=dm)
+        rows = collect.rows[2:] or collect.rows
+        step_ms = statistics.median(r["step"] for r in rows)
+        parts = {p: statistics.median(r.get(p, 0.0) for r in rows) for p in PARTS}
+        results.append({
+            "budget": budget,
+            "step_ms": step_ms,
+            "anchors_per_s": statistics.median(r["anchors"] for r in rows) / (step_ms / 1e3),
+            "share": {p: v / step_ms for p, v in parts.items()},
+            "tree_and_exit_share": (parts["tree"] + parts["exit"]) / step_ms,
+            "peak_rss_mb": _peak_rss_mb(),
+        })
+    return {"steps": steps, "anchors_per_seq": anchors, "batch": batch, "threads": torch.get_num_threads(),
+            "rows": results}
+
+
+def to_markdown(result: dict) -> str:
+    lines = [
+        f"ExitTrain steps on the embedded SmolLM2 (CPU, {result['threads']} threads, bf16 autocast), batch "
+        f"{result['batch']} x {result['anchors_per_seq']} anchors, median over {result['steps'] - 2} steps.",
+        "",
+        "| B | step (ms) | anchors/s | " + " | ".join(PARTS) + " | tree + exit law | peak RSS (MB) |",
+        "|---" * (5 + len(PARTS)) + "|",
+    ]
+    for r in result["rows"]:
+        shares = " | ".join(f"{100 * r['share'][p]:.0f}%" for p in PARTS)
+        lines.append(f"| {r['budget']} | {r['step_ms']:.0f} | {r['anchors_per_s']:.1f} | {shares} | "
+                     f"{100 * r['tree_and_exit_share']:.1f}% | {r['peak_rss_mb']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--anchors", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--out", default="results/bench_train")
+    args = parser.parse_args(argv)
+    result = run(args.steps, args.budgets, args.anchors, args.batch, args.prompts)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    markdown = to_markdown(result)
+    out.with_suffix(".md").write_text(markdown)
+    print(markdown)
+
+
+if __name__ == "__main__":
+    main()
