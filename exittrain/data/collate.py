@@ -8,7 +8,11 @@ A batch is a dict of tensors, right-padded:
 - ``loss_mask`` (L, T) bool: True on response tokens (the positions the drafter learns);
 - ``attention_mask`` (L, T) long: 1 on real tokens, 0 on padding;
 - ``n_prompt_tokens`` (L,) long: where each response starts;
-- ``lengths`` (L,) long: real tokens per row after truncation.
+- ``lengths`` (L,) long: real tokens per row after truncation;
+- ``row_id`` (L,) long, when the rows carry ``prompt_index``: a stable identity of each row (its
+  prompt's position in the regenerated prompt list), the same every epoch and unique across the
+  train and validation splits of one dataset. It keys the target-feature cache of
+  :class:`exittrain.lit.ExitTrainModule` (``feature_cache=True``).
 
 Rows longer than ``max_length`` are cut to ``max_length``; :func:`truncation_stats` counts them
 ahead of training so the counts do not depend on which worker process collated what.
@@ -27,7 +31,8 @@ import torch
 class Collator:
     """Pads rows with ``input_ids`` and ``loss_mask`` (and ``n_prompt_tokens``) into a batch.
 
-    Picklable, so it works with ``num_workers > 0``.
+    Rows that carry ``prompt_index`` (all of them, or none) also give ``row_id``. Picklable, so it
+    works with ``num_workers > 0``.
     """
 
     pad_token_id: int
@@ -52,13 +57,19 @@ class Collator:
             loss_mask_LT[i, :n] = torch.as_tensor(row["loss_mask"][:n], dtype=torch.bool)
             attention_mask_LT[i, :n] = 1
         n_prompt_L = torch.tensor([min(int(r["n_prompt_tokens"]), n) for r, n in zip(rows, lengths)])
-        return {
+        batch = {
             "input_ids": input_ids_LT,
             "loss_mask": loss_mask_LT,
             "attention_mask": attention_mask_LT,
             "n_prompt_tokens": n_prompt_L,
             "lengths": torch.tensor(lengths, dtype=torch.long),
         }
+        has_index = ["prompt_index" in r for r in rows]
+        if all(has_index):
+            batch["row_id"] = torch.tensor([int(r["prompt_index"]) for r in rows], dtype=torch.long)
+        elif any(has_index):
+            raise ValueError("some rows carry prompt_index and some do not; cannot give every row a row_id")
+        return batch
 
 
 @dataclass(frozen=True)

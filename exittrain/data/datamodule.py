@@ -10,7 +10,7 @@ Lifecycle (Lightning calls these; see ``lightning.pytorch.core.datamodule``):
   training rows for a validation loss. Everything is counted in :attr:`ExitTrainDataModule.stats`.
 - ``train_dataloader`` / ``val_dataloader``: right-padded batches from :class:`~exittrain.data.collate.Collator`
   (input_ids (L, T) long, loss_mask (L, T) bool, attention_mask (L, T) long, n_prompt_tokens (L,),
-  lengths (L,)).
+  lengths (L,), row_id (L,) = the row's ``prompt_index``: stable across epochs, unique across both splits).
 - :meth:`ExitTrainDataModule.eval_prompts`: the held-out evaluation prompts, chat-templated, for
   decoding benchmarks. They never overlap the training prompts (:func:`exittrain.data.sources.load_domain`).
 """
@@ -229,7 +229,7 @@ class ExitTrainDataModule(pl.LightningDataModule):
                     f"{len(order)} usable rows cannot give {n_val} validation rows and some training rows; "
                     "lower val_fraction or add prompts"
                 )
-        columns = ["input_ids", "loss_mask", "n_prompt_tokens"]
+        columns = ["input_ids", "loss_mask", "n_prompt_tokens", "prompt_index"]  # prompt_index -> row_id
         ds = ds.select_columns(columns)
         self.val_set = ds.select(sorted(order[:n_val]), keep_in_memory=True) if n_val else None
         self.train_set = ds.select(sorted(order[n_val:]), keep_in_memory=True)

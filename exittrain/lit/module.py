@@ -6,7 +6,8 @@ V vocabulary, B tree budget (rows root-first: B + 1), F target feature width.
 
 One training step (ALGORITHM.md sections 6-8):
 
-1. ``features`` (L, T, F) = the frozen target's hidden states of the drafter's layers, no grad, fp32.
+1. ``features`` (L, T, F) = the frozen target's hidden states of the drafter's layers, no grad, fp32;
+   with ``feature_cache=True`` read from a per-row cache (computed on a row's first visit, bf16).
 2. Anchors: :func:`sample_anchors` picks A positions per sequence whose K labels
    ``x_{a+1..a+K}`` lie inside the sequence and inside the loss mask (the root ``x_a`` itself may
    be the last prompt token). Seeded by ``(seed, global_step, rank)``: reproducible and
@@ -30,6 +31,18 @@ Lightning keeps re-sending an on_step value until the epoch ends, so with ``anal
 the tree metrics repeat the latest measurement on the steps in between (the times do not: they
 are logged every step, 0 for the parts skipped). Validation logs ``val/loss_tok``,
 ``val/analytic_block_length`` and ``val/coverage`` per epoch, weighted by valid anchors.
+With ``feature_cache=True`` training also logs ``train/feature_cache_rows`` (rows cached so far)
+and ``train/feature_rows_computed`` (rows of the step whose features the target computed).
+
+Feature cache (``feature_cache=True``): the target is frozen and causal, so the features of a
+row's real positions ``[0, length)`` are a pure function of its tokens (right padding never
+reaches them; see :meth:`TargetModel.sequence_features`). The module keeps them, keyed by the
+batch's ``row_id`` (:class:`exittrain.data.collate.Collator`), in bf16 on the CPU, and computes
+only the rows of a batch it has not seen, in one ``sequence_features`` call on that sub-batch.
+Every step's features are the bf16-rounded values, cached or not, so a row gives the same loss
+on every visit. Memory: rows x length x F x 2 bytes, e.g. 400 rows x 500 tokens x F = 1728
+(3 layers of SmolLM2-135M, hidden 576) x 2 = 0.7 GB of host memory (per process). Validation
+rows share the cache under their own ids. The cache is derived data: never checkpointed.
 
 ``weight_type="missing"`` uses the raw reach P(v) (ALGORITHM.md section 7 and
 :mod:`exittrain.core.losses` define that loss with P, not the floored P~), so ``alpha`` only
@@ -266,6 +279,7 @@ def _check_args(a: Mapping[str, Any]) -> None:
         "vocab_sample",
         "need None (full softmax) or an int >= 1 (random negatives per step)",
     )
+    need(isinstance(a["feature_cache"], bool), "feature_cache", "need a bool (True caches the target features)")
     if a["stage"] == "exittrain":
         need(a["lambda_tok"] + a["lambda_exit"] > 0, "lambda_exit", "lambda_tok and lambda_exit are both 0: no loss")
     else:
@@ -303,6 +317,9 @@ class ExitTrainModule(pl.LightningModule):
         analytic_every: in ``pretrain``, build and score trees for the metrics every this many
             steps (0 = never). ``exittrain`` computes them every step anyway.
         seed: seeds the anchor sampling (with the global step and rank).
+        feature_cache: keep each row's target features (bf16, CPU) after its first visit and reuse
+            them, keyed by the batch's ``row_id`` (required then); see the module docstring for the
+            exactness argument and the memory cost. False computes them every step.
         vocab_sample: None trains the block CE over the full vocabulary; an int m trains it, in
             ``pretrain`` training steps only, with :func:`exittrain.core.sampled_block_cross_entropy`
             over the step's labels plus m random negatives (drawn with the anchor generator), which
@@ -338,6 +355,7 @@ class ExitTrainModule(pl.LightningModule):
         analytic_every: int = 1,
         seed: int = 0,
         vocab_sample: int | None = None,
+        feature_cache: bool = False,
     ) -> None:
         super().__init__()
         args = dict(locals())
@@ -357,6 +375,9 @@ class ExitTrainModule(pl.LightningModule):
         self._t_step: float | None = None  # start of the current optimizer step (first accumulated batch)
         self._t_backward: float | None = None
         self._step_anchors = 0  # valid anchors since the last optimizer step
+        # feature_cache: row_id -> (input ids (n,) int32, features (n, F) bf16), both on the CPU; never saved
+        self._feature_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._feature_rows_computed = 0  # rows of the latest compute_losses whose features the target computed
 
     # -- properties -----------------------------------------------------------------------------
 
@@ -367,6 +388,15 @@ class ExitTrainModule(pl.LightningModule):
 
     def _rank(self) -> int:
         return self._trainer.global_rank if self._trainer is not None else 0
+
+    @property
+    def feature_cache_rows(self) -> int:
+        """Rows whose target features are cached (0 without ``feature_cache``)."""
+        return len(self._feature_cache)
+
+    def clear_feature_cache(self) -> None:
+        """Drop every cached row (e.g. to free host memory); they are recomputed on their next visit."""
+        self._feature_cache.clear()
 
     # -- checkpoint -----------------------------------------------------------------------------
 
@@ -428,11 +458,70 @@ class ExitTrainModule(pl.LightningModule):
 
     # -- the step -------------------------------------------------------------------------------
 
-    def _anchors(self, batch: Mapping[str, torch.Tensor], generator: torch.Generator):
+    @staticmethod
+    def _lengths(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
         lengths = batch.get("lengths")
         if lengths is None and batch.get("attention_mask") is not None:
             lengths = batch["attention_mask"].sum(1)
+        return lengths
+
+    def _anchors(self, batch: Mapping[str, torch.Tensor], generator: torch.Generator):
+        lengths = self._lengths(batch)
         return sample_anchors(batch["loss_mask"], lengths, self.hparams.anchors_per_seq, self.horizon, generator)
+
+    @torch.no_grad()
+    def target_features(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Features (L, T, F) fp32 of the drafter's target layers for ``batch``, on the target's device.
+
+        Without ``feature_cache``: one ``sequence_features`` call on the whole batch. With it: the
+        rows of ``batch["row_id"]`` not yet cached are computed in one call on that sub-batch (cut
+        to its longest row) and cached as bf16 ``[0, length)``; the batch is then rebuilt from the
+        cache, zeros at the padding (no anchor sees it). A cached row whose tokens differ from the
+        batch's raises ValueError (row ids must be stable and unique).
+        """
+        input_ids = batch["input_ids"]  # (L, T)
+        layers = self.drafter.config.target_layer_ids
+        if not self.hparams.feature_cache:
+            self._feature_rows_computed = int(input_ids.shape[0])
+            return self.target.sequence_features(input_ids, layers).float()
+        row_id = batch.get("row_id")
+        if row_id is None:
+            raise ValueError(
+                "feature_cache=True needs a 'row_id' (L,) entry in every batch (exittrain.data.collate.Collator "
+                "gives it from the rows' prompt_index); add one or set feature_cache=False"
+            )
+        L, T = input_ids.shape
+        ids = [int(r) for r in row_id.tolist()]
+        if len(ids) != L:
+            raise ValueError(f"row_id has {len(ids)} entries for a batch of {L} rows")
+        lengths = self._lengths(batch)
+        lens = [T] * L if lengths is None else [int(n) for n in lengths.tolist()]
+        tokens = input_ids.detach().to("cpu", torch.int32)
+        cache = self._feature_cache
+        missing: dict[int, int] = {}  # row_id -> first batch row holding it
+        for i, r in enumerate(ids):
+            if r in cache:
+                cached_ids = cache[r][0]
+                if cached_ids.numel() != lens[i] or not torch.equal(cached_ids, tokens[i, : lens[i]]):
+                    raise ValueError(
+                        f"row_id {r} was cached with other tokens; row ids must be stable and unique across the "
+                        "train and validation data (or call clear_feature_cache() when the data change)"
+                    )
+            elif r not in missing:
+                missing[r] = i
+        if missing:
+            rows = list(missing.values())
+            width = max(lens[i] for i in rows)
+            fresh = self.target.sequence_features(input_ids[rows, :width], layers)  # (m, width, F)
+            fresh = fresh.to("cpu", torch.bfloat16)
+            for j, (r, i) in enumerate(missing.items()):
+                cache[r] = (tokens[i, : lens[i]].clone(), fresh[j, : lens[i]].clone())
+        self._feature_rows_computed = len(missing)
+        F = next(iter(cache.values()))[1].shape[-1]
+        out = torch.zeros(L, T, F, dtype=torch.bfloat16)
+        for i, r in enumerate(ids):
+            out[i, : lens[i]] = cache[r][1]
+        return out.to(self.target.device).float()
 
     def compute_losses(
         self,
@@ -456,8 +545,7 @@ class ExitTrainModule(pl.LightningModule):
         timer = _StageTimer(self.device, ("features", "draft", "tree", "score", "exit"))
         input_ids = batch["input_ids"]  # (L, T)
         K = self.horizon
-        with torch.no_grad():
-            features = self.target.sequence_features(input_ids, self.drafter.config.target_layer_ids).float()
+        features = self.target_features(batch)  # (L, T, F) fp32, no grad
         timer.lap("features")
 
         anchors_LA, valid_LA = self._anchors(batch, generator)
@@ -560,6 +648,9 @@ class ExitTrainModule(pl.LightningModule):
         logged = {f"train/{k}": v.detach() for k, v in values.items() if k != "anchors"}
         logged["train/anchors"] = values["anchors"]
         logged.update({f"train/time_{k}_ms": torch.tensor(v) for k, v in times.items()})
+        if hp.feature_cache:
+            logged["train/feature_cache_rows"] = torch.tensor(float(self.feature_cache_rows))
+            logged["train/feature_rows_computed"] = torch.tensor(float(self._feature_rows_computed))
         if self._trainer is not None and self.trainer.optimizers:
             logged["lr"] = torch.tensor(self.trainer.optimizers[0].param_groups[0]["lr"])
         prog = {"train/loss", "train/analytic_block_length"}

@@ -29,8 +29,21 @@ def test_collator_pads_right_truncates_and_masks():
     assert batch["loss_mask"].tolist() == [[False, False, True, True], [False, True, True, False]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
     assert batch["lengths"].tolist() == [4, 3] and batch["n_prompt_tokens"].tolist() == [2, 1]
+    assert "row_id" not in batch, "rows without prompt_index get no row_id"
     stats = truncation_stats([2, 1, 6], [5, 3, 9], max_length=4)
     assert (stats.rows, stats.truncated, stats.no_response) == (3, 2, 1)
+
+
+def test_collator_gives_row_ids_from_prompt_index():
+    rows = [
+        {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1], "n_prompt_tokens": 1, "prompt_index": 7},
+        {"input_ids": [3, 4], "loss_mask": [0, 1], "n_prompt_tokens": 1, "prompt_index": 2},
+    ]
+    batch = Collator(pad_token_id=0, max_length=8)(rows)
+    assert batch["row_id"].tolist() == [7, 2] and batch["row_id"].dtype == torch.long
+    assert set(batch) == {"input_ids", "loss_mask", "attention_mask", "n_prompt_tokens", "lengths", "row_id"}
+    with pytest.raises(ValueError, match="some rows carry prompt_index"):
+        Collator(pad_token_id=0, max_length=8)([rows[0], {k: v for k, v in rows[1].items() if k != "prompt_index"}])
 
 
 @pytest.fixture()
@@ -89,6 +102,11 @@ def test_datamodule_prepares_once_and_yields_padded_batches(tmp_path, sources, s
         assert torch.equal(b["attention_mask"].bool(), positions < b["lengths"][:, None])
     val = list(dm.val_dataloader())
     assert sum(b["input_ids"].shape[0] for b in val) == 2
+    # row ids: the rows' prompt_index, unique across both splits and the same every epoch
+    train_ids = sorted(i for b in batches for i in b["row_id"].tolist())
+    val_ids = sorted(i for b in val for i in b["row_id"].tolist())
+    assert len(set(train_ids + val_ids)) == 10 and sorted(train_ids + val_ids) == list(range(10))
+    assert sorted(i for b in dm.train_dataloader() for i in b["row_id"].tolist()) == train_ids
 
     ids = dm.eval_prompts(2)
     assert ids == [chat_prompt_ids(tok, EVAL[0]), chat_prompt_ids(tok, EVAL[1])]
