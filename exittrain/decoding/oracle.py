@@ -20,7 +20,7 @@ import torch
 from exittrain.core import DraftTree, verify_tev
 from exittrain.core.exit_law import exit_law
 
-from .speculative import GenerationResult, RoundStats, _check_context_fits, _check_generate_args, _Clock, _finish
+from .speculative import GenerationResult, RoundStats, _Clock, _finish, _prepare
 
 __all__ = ["oracle_generate"]
 
@@ -59,13 +59,9 @@ def oracle_generate(
     """Decode with oracle trees and TEV. Returns the result and each round's analytic ``sum P``."""
     from exittrain.core.verify import warp_probs
 
-    ids = _check_generate_args(input_ids, max_new_tokens, temperature)
-    _check_context_fits(target, ids, max_new_tokens, budget + 1)
+    ids, generator, eos = _prepare(target, input_ids, max_new_tokens, temperature, seed, budget + 1)
     K = max_depth or budget
     device = target.device
-    ids = ids.to(device)
-    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    eos = set(target.eos_token_ids)
     pre = target.prefill(ids[:, :-1])
     cache, root = pre.cache, int(ids[0, -1])
     tokens: list[int] = []

@@ -62,7 +62,11 @@ class GenerationResult:
         return {"tokens": self.tokens, "seconds": self.seconds, "rounds": [asdict(r) for r in self.rounds]}
 
 
-def _check_generate_args(input_ids, max_new_tokens, temperature) -> torch.Tensor:
+def _prepare(target, input_ids, max_new_tokens, temperature, seed, tree_rows: int):
+    """Validate a generate call; returns ``(ids (1, T) on the target device, generator, eos ids)``.
+
+    ``tree_rows`` is how many positions past the committed text a round may occupy (B + 1).
+    """
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     if ids.dim() == 1:
         ids = ids.unsqueeze(0)
@@ -74,17 +78,15 @@ def _check_generate_args(input_ids, max_new_tokens, temperature) -> torch.Tensor
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if not isinstance(temperature, (int, float)) or temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
-    return ids
-
-
-def _check_context_fits(target, ids: torch.Tensor, max_new_tokens: int, extra: int) -> None:
     limit = getattr(target.config, "max_position_embeddings", None)
-    needed = ids.shape[1] + max_new_tokens + extra
-    if limit is not None and needed > limit:
+    if limit is not None and ids.shape[1] + max_new_tokens + tree_rows > limit:
         raise ValueError(
-            f"prompt of {ids.shape[1]} tokens + max_new_tokens={max_new_tokens} + tree of {extra} exceeds the "
+            f"prompt of {ids.shape[1]} tokens + max_new_tokens={max_new_tokens} + tree of {tree_rows} exceeds the "
             f"target's context of {limit} positions; shorten the prompt or lower max_new_tokens"
         )
+    device = target.device
+    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    return ids.to(device), generator, set(target.eos_token_ids)
 
 
 def _finish(tokens: list[int], new: list[int], eos_ids: set[int], max_new_tokens: int) -> bool:
@@ -159,12 +161,8 @@ class SpeculativeDecoder:
         seed: int | None = None,
     ) -> GenerationResult:
         """Decode up to ``max_new_tokens`` new tokens; stops after an EOS token (which is kept)."""
-        ids = _check_generate_args(input_ids, max_new_tokens, temperature)
-        _check_context_fits(self.target, ids, max_new_tokens, self.budget + 1)
+        ids, generator, eos = _prepare(self.target, input_ids, max_new_tokens, temperature, seed, self.budget + 1)
         device = self.target.device
-        ids = ids.to(device)
-        generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-        eos = set(self.target.eos_token_ids)
         window = self.drafter.config.context_window if self.drafter is not None else None
 
         start = time.perf_counter()
@@ -212,12 +210,8 @@ def autoregressive_generate(
 
     Each token is one "round" of block length 1 whose time is booked under ``target``.
     """
-    ids = _check_generate_args(input_ids, max_new_tokens, temperature)
-    _check_context_fits(target, ids, max_new_tokens, 0)
+    ids, generator, eos = _prepare(target, input_ids, max_new_tokens, temperature, seed, 1)
     device = target.device
-    ids = ids.to(device)
-    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    eos = set(target.eos_token_ids)
     start = time.perf_counter()
     pre = target.prefill(ids)
     cache, logits = pre.cache, pre.logits  # (1, V) after the last prompt token

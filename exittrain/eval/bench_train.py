@@ -54,7 +54,8 @@ def run(steps: int, budgets: list[int], anchors: int, batch: int, prompts: int) 
     results = []
     for budget in budgets:
         drafter = new_drafter(target, seed=0)
-        module = ExitTrainModule(drafter, target, stage="exittrain", budget=budget, anchors_per_seq=anchors)
+        module = ExitTrainModule(drafter, target, stage="exittrain", budget=budget, anchors_per_seq=anchors,
+                                feature_cache=True)
         collect = Collect()
         trainer = L.Trainer(max_steps=steps, accelerator="cpu", precision="bf16-mixed", logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
