@@ -18,7 +18,7 @@ USAGE = """usage: python -m exittrain {fit,eval,report,bench} [args]
   fit     train a drafter:         python -m exittrain fit +recipe=code [debug=smoke] [key=value ...]
   eval    decode held-out prompts: python -m exittrain eval +recipe=code drafter=RUN_DIR/drafter
   report  tables and plots:        python -m exittrain report RUN_DIR [RUN_DIR ...]
-  bench   benchmarks:              python -m exittrain bench {core,decode,train,ablation} [--quick]
+  bench   benchmarks:              python -m exittrain bench {core,decode,train} [--help]
 """
 
 

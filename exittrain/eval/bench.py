@@ -1,16 +1,26 @@
-"""`python -m exittrain bench {core,decode,train,ablation} [args]`: dispatch to one benchmark."""
+"""`python -m exittrain bench {core,decode,train} [args]`: dispatch to one benchmark."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import sys
+from pathlib import Path
 
 BENCHES = {
     "core": "exittrain.eval.bench_core",
     "decode": "exittrain.eval.bench_decode",
     "train": "exittrain.eval.bench_train",
-    "ablation": "exittrain.eval.bench_ablation",
 }
+
+
+def write_results(out: str, result: dict, markdown: str) -> None:
+    """Write ``<out>.json`` and ``<out>.md`` (creating the folder) and print the table."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    path.with_suffix(".md").write_text(markdown)
+    print(markdown)
 
 
 def main(argv: list[str] | None = None) -> None:

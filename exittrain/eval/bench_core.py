@@ -16,16 +16,15 @@ These are wall-clock figures on a shared machine: compare ratios within one run 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from exittrain.core import build_tree, build_tree_reference, exit_law, exit_law_reference
 from exittrain.core.verify import verify_predraw, verify_sequential, verify_tev
+from exittrain.eval.bench import write_results
 
 
 def median_seconds(fn, repeats: int, warmup: int = 1, sync=lambda: None) -> float:
@@ -160,13 +159,7 @@ def main(argv=None) -> None:
     meta = {"device": args.device if args.device != "cpu" else f"cpu ({platform.processor() or platform.machine()})",
             "torch": torch.__version__, "threads": torch.get_num_threads()}
     rows = run(args.quick, args.device)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, **rows}, indent=2))
-    markdown = to_markdown(rows, meta)
-    out.with_suffix(".md").write_text(markdown)
-    print()
-    print(markdown)
+    write_results(args.out, {"meta": meta, **rows}, to_markdown(rows, meta))
 
 
 if __name__ == "__main__":

@@ -13,13 +13,12 @@ before each lap on a GPU). Writes ``<out>.json`` and ``<out>.md``.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 
 from exittrain.data import chat_prompt_ids, load_domain
 from exittrain.decoding import STAGES, SpeculativeDecoder, autoregressive_generate
+from exittrain.eval.bench import write_results
 from exittrain.models import load_drafter, load_target, new_drafter
 
 
@@ -86,12 +85,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="results/bench_decode")
     args = parser.parse_args(argv)
     result = run(args.drafter, args.budgets, args.prompts, args.new_tokens, args.domain)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    markdown = to_markdown(result)
-    out.with_suffix(".md").write_text(markdown)
-    print(markdown)
+    write_results(args.out, result, to_markdown(result))
 
 
 if __name__ == "__main__":

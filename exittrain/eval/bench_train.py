@@ -13,12 +13,12 @@ steps are warm-up and not counted). Writes ``<out>.json`` and ``<out>.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import statistics
-from pathlib import Path
 
 import torch
+
+from exittrain.eval.bench import write_results
 
 PARTS = ("features", "draft", "tree", "score", "exit", "backward")
 
@@ -101,12 +101,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="results/bench_train")
     args = parser.parse_args(argv)
     result = run(args.steps, args.budgets, args.anchors, args.batch, args.prompts)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    markdown = to_markdown(result)
-    out.with_suffix(".md").write_text(markdown)
-    print(markdown)
+    write_results(args.out, result, to_markdown(result))
 
 
 if __name__ == "__main__":
