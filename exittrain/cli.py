@@ -199,7 +199,9 @@ def run_fit(cfg: DictConfig) -> dict:
         try:
             if stage == "exittrain" and "warm_start" not in summary["tables"]:
                 _log_table(logger, "final/warm_start", evaluate("warm_start"))  # a given or resumed warm start
-            module = instantiate(cfg.objective)(drafter=drafter, target=target, stage=stage, lr=cfg.stages[stage].lr)
+            # every key of stages.<stage> but max_steps overrides the objective for that stage
+            overrides = {k: v for k, v in cfg.stages[stage].items() if k != "max_steps"}
+            module = instantiate(cfg.objective)(drafter=drafter, target=target, stage=stage, **overrides)
             trainer = instantiate(cfg.trainer)(
                 max_steps=cfg.stages[stage].max_steps,
                 callbacks=_build_callbacks(cfg, stage, eval_prompts, out),
