@@ -105,6 +105,13 @@ class DraftTree:
         return A_NBB
 
     @cached_property
+    def sibling_rank(self) -> torch.Tensor:
+        """(N, B) rank of each node among its parent's children, in column order (0 = first child)."""
+        N, B = self.parents.shape
+        same_parent = torch.nn.functional.one_hot(self.parents, B + 1) & self.valid.unsqueeze(-1)  # (N, B, B+1)
+        return (same_parent.cumsum(1) - 1).gather(2, self.parents.unsqueeze(-1)).squeeze(-1)
+
+    @cached_property
     def num_nodes(self) -> torch.Tensor:
         """(N,) number of valid nodes, root excluded."""
         return self.valid.sum(-1)

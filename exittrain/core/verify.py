@@ -222,16 +222,14 @@ def verify_sequential(
     column order, i.e. the drafter's score order).
     """
     _check_logits(tree, logits, validate)
-    N, B = tree.tokens.shape
+    N = tree.tokens.shape[0]
     device = logits.device
     rows = torch.arange(N, device=device)
 
     def row_probs(row: torch.Tensor) -> torch.Tensor:  # warp only the rows the walk visits
         return warp_probs(logits[rows, row], temperature, top_k, top_p)
 
-    # rank of each node among its siblings, in column order
-    same_parent = torch.nn.functional.one_hot(tree.parents, B + 1) & tree.valid.unsqueeze(-1)  # (N, B, B+1)
-    sibling_rank = (same_parent.cumsum(1) - 1).gather(2, tree.parents.unsqueeze(-1)).squeeze(-1)  # (N, B)
+    sibling_rank = tree.sibling_rank  # (N, B) children are tried in column order
 
     current = torch.zeros(N, dtype=torch.long, device=device)
     done = torch.zeros(N, dtype=torch.bool, device=device)

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from exittrain.core import DraftTree, verify_tev
+from exittrain.core import DraftTree, verify_tev, warp_probs
 from exittrain.core.exit_law import exit_law
 
 from .speculative import GenerationResult, RoundStats, _Clock, _finish, _prepare
@@ -57,8 +57,6 @@ def oracle_generate(
     max_depth: int | None = None,
 ) -> tuple[GenerationResult, list[float]]:
     """Decode with oracle trees and TEV. Returns the result and each round's analytic ``sum P``."""
-    from exittrain.core.verify import warp_probs
-
     ids, generator, eos = _prepare(target, input_ids, max_new_tokens, temperature, seed, budget + 1)
     K = max_depth or budget
     device = target.device

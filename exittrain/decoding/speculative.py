@@ -117,8 +117,8 @@ class SpeculativeDecoder:
     """Tree speculative decoding of one sequence with a block drafter and an exact verifier.
 
     ``verifier`` is one of ``"tev"``, ``"predraw"``, ``"sequential"``, ``"greedy"`` (the last only at
-    temperature 0). ``budget`` is the number of draft nodes per round. ``tree_builder`` may
-    replace the drafter-based tree (the oracle mode uses it).
+    temperature 0). ``budget`` is the number of draft nodes per round. Oracle trees, which need
+    no drafter, are :func:`exittrain.decoding.oracle_generate`.
     """
 
     def __init__(self, target, drafter, budget: int = 16, verifier: str = "tev"):
@@ -126,10 +126,12 @@ class SpeculativeDecoder:
             raise ValueError(f"verifier must be one of {sorted(VERIFIERS)}, got {verifier!r}")
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
             raise ValueError(f"budget must be an integer >= 1 (draft nodes per round), got {budget!r}")
-        if drafter is not None and not drafter.has_target:
+        if drafter is None:
+            raise ValueError("drafter is required; create one with new_drafter(target) or load_drafter(path, target)")
+        if not drafter.has_target:
             drafter.attach_target(target)
         self.target, self.drafter, self.budget, self.verifier = target, drafter, budget, verifier
-        self.layers = list(drafter.config.target_layer_ids) if drafter is not None else None
+        self.layers = list(drafter.config.target_layer_ids)
 
     def _verify(self, tree, logits, temperature, top_k, top_p, generator):
         if self.verifier == "greedy":
@@ -163,7 +165,7 @@ class SpeculativeDecoder:
         """Decode up to ``max_new_tokens`` new tokens; stops after an EOS token (which is kept)."""
         ids, generator, eos = _prepare(self.target, input_ids, max_new_tokens, temperature, seed, self.budget + 1)
         device = self.target.device
-        window = self.drafter.config.context_window if self.drafter is not None else None
+        window = self.drafter.config.context_window
 
         start = time.perf_counter()
         pre = self.target.prefill(ids[:, :-1], layers=self.layers)

@@ -53,8 +53,7 @@ def agreeing_target_logits(tree, V: int, generator, boost: float = 13.0) -> torc
     """Target logits per row that favour the row's first child, so walks go several levels deep."""
     N, B = tree.tokens.shape
     logits = torch.randn(N, B + 1, V, generator=generator, device=tree.tokens.device)
-    first_child = tree.valid & (torch.nn.functional.one_hot(tree.parents, B + 1).cumsum(1).gather(
-        2, tree.parents.unsqueeze(-1)).squeeze(-1) == 1)
+    first_child = tree.valid & (tree.sibling_rank == 0)
     index = torch.where(first_child, tree.parents * V + tree.tokens, 0)
     bump = torch.zeros(N, (B + 1) * V, device=logits.device).scatter_add_(1, index, first_child.float() * boost)
     return logits + bump.view(N, B + 1, V)

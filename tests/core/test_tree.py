@@ -100,6 +100,13 @@ def test_derived_tensors():
         for row in range(B + 1):
             kids = {int(t) for t, p, v in zip(tree.tokens[n], tree.parents[n], tree.valid[n]) if v and p == row}
             assert set(torch.nonzero(mask[n, row]).flatten().tolist()) == kids
+    for n in range(N):
+        seen: dict[int, int] = {}
+        for j in range(B):
+            if tree.valid[n, j]:
+                parent = int(tree.parents[n, j])
+                assert int(tree.sibling_rank[n, j]) == seen.get(parent, 0)
+                seen[parent] = seen.get(parent, 0) + 1
     rows = torch.tensor([0, 1, 2])
     assert torch.equal(tree.child_token_mask(6, rows=rows), mask[torch.arange(N), rows])
 
