@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # pip offline-friendly flags; torch is pinned so the local CPU wheel is taken
 PIP     := $(VPY) -m pip --disable-pip-version-check -q
 
-.PHONY: help setup test test-slow lint bench fit clean
+.PHONY: help setup test test-slow lint bench bench-ablation bench-ablation-quick fit clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -31,6 +31,12 @@ lint: setup  ## ruff
 
 bench: setup  ## core micro-benchmarks (tree build, exit law, verifiers)
 	$(VPY) -m exittrain.eval.bench_core
+
+bench-ablation: setup  ## ExitTrain vs control vs baseline, oracle, verifier latency (~1 h on 2 cores; run in background)
+	$(VPY) -m exittrain bench ablation --out results/ablation
+
+bench-ablation-quick: setup  ## the ablation's small setting (code only, a few minutes)
+	$(VPY) -m exittrain bench ablation --quick --out results/ablation_quick
 
 fit: setup  ## the main job: train a drafter on the code recipe
 	$(VPY) -m exittrain fit +recipe=code

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import sys
 
+from exittrain.eval.bench import BENCHES  # a dict of module names: imports nothing heavy
+
 HYDRA_COMMANDS = ("fit", "eval")
-USAGE = """usage: python -m exittrain {fit,eval,report,bench} [args]
+USAGE = f"""usage: python -m exittrain {{fit,eval,report,bench}} [args]
 
   fit     train a drafter:         python -m exittrain fit +recipe=code [debug=smoke] [key=value ...]
   eval    decode held-out prompts: python -m exittrain eval +recipe=code drafter=RUN_DIR/drafter
   report  tables and plots:        python -m exittrain report RUN_DIR [RUN_DIR ...]
-  bench   benchmarks:              python -m exittrain bench {core,decode,train} [--help]
+  bench   benchmarks:              python -m exittrain bench {{{",".join(BENCHES)}}} [--help]
 """
 
 

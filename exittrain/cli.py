@@ -65,6 +65,20 @@ def _eval_settings(cfg: DictConfig) -> dict:
     )
 
 
+def _global_rank() -> int:
+    """This process's global rank, as Lightning's ``rank_zero_only`` (and so every logger) sees it.
+
+    Lightning reads it from the launcher's environment at import (``RANK`` under torchrun,
+    ``LOCAL_RANK`` in the processes its own launcher starts on one node, ``SLURM_PROCID`` under
+    srun; 0 in a plain process) and sets it to the strategy's global rank when a Trainer is
+    built. It is therefore right before the first Trainer exists too, where ``run_fit`` needs it
+    (the logger, the data, a given warm start's evaluation).
+    """
+    from lightning.pytorch.utilities import rank_zero_only
+
+    return rank_zero_only.rank
+
+
 def _make_logger(cfg: DictConfig, run_name: str):
     """The configured logger for one stage; W&B gets max/last summaries for block length."""
     if cfg.get("logger") is None:
@@ -74,7 +88,9 @@ def _make_logger(cfg: DictConfig, run_name: str):
         kwargs["name"] = run_name
         os.environ.setdefault("WANDB_SILENT", "true")
     logger = instantiate(cfg.logger, **kwargs)
-    if "WandbLogger" in type(logger).__name__:
+    # The W&B run exists on global rank 0 only: on the other ranks `experiment` is Lightning's
+    # dummy, whose `config` is a method, so `config.update` would raise AttributeError there.
+    if "WandbLogger" in type(logger).__name__ and _global_rank() == 0:
         exp = logger.experiment
         exp.define_metric("val/block_length", summary="max")
         exp.define_metric("val/analytic_block_length", summary="max")
@@ -136,6 +152,24 @@ def _stages_to_run(cfg: DictConfig) -> list[str]:
     return stages
 
 
+def _check_objective(cfg: DictConfig, stages: list[str]) -> None:
+    """Validate the module arguments of every stage to run (``objective`` plus ``stages.<stage>``).
+
+    Called before the target loads: the module of a later stage is built only after the earlier
+    stages trained, so without this check a bad ``objective.alpha`` would fail minutes into a run.
+    """
+    from exittrain.lit.module import check_module_args
+
+    objective = OmegaConf.to_container(cfg.objective, resolve=True)
+    base = {k: v for k, v in objective.items() if not k.startswith("_")}  # drop _target_ / _partial_
+    for stage in stages:
+        overrides = {k: v for k, v in cfg.stages[stage].items() if k != "max_steps"}
+        try:
+            check_module_args(**{**base, **overrides, "stage": stage})
+        except ValueError as e:
+            raise ValueError(f"stage {stage!r} (objective.* with stages.{stage}.* overrides): {e}") from e
+
+
 def _build_callbacks(cfg: DictConfig, stage: str, eval_prompts: list[list[int]], out: Path) -> list:
     from exittrain.lit import ExportDrafterCallback, MetricsFileCallback
 
@@ -156,25 +190,60 @@ def _build_callbacks(cfg: DictConfig, stage: str, eval_prompts: list[list[int]],
     return callbacks
 
 
+def _prepare_data(datamodule, *, wait_s: float, poll_s: float = 10.0) -> None:
+    """Regenerate the data on global rank 0; every other rank waits for the complete cache entry.
+
+    Under Lightning's own launcher ranks >= 1 start inside ``trainer.fit``, after rank 0 got
+    here, and find the entry at once. torchrun and srun start every rank together: only one
+    process may write a cache key (two would race on its shards and its final rename, see
+    exittrain/data/regenerate.py), so the others poll for the folder with the entry's final name,
+    which exists only once complete, for up to ``wait_s`` seconds (``data_wait_s``). Rank 0 is
+    the writer rather than each node's local rank 0 for the same reason: ``data.cache_dir`` must
+    then be on a file system every node sees, like ``hydra.run.dir``.
+    """
+    rank = _global_rank()
+    if rank == 0:
+        datamodule.prepare_data()  # regeneration (cached) before any training, with its progress bar
+        return
+    path = datamodule.cache_path
+    deadline = time.monotonic() + wait_s
+    if not path.is_dir():
+        log.info("rank %d: waiting up to %g s for global rank 0 to regenerate %s", rank, wait_s, path)
+    while not path.is_dir():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"rank {rank}: no regenerated data at {path} after data_wait_s={wait_s:g} s; global rank 0 writes it. "
+                "Fill the cache first with one process and the same data.* and target (docs/multi_gpu.md, "
+                "Launching), or raise data_wait_s; with several nodes, data.cache_dir must be on a shared file system"
+            )
+        time.sleep(poll_s)
+
+
 def run_fit(cfg: DictConfig) -> dict:
-    """Regenerate data, warm start (pretrain), ExitTrain, then the final block-length table."""
+    """Regenerate data, warm start (pretrain), ExitTrain, then the final block-length table.
+
+    With several processes every rank trains; global rank 0 alone regenerates, evaluates and
+    writes, and the other ranks return the summary without tables once training ends.
+    """
     import lightning as L
 
     from exittrain.eval.decode_eval import evaluate_prompts, format_table, summarize
     from exittrain.lit import save_drafter
+    from exittrain.lit.checkpoint_io import AtomicCheckpointIO
     from exittrain.models import load_drafter
 
     out = _output_dir(cfg)
     L.seed_everything(cfg.seed, workers=True)
     stages = _stages_to_run(cfg)
     settings = _eval_settings(cfg)
+    _check_objective(cfg, stages)
     started = time.perf_counter()
 
     target = instantiate(cfg.target)
     datamodule = instantiate(cfg.data)(
         target=lambda: (target.model, target.tokenizer), tokenizer=target.tokenizer, target_name=target.name
     )
-    datamodule.prepare_data()  # regeneration (cached) before any training, with its progress bar
+    _prepare_data(datamodule, wait_s=cfg.data_wait_s)
     eval_prompts = datamodule.eval_prompts(max(cfg.eval.num_prompts, cfg.callbacks.decode_eval.num_prompts))
     if cfg.warm_start is not None:
         drafter = load_drafter(cfg.warm_start, target)
@@ -184,6 +253,9 @@ def run_fit(cfg: DictConfig) -> dict:
     summary: dict = {"recipe": cfg.recipe_name, "stages": stages, "target": target.name, "tables": {}}
     timings: dict[str, float] = {"regeneration_and_setup_s": time.perf_counter() - started}
 
+    # The held-out evaluations and every file below are global rank 0's work, like the
+    # callbacks' writes; ranks >= 1 go on to the next stage and wait for rank 0 in its first
+    # collective (the evaluation must finish within the process group's timeout, 30 min by default).
     def evaluate(label: str) -> list[dict]:
         t0 = time.perf_counter()
         rows = evaluate_prompts(target, drafter, eval_prompts[: cfg.eval.num_prompts], label=label, **settings)
@@ -197,7 +269,7 @@ def run_fit(cfg: DictConfig) -> dict:
         label = "warm_start" if stage == "pretrain" else "exittrain"
         logger = _make_logger(cfg, f"{cfg.recipe_name}-{stage}")
         try:
-            if stage == "exittrain" and "warm_start" not in summary["tables"]:
+            if stage == "exittrain" and "warm_start" not in summary["tables"] and _global_rank() == 0:
                 _log_table(logger, "final/warm_start", evaluate("warm_start"))  # a given or resumed warm start
             # every key of stages.<stage> but max_steps overrides the objective for that stage
             overrides = {k: v for k, v in cfg.stages[stage].items() if k != "max_steps"}
@@ -206,6 +278,7 @@ def run_fit(cfg: DictConfig) -> dict:
                 max_steps=cfg.stages[stage].max_steps,
                 callbacks=_build_callbacks(cfg, stage, eval_prompts, out),
                 logger=logger if logger is not None else False,
+                plugins=[AtomicCheckpointIO()],  # temp file + fsync + rename: a kill never tears a checkpoint
             )
             t0 = time.perf_counter()
             ckpt = cfg.ckpt_path if (cfg.ckpt_path is not None and stage == stages[0]) else None
@@ -214,9 +287,12 @@ def run_fit(cfg: DictConfig) -> dict:
             summary[f"{stage}_metrics"] = {
                 k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1
             }
-            _log_table(logger, f"final/{label}", evaluate(label))
+            if _global_rank() == 0:
+                _log_table(logger, f"final/{label}", evaluate(label))
         finally:
             _close_logger(logger)
+    if _global_rank() != 0:
+        return summary  # this rank trained its share; rank 0 exports, evaluates and writes
     save_drafter(drafter, out / "drafter")
     _write_tree_example(target, drafter, eval_prompts[0], max(settings["budgets"]), out)
 

@@ -4,10 +4,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 from hydra import compose, initialize_config_dir
 
 from exittrain.cli import CONF_DIR, RECIPES_DIR, register_recipes
+from exittrain.eval.bench import BENCHES
 
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 
@@ -67,3 +69,23 @@ def test_eval_takes_drafter_path():
 def test_unknown_command_prints_usage():
     proc = run_cli("train")
     assert proc.returncode == 2 and "usage" in proc.stderr
+    assert "bench {" + ",".join(BENCHES) + "}" in proc.stderr  # every benchmark, from the registry
+
+
+@pytest.mark.parametrize("target", ["hub", "qwen3_8b"])
+@pytest.mark.parametrize(
+    "env, device",
+    [({}, "cuda:0"), ({"LOCAL_RANK": "3"}, "cuda:3"), ({"SLURM_LOCALID": "2"}, "cuda:2")],
+    ids=["single-process", "torchrun", "srun"],
+)
+def test_gpu_targets_load_on_the_rank_s_own_gpu(monkeypatch, target, env, device):
+    """A plain `cuda` would put every DDP rank's target on GPU 0 (and the module refuses it there)."""
+    for key in ("LOCAL_RANK", "SLURM_LOCALID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    register_recipes()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("fit", overrides=["+recipe=code", f"target={target}", "target.name_or_path=org/model"])
+    assert cfg.target.device == device
+    assert torch.device(cfg.target.device).index == int(device[-1])  # what load_target's model.to() gets

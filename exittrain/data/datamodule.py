@@ -11,6 +11,9 @@ Lifecycle (Lightning calls these; see ``lightning.pytorch.core.datamodule``):
 - ``train_dataloader`` / ``val_dataloader``: right-padded batches from :class:`~exittrain.data.collate.Collator`
   (input_ids (L, T) long, loss_mask (L, T) bool, attention_mask (L, T) long, n_prompt_tokens (L,),
   lengths (L,), row_id (L,) = the row's ``prompt_index``: stable across epochs, unique across both splits).
+  The training order of epoch e is a function of ``seed`` and e only, and a fit resumed from a
+  checkpoint continues it where the checkpoint left off (``state_dict`` / ``load_state_dict``,
+  :class:`~exittrain.data.sampler.ResumableSampler`).
 - :meth:`ExitTrainDataModule.eval_prompts`: the held-out evaluation prompts, chat-templated, for
   decoding benchmarks. They never overlap the training prompts (:func:`exittrain.data.sources.load_domain`).
 """
@@ -38,6 +41,7 @@ from exittrain.data.regenerate import (
     read_meta,
     regenerate,
 )
+from exittrain.data.sampler import ResumableSampler
 from exittrain.data.sources import DEFAULT_MAX_CHARS, DomainPrompts, PromptSource, load_domain
 
 logger = logging.getLogger(__name__)
@@ -139,6 +143,7 @@ class ExitTrainDataModule(pl.LightningDataModule):
         self.val_set: datasets.Dataset | None = None
         self.pad_token_id: int | None = None
         self.stats: dict[str, Any] = {}
+        self._resume_order: tuple[int, int] | None = None  # (epoch, batches done) from a checkpoint
 
     # -- prompts ---------------------------------------------------------------------------------
 
@@ -253,17 +258,84 @@ class ExitTrainDataModule(pl.LightningDataModule):
         return Collator(pad_token_id=self.pad_token_id, max_length=self.max_length)
 
     def train_dataloader(self) -> DataLoader:
+        """Shuffled training batches; epoch e's order depends only on ``seed`` and e (:class:`ResumableSampler`).
+
+        After ``load_state_dict`` (a resumed fit) the first pass continues the checkpoint's epoch
+        right after the batches it had trained: a resumed run sees the same batches, in the same
+        order, as a run that was never interrupted.
+        """
         if self.train_set is None:
             raise ValueError("the DataModule is not set up; call setup('fit') first")
+        # Bug fixed here: a RandomSampler with a generator seeded once per DataLoader replayed epoch 0's
+        # order after every resume, from the start of the epoch (Lightning does not skip the batches a
+        # plain DataLoader already gave before the checkpoint). See exittrain/data/sampler.py.
+        world, rank = self._world()
+        trainer = self.trainer
+        epoch_fn = (lambda: trainer.current_epoch) if trainer is not None else None
+        sampler = ResumableSampler(self.train_set, seed=self.seed, num_replicas=world, rank=rank, epoch_fn=epoch_fn)
+        if self._resume_order is not None:
+            epoch, batches_done = self._resume_order
+            sampler.resume(epoch, batches_done * self.batch_size)
+            self._resume_order = None  # once: a later fit of the same DataModule starts afresh
         return DataLoader(
             self.train_set,
             batch_size=self.batch_size,
-            shuffle=True,
+            sampler=sampler,
+            # its own generator, only for the workers' base seed: iterating never draws from torch's global RNG
             generator=torch.Generator().manual_seed(self.seed),
             collate_fn=self._collator(),
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
+
+    def _world(self) -> tuple[int, int]:
+        """(world size, global rank) of the attached trainer; (1, 0) without one."""
+        trainer = self.trainer
+        return (int(trainer.world_size), int(trainer.global_rank)) if trainer is not None else (1, 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where training stands in the data, saved in every checkpoint of a fit (Lightning hook).
+
+        ``train_order``: the epoch and how many batches of it this rank has trained, read from
+        Lightning's own counters at the moment the checkpoint is written (after the batch's update),
+        plus the settings that fix the order (seed, batch size, world size).
+        """
+        trainer = self.trainer
+        if trainer is None or self.train_set is None:
+            return {}
+        world, _ = self._world()
+        return {
+            "train_order": {
+                "epoch": int(trainer.current_epoch),
+                "batches_done": int(trainer.fit_loop.epoch_loop.batch_progress.current.processed),
+                "seed": int(self.seed),
+                "batch_size": int(self.batch_size),
+                "world_size": world,
+            }
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the data order of a checkpoint (Lightning calls it before ``train_dataloader``).
+
+        With another seed, batch size or world size the order cannot continue: the resumed run
+        starts the checkpoint's epoch afresh (with a warning).
+        """
+        order = state_dict.get("train_order")
+        if not order:
+            return
+        world, _ = self._world()
+        now = {"seed": int(self.seed), "batch_size": int(self.batch_size), "world_size": world}
+        saved = {k: order.get(k) for k in now}
+        if saved != now:
+            logger.warning(
+                "the checkpoint's data order (%s) differs from this run's (%s): epoch %d restarts from its first batch",
+                saved,
+                now,
+                order["epoch"],
+            )
+            self._resume_order = (int(order["epoch"]), 0)
+        else:
+            self._resume_order = (int(order["epoch"]), int(order["batches_done"]))
 
     def val_dataloader(self) -> DataLoader | list:
         """Validation-loss batches over held-out training prompts; ``[]`` when ``val_fraction == 0``."""

@@ -50,6 +50,8 @@ import datasets
 import torch
 from tqdm.auto import tqdm
 
+from exittrain.atomic import fsync_dir, fsync_tree
+
 logger = logging.getLogger(__name__)
 
 # Shapes: N = prompts in a batch, P = padded prompt length, G = generated length.
@@ -131,11 +133,16 @@ class GenerationConfig:
 
 
 def chat_prompt_ids(tokenizer: Any, prompt: str, system_prompt: str | None = None) -> list[int]:
-    """Token ids of ``prompt`` as one user turn in the chat template, ending with the assistant header."""
+    """Token ids of ``prompt`` as one user turn in the chat template, ending with the assistant header.
+
+    Raises ValueError naming the tokenizer when it has no chat template (a base model's tokenizer):
+    the target must answer in the format it is decoded with, so there is no plain-text fallback.
+    """
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
-            f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} has no chat template; "
-            "self-distillation needs an instruct/chat target"
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__!r} has no chat "
+            "template; self-distillation wraps every prompt in the target's chat template: use an instruct/chat "
+            "target (target.name_or_path=...), or set tokenizer.chat_template to a Jinja chat template"
         )
     messages = [{"role": "user", "content": prompt}]
     if system_prompt is not None:
@@ -275,19 +282,32 @@ def _quiet_datasets_bars():
 
 
 def _save_atomic(ds: datasets.Dataset, final: Path, meta: dict[str, Any] | None = None) -> None:
-    """Write ``ds`` (and ``meta``) to a temporary sibling folder, then rename it to ``final``."""
+    """Write ``ds`` (and ``meta``) to a temporary sibling folder, then rename it to ``final``.
+
+    A folder named ``final`` is therefore always complete: readers test ``final.is_dir()``, and a
+    write that fails or is killed leaves only ``<final>.tmp-*``, which no reader opens (a failed
+    write removes it; a killed one leaves it to the ``.partial`` cleanup or as inert garbage). The
+    files are fsynced before the rename, so a power loss cannot leave a complete-looking folder of
+    unwritten data either.
+    """
     tmp = final.with_name(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}")
-    with _quiet_datasets_bars():
-        ds.save_to_disk(str(tmp))
-    if meta is not None:
-        with open(tmp / META_FILE, "w") as f:
-            json.dump(meta, f, indent=2, sort_keys=True)
     try:
-        os.rename(tmp, final)
-    except OSError:
-        if not final.exists():
-            raise
-        shutil.rmtree(tmp)  # another writer finished first; its copy is equivalent
+        with _quiet_datasets_bars():
+            ds.save_to_disk(str(tmp))
+        if meta is not None:
+            with open(tmp / META_FILE, "w") as f:
+                json.dump(meta, f, indent=2, sort_keys=True)
+        fsync_tree(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.exists():
+                raise
+            # another writer finished first; its copy is equivalent (the finally removes ours)
+        fsync_dir(final.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _resolve(target: tuple[Any, Any] | TargetProvider) -> tuple[Any, Any]:
@@ -358,7 +378,11 @@ def regenerate(
     skip = set(too_long)
     order = sorted((i for i in range(len(prompts)) if i not in skip), key=lambda i: -len(templated[i]))
     if not order:
-        raise ValueError(f"every prompt exceeds max_prompt_tokens={gen.max_prompt_tokens}; raise it")
+        raise ValueError(
+            f"every one of the {len(prompts)} prompts exceeds max_prompt_tokens={gen.max_prompt_tokens} after the "
+            f"chat template of target {target_name!r} (shortest: {min(len(t) for t in templated)} tokens); raise "
+            "generation.max_prompt_tokens (data.generation.max_prompt_tokens in a fit config) or use shorter prompts"
+        )
     batches = [order[s : s + gen.batch_size] for s in range(0, len(order), gen.batch_size)]
 
     def shard_dir(b: int) -> Path:

@@ -33,6 +33,7 @@ prompt whose normalized text (:func:`normalize_prompt`) equals an evaluation pro
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import gzip
 import importlib.metadata
@@ -429,17 +430,18 @@ def _read_json_file(path: Path) -> Iterator[tuple[int, Any]]:
     """Rows of a JSON Lines file (1-based line numbers) or a JSON array (0-based indices).
 
     A broken line yields the reason string ``"non_utf8"``, ``"malformed"`` or ``"blank_line"`` in
-    place of the row. A JSON array that does not parse is an error for the whole file.
+    place of the row. A JSON array that does not parse is an error for the whole file. A UTF-8
+    byte-order mark at the start of the file is skipped.
     """
     if not path.is_file():
         raise ValueError(f"prompt file {path} does not exist; fix the path in the prompt source spec")
     with _open_bytes(path) as f:
-        head = f.read(1024).lstrip()
+        head = f.read(1024).removeprefix(codecs.BOM_UTF8).lstrip()
     if head.startswith(b"["):
         with _open_bytes(path) as f:
             raw = f.read()
         try:
-            rows = json.loads(raw.decode("utf-8"))
+            rows = json.loads(raw.decode("utf-8-sig"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(
                 f"{path} starts with '[' but is not a valid UTF-8 JSON array ({e}); fix the file, or write "
@@ -450,7 +452,9 @@ def _read_json_file(path: Path) -> Iterator[tuple[int, Any]]:
     with _open_bytes(path) as f:
         for lineno, line in enumerate(f, start=1):
             try:
-                text = line.decode("utf-8")
+                # Editors on Windows start UTF-8 files with a byte-order mark; it belongs to no row, and
+                # json.loads rejects it, so without "utf-8-sig" a valid first row would count as malformed.
+                text = line.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError:
                 yield lineno, "non_utf8"
                 continue

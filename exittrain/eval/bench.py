@@ -1,4 +1,4 @@
-"""`python -m exittrain bench {core,decode,train} [args]`: dispatch to one benchmark."""
+"""`python -m exittrain bench {core,decode,train,memory} [args]`: dispatch to one benchmark."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ BENCHES = {
     "core": "exittrain.eval.bench_core",
     "decode": "exittrain.eval.bench_decode",
     "train": "exittrain.eval.bench_train",
+    "ablation": "exittrain.eval.bench_ablation",
+    "memory": "exittrain.eval.bench_memory",
 }
 
 

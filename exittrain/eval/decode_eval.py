@@ -40,8 +40,13 @@ def evaluate_prompts(
     oracle: bool = False,
     label: str = "",
     progress: bool = True,
+    ar_cache: dict | None = None,
 ) -> list[dict]:
-    """One row per (prompt, budget, temperature): tau, rounds, speed, stage times, block lengths."""
+    """One row per (prompt, budget, temperature): tau, rounds, speed, stage times, block lengths.
+
+    ``ar_cache``: a dict to reuse autoregressive baselines across calls on the same ``prompts``,
+    ``max_new_tokens`` and ``seed`` (keyed by temperature and prompt index); None = a fresh one.
+    """
     if not prompts:
         raise ValueError("no evaluation prompts: check the recipe's eval sources (eval.num_prompts > 0)")
     for b in budgets:
@@ -49,7 +54,7 @@ def evaluate_prompts(
             raise ValueError(f"budgets must be integers >= 1 (tree nodes), got {list(budgets)}")
     rows: list[dict] = []
     jobs = [(b, t, i) for t in temperatures for b in budgets for i in range(len(prompts))]
-    ar_cache: dict[tuple[float, int], object] = {}
+    ar_cache = {} if ar_cache is None else ar_cache  # (temperature, prompt index) -> baseline result
     bar = tqdm(jobs, desc=f"eval {label}".strip(), disable=not progress, leave=False)
     for budget, temperature, i in bar:
         prompt = list(prompts[i])

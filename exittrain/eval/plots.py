@@ -11,6 +11,8 @@ display, no global backend switch), so they are safe in headless jobs and thread
 - :func:`plot_draft_tree`: one draft tree (from :func:`exittrain.eval.tree_example.tree_example`)
   with reach P as node colour, exit mass E as annotation and marker, the accepted path in red.
 - :func:`plot_training_curves`: a validation metric (e.g. ``val/block_length``) over steps.
+- :func:`plot_grouped_bars`: one value per (group, series), e.g. tau relative to the control arm
+  per domain, or the verifier's time per round per budget; an optional reference line.
 
 Bad input (nothing to plot, missing keys) raises ValueError naming what is missing; a series
 that is empty is skipped with a warning (:mod:`warnings`), never silently.
@@ -35,6 +37,7 @@ __all__ = [
     "plot_exit_mass_by_depth",
     "plot_draft_tree",
     "plot_training_curves",
+    "plot_grouped_bars",
     "tree_layout",
     "display_token",
     "series_name",
@@ -221,6 +224,48 @@ def plot_exit_mass_by_depth(
     ax.set_xticks(range(depth_count))
     ax.set_xlabel("exit depth d (0 = root: no draft token accepted)")
     ax.set_ylabel("exit mass E (probability the round exits at depth d)")
+    ax.set_title(title)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_grouped_bars(
+    values: Mapping[str, Mapping[str, float]],
+    path: PathLike,
+    *,
+    title: str,
+    ylabel: str,
+    reference: float | None = None,
+    reference_label: str = "",
+    errors: Mapping[str, Mapping[str, tuple[float, float]]] | None = None,
+) -> Path:
+    """Bars of ``values[group][series]``: one cluster per group, one colour per series, value on top.
+
+    ``reference`` draws a dashed horizontal line (e.g. 1.0 for ratios, or a goal). ``errors``
+    (same keys, ``(lo, hi)``) draws interval whiskers. ValueError if there is nothing to plot.
+    """
+    groups = [g for g, row in values.items() if row]
+    if not groups:
+        raise ValueError(f"plot_grouped_bars: no values to plot for {title!r}")
+    series = list(dict.fromkeys(s for g in groups for s in values[g]))
+    width = 0.8 / len(series)
+    fig = _new_figure(max(6.0, 1.2 * len(groups) * max(1, len(series)) ** 0.5 + 3), 4.5)
+    ax = fig.add_subplot()
+    for i, name in enumerate(series):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j, g in enumerate(groups) if name in values[g]]
+        ys = [float(values[g][name]) for g in groups if name in values[g]]
+        bars = ax.bar(xs, ys, width=width, color=_COLORS[i % len(_COLORS)], label=name)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        if errors:
+            spans = [errors.get(g, {}).get(name) for g in groups if name in values[g]]
+            for x, span in zip(xs, spans):
+                if span is not None:
+                    ax.plot([x, x], [span[0], span[1]], color="black", linewidth=1)
+    if reference is not None:
+        ax.axhline(reference, color="grey", linestyle="--", linewidth=1, label=reference_label or None)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)

@@ -22,7 +22,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from exittrain.atomic import atomic_open, fsync_dir, fsync_tree, remove_stale_temps, temp_sibling
 from exittrain.decoding import SpeculativeDecoder
 
 __all__ = [
@@ -59,18 +59,14 @@ def _drafter_and_target(pl_module: pl.LightningModule):
 
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> Path:
-    """Write ``data`` as JSON to ``path`` via a temporary sibling file and ``os.replace``."""
+    """Write ``data`` as JSON to ``path`` via a temporary sibling file, fsync and ``os.replace``.
+
+    A failure (or a kill) while writing leaves the previous ``path`` untouched (:func:`exittrain.atomic.atomic_open`).
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
     return path
 
 
@@ -80,26 +76,34 @@ def save_drafter(drafter, path: str | os.PathLike) -> Path:
     Writes into a temporary sibling folder, then renames it into place. An existing folder is
     first renamed aside and deleted only after the new one is in place: a crash leaves either
     the old complete folder, or the new complete one, or (in the instant between two renames)
-    none plus the old one under a hidden ``.<name>.old-*`` name, never a half-written folder.
+    none plus the old one under a hidden ``.<name>.*.old`` name, never a half-written folder.
+    The new files are fsynced before the renames (durable across a power loss, not only a kill),
+    and hidden ``.<name>.*.tmp`` / ``.old`` folders that killed exports left are removed after a
+    successful one. Only one process may export to a given ``path`` at a time (rank 0 does).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    tmp = temp_sibling(path, "tmp")
+    tmp.mkdir()
     old = None
     try:
         drafter.save_pretrained(tmp)
         if not (tmp / "config.json").is_file() or not any(tmp.glob("*.safetensors")):
             raise RuntimeError(f"save_pretrained wrote no config.json or safetensors into {tmp}")
-        os.chmod(tmp, 0o755)  # mkdtemp folders are private; an exported model is meant to be shared
+        fsync_tree(tmp)
         if path.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-            os.replace(path, old / path.name)
+            old = temp_sibling(path, "old")
+            os.replace(path, old)
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None:
+        if old is not None and not path.exists():
+            os.replace(old, path)  # the new folder never arrived: put the previous export back
+        elif old is not None:
             shutil.rmtree(old, ignore_errors=True)
+    remove_stale_temps(path)
     return path
 
 

@@ -55,6 +55,7 @@ The target must already sit on the device the trainer puts the module on (checke
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import time
@@ -83,6 +84,7 @@ __all__ = [
     "ExitTrainModule",
     "WarmupCosine",
     "anchor_generator",
+    "check_module_args",
     "sample_anchors",
     "select_trees",
     "tree_metrics",
@@ -286,6 +288,22 @@ def _check_args(a: Mapping[str, Any]) -> None:
         need(a["lambda_tok"] > 0, "lambda_tok", "stage='pretrain' trains on block CE only: need lambda_tok > 0")
 
 
+def check_module_args(**kwargs: Any) -> None:
+    """Validate :class:`ExitTrainModule` keyword arguments (all but ``drafter`` and ``target``) alone.
+
+    Missing arguments take the constructor's defaults. Raises the constructor's ``ValueError`` for a
+    bad value, and a ``ValueError`` listing the known names for an unknown one. ``fit`` calls it on
+    every stage's arguments before loading the target, so that a bad objective or stage override
+    fails at once instead of after regeneration and the earlier stages.
+    """
+    params = inspect.signature(ExitTrainModule.__init__).parameters
+    defaults = {name: p.default for name, p in params.items() if p.kind is p.KEYWORD_ONLY}
+    unknown = sorted(set(kwargs) - set(defaults))
+    if unknown:
+        raise ValueError(f"unknown ExitTrainModule arguments {unknown}; the known ones are {sorted(defaults)}")
+    _check_args({**defaults, **kwargs})
+
+
 def _config_dict(config: DrafterConfig) -> dict[str, Any]:
     """The drafter config as a JSON-safe dict of plain types (loadable with ``weights_only=True``)."""
     return json.loads(config.to_json_string(use_diff=False))
@@ -397,6 +415,20 @@ class ExitTrainModule(pl.LightningModule):
     def clear_feature_cache(self) -> None:
         """Drop every cached row (e.g. to free host memory); they are recomputed on their next visit."""
         self._feature_cache.clear()
+
+    def share_feature_cache(self, other: ExitTrainModule) -> None:
+        """Read and fill ``other``'s feature cache from now on (same target, layers and data).
+
+        For several fits over the same rows (the ablation's arms): the target features of a row
+        are computed once. The drafters must read the same target layers.
+        """
+        mine, theirs = self.drafter.config.target_layer_ids, other.drafter.config.target_layer_ids
+        if mine != theirs or self.target is not other.target:
+            raise ValueError(
+                f"cannot share a feature cache between drafters reading target layers {mine} and {theirs} "
+                "(or different targets); give each module its own cache"
+            )
+        self._feature_cache = other._feature_cache
 
     # -- checkpoint -----------------------------------------------------------------------------
 

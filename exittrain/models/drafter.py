@@ -39,6 +39,7 @@ touch them and a checkpoint holds only the drafter's own weights. The config rec
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -356,7 +357,8 @@ class BlockDrafter(PreTrainedModel):
         if not apply_lm_head:
             return x
         head = self._target_module("lm_head")
-        return head(x.to(head.weight.dtype))
+        # back on the drafter's device: with the target's device_map the head may sit on another GPU
+        return head(x.to(head.weight.dtype)).to(x.device)
 
     def _window(self, context_window: int | None) -> int | None:
         W = self.config.context_window if context_window is None else context_window
@@ -467,13 +469,27 @@ class BlockDrafter(PreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, target=None, check_name: bool = True, **kwargs):
         """``PreTrainedModel.from_pretrained``, plus pairing: with ``target`` given, the saved config
         is checked against it (ValueError on mismatch, before any weight is read) and the target
-        is attached."""
+        is attached.
+
+        Weights are read from safetensors only: a folder holding only a pickled checkpoint
+        (``pytorch_model.bin``, ``*.pt``) raises ValueError instead of being unpickled.
+        """
         config = kwargs.pop("config", None)
         if config is None:
             hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only") if k in kwargs}
             config = DrafterConfig.from_pretrained(pretrained_model_name_or_path, **hub)
         if target is not None:
             check_pairing(config, target, check_name=check_name)
+        # save_drafter writes safetensors; never fall back to unpickling a .bin (Hugging Face would)
+        kwargs["use_safetensors"] = True
+        folder = Path(pretrained_model_name_or_path) / kwargs.get("subfolder", "")
+        if folder.is_dir() and not any(folder.glob("*.safetensors")):
+            found = sorted(p.name for p in folder.iterdir())
+            raise ValueError(
+                f"drafter folder {folder} holds no *.safetensors weights (found {found}); drafters are loaded "
+                "from safetensors only, never from pickled .bin/.pt files: re-export it with "
+                "exittrain.lit.save_drafter(drafter, path) or drafter.save_pretrained(path)"
+            )
         model = super().from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)
         if target is not None:
             model.attach_target(target, check_name=check_name)

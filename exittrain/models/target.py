@@ -31,9 +31,17 @@ what transformers 5.24 builds for Llama, Qwen2 and Qwen3 without sliding windows
 :meth:`TargetModel.commit` gathers the kept positions along the sequence dimension of each
 layer, so the cache then equals the cache of the plain accepted sequence.
 
+**Devices.** Everything a method returns lives on :attr:`TargetModel.device`, the input
+embeddings' device, where input ids go and where the drafter must run (it applies the shared
+embeddings; the training module checks the drafter's device at fit start). This matters with
+``device_map`` over several GPUs: the captured layer outputs sit on their layers' GPUs and the LM
+head may sit on the last one. ``Tensor.to`` returns the tensor itself when it is already there,
+so a single-device target pays no copy.
+
 **Limits.** Batch decoding with per-row acceptance (ragged caches) is not supported: ``commit``
 takes one row. ``score_trees`` returns full-vocabulary logits, (N, B+1, V) in the model dtype;
-for a large vocabulary call it on fewer anchors or use ``chunk_size`` and slice outside.
+``chunk_size`` bounds the activations of one forward, not these logits: for a large vocabulary
+call it on fewer anchors.
 """
 
 from __future__ import annotations
@@ -234,11 +242,11 @@ class TargetModel:
             for handle in handles:
                 handle.remove()
 
-    @staticmethod
-    def _features(captured: dict[int, torch.Tensor], layers: list[int] | None) -> torch.Tensor | None:
+    def _features(self, captured: dict[int, torch.Tensor], layers: list[int] | None) -> torch.Tensor | None:
+        """The captured outputs of ``layers``, concatenated on :attr:`device` (layers may sit on other GPUs)."""
         if not layers:
             return None
-        return torch.cat([captured[x] for x in layers], dim=-1)
+        return torch.cat([captured[x].to(self.device) for x in layers], dim=-1)
 
     def _mask_value(self) -> float:
         return torch.finfo(self.dtype).min
@@ -270,7 +278,7 @@ class TargetModel:
         cache = self.new_cache()
         with self._capture(layers) as captured:
             out = self.model(input_ids=input_ids_NT, cache=cache, use_cache=True, logits_to_keep=1)
-        return PrefillOutput(out.logits[:, -1], self._features(captured, layers), cache)
+        return PrefillOutput(out.logits[:, -1].to(self.device), self._features(captured, layers), cache)
 
     @torch.no_grad()
     def tree_forward(
@@ -315,7 +323,7 @@ class TargetModel:
                 cache=cache,
                 use_cache=True,
             )
-        return TreeForwardOutput(out.logits, self._features(captured, layers))
+        return TreeForwardOutput(out.logits.to(device), self._features(captured, layers))
 
     @torch.no_grad()
     def commit(self, cache, context_len: int, accepted_node_columns: Sequence[int] | torch.Tensor):
@@ -451,7 +459,7 @@ class TargetModel:
         pos_LAB = pos_N.view(L, A, B1)
         anc_LABB = anc_N.view(L, A, B1, B1)
         step = chunk_size or A
-        out = []
+        out = None  # (L, A, B+1, V), filled chunk by chunk
         for a0 in range(0, A, step):
             a1 = min(A, a0 + step)
             nA = a1 - a0
@@ -471,10 +479,17 @@ class TargetModel:
                 position_ids=pos_LAB[:, a0:a1].reshape(L, Q),
                 cache=cache,
                 use_cache=True,
-            ).logits  # (L, Q, V)
-            out.append(logits.view(L, nA, B1, -1))
+            ).logits.view(L, nA, B1, -1)  # (L, nA, B+1, V)
             del cache
-        return torch.cat(out, dim=1).reshape(L * A, B1, -1), features
+            if nA == A:  # a single chunk is the whole result
+                return logits.to(device).view(L * A, B1, -1), features
+            # Write each chunk into one preallocated result: the peak is the result plus one chunk,
+            # where keeping the chunks for a final torch.cat held them and the concatenation (2x).
+            if out is None:
+                out = torch.empty(L, A, B1, logits.shape[-1], dtype=logits.dtype, device=device)
+            out[:, a0:a1] = logits  # the copy also moves a chunk the LM head left on another GPU
+            del logits  # free this chunk before the next forward
+        return out.view(L * A, B1, -1), features
 
     def _cache_from_kv(self, kv):
         """A DynamicCache holding the given per-layer (keys, values) without copying them."""
@@ -500,7 +515,7 @@ class TargetModel:
         causal_WW = torch.ones(W, W, dtype=torch.bool, device=device).tril()
         eye_WW = torch.eye(W, dtype=torch.bool, device=device)
         step = chunk_size or N
-        out = []
+        out = None  # (N, B+1, V), filled chunk by chunk
         for n0 in range(0, N, step):
             n1 = min(N, n0 + step)
             n = n1 - n0
@@ -517,8 +532,13 @@ class TargetModel:
                 use_cache=False,
                 logits_to_keep=B1,
             ).logits  # (n, B+1, V)
-            out.append(logits)
-        return torch.cat(out, dim=0)
+            if n == N:  # a single chunk is the whole result
+                return logits.to(device)
+            if out is None:  # one preallocated result, as in _score_exact
+                out = torch.empty(N, B1, logits.shape[-1], dtype=logits.dtype, device=device)
+            out[n0:n1] = logits
+            del logits  # free this chunk before the next forward
+        return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -144,6 +144,15 @@ def test_score_trees_windowed_matches_truncated_forwards(target, chunk_size):
     assert (exact[2] - scores.logits[2]).abs().max() > 1e-3
 
 
+def test_features_are_gathered_on_the_target_device(monkeypatch):
+    """With device_map the captured layer outputs sit on their layers' GPUs: they meet on target.device."""
+    target = tiny_target("llama")
+    captured = {0: torch.ones(1, 2, 3), 2: torch.zeros(1, 2, 3)}
+    torch.testing.assert_close(target._features(captured, [2, 0]), torch.cat([captured[2], captured[0]], -1))
+    monkeypatch.setattr(TargetModel, "device", property(lambda self: torch.device("meta")))  # a device they are not on
+    assert target._features(captured, [2, 0]).device == torch.device("meta")
+
+
 def test_score_trees_validates_input(target):
     seqs = _sequences(1, 6, seed=1)
     trees = random_trees(2, k=2, budget=3)

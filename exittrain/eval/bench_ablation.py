@@ -1,0 +1,559 @@
+"""The ExitTrain ablation against the DDTree baseline, the oracle bound and verifier latency.
+
+``python -m exittrain bench ablation [--quick] [--domains dialogue code math] [--out results/ablation]``
+(``make bench-ablation``; ``make bench-ablation-quick``)
+
+**Same setup for every arm of a domain.** The fit config of ``+recipe=<domain>`` (conf/ and
+recipes/, plus ``--override`` strings): the embedded target, the recipe's regenerated data (the
+same cache ``fit`` uses), the same training rows in the same order (one seed), one warm-start
+drafter, and the same held-out evaluation prompts. The arms:
+
+- ``baseline``: the warm start (stage ``pretrain``, block CE): the DDTree baseline drafter;
+- ``control``: the warm start plus M more block-CE steps (full softmax, and the ExitTrain arms'
+  learning rate, anchors and data): separates "more training" from "exit-guided training";
+- ``exittrain-<w>``: the warm start plus the same M ExitTrain steps, weight type w in
+  ``flow``, ``exit``, ``missing``.
+
+**What each arm reports, per budget B.**
+
+- decoded tau at T=0 and T=1 (TEV), with a 95% bootstrap interval over prompts, and the ratio
+  to the control arm at the same (B, T);
+- analytic tau: ``sum_v P(v)`` with raw target probabilities on the anchors of the held-out
+  rows (the validation split of the regenerated data, never trained on), with the exit mass by
+  depth; it is what TEV achieves on those trees in expectation, and has far less noise than a
+  few decoded prompts;
+- tau_oracle (best-first oracle trees of the same B and depth limit, on the same prompts) and
+  the efficiency tau / tau_oracle;
+- tokens/s and speedup over autoregressive decoding of the same prompts.
+
+**Verifier latency.** On one domain with the ``exittrain-flow`` drafter: TEV, predraw-and-follow
+and the sequential residual verifier inside real decoding rounds, the verifiers interleaved
+per prompt so machine noise hits all three alike. The block-length distributions must agree:
+at T=0 the three give the same block length in every round (checked and reported); at T=1 they
+are equal in law, and a permutation test of the mean block length against the sequential
+verifier's is reported.
+
+Writes ``<out>/ablation.json`` (everything), ``<out>/ablation.md`` (the tables) and PNG plots
+(tau vs budget with the oracle bound, block-length histograms, exit mass by depth, one drafted
+tree, tau relative to the control, verifier time per round). Each arm's drafter is saved under
+``<out>/<domain>/<arm>/``.
+
+Limits: the trees are trained at the recipe's ``tree.budget_train`` and evaluated at the
+``--budgets``; a CPU run uses few prompts, so the decoded intervals are wide (the analytic tau
+on many anchors is the sharper comparison).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+WEIGHT_TYPES = ("flow", "exit", "missing")
+VERIFIER_NAMES = ("tev", "predraw", "sequential")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Knobs of one ablation run (``--quick`` swaps in :data:`QUICK`)."""
+
+    domains: tuple[str, ...] = ("dialogue", "code", "math")
+    warm_steps: int = 200  # block-CE steps of the shared warm start
+    arm_steps: int = 30  # M: steps of the control and of each ExitTrain arm
+    arm_anchors: int = 4  # anchors per sequence in the arms (each ExitTrain anchor scores B_train + 1 rows)
+    budgets: tuple[int, ...] = (32, 64)
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    eval_prompts: int = 4
+    new_tokens: int = 32
+    analytic_anchors: int = 8  # anchors per held-out row for the analytic tau
+    weight_types: tuple[str, ...] = WEIGHT_TYPES
+    verifier_domain: str = "code"
+    verifier_prompts: int = 4
+    oracle: bool = True
+    seed: int = 0
+    overrides: tuple[str, ...] = field(default_factory=tuple)  # extra Hydra overrides of the fit config
+
+
+QUICK = Settings(
+    domains=("code",),
+    warm_steps=40,
+    arm_steps=6,
+    eval_prompts=2,
+    new_tokens=16,
+    analytic_anchors=4,
+    verifier_prompts=2,
+    overrides=("data.max_train_prompts=48", "data.max_length=448"),
+)
+
+
+def _log(msg: str) -> None:
+    print(f"[ablation {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# setup
+
+
+def compose_fit_config(domain: str, out: Path, overrides: Sequence[str] = ()):
+    """The fit config of ``+recipe=<domain>`` as ``fit`` would compose it, with paths set for a bench."""
+    from hydra import compose, initialize_config_dir
+
+    from exittrain.cli import CONF_DIR, register_recipes
+
+    cache = os.environ.get("EXITTRAIN_CACHE", str(Path.cwd() / "data" / "cache"))
+    register_recipes()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(
+            "fit",
+            overrides=[f"+recipe={domain}", "logger=csv", f"paths.output_dir={out}", f"paths.cache_dir={cache}",
+                       *overrides],
+        )
+
+
+def _train(cfg, drafter, target, datamodule, stage: str, steps: int, cache_owner=None, **overrides):
+    """Fit ``drafter`` for ``steps`` of ``stage`` on ``datamodule``; returns the module (its metrics inside)."""
+    import lightning as L
+    from hydra.utils import instantiate
+
+    L.seed_everything(cfg.seed, workers=True)  # the same data order and anchors for every arm
+    module = instantiate(cfg.objective)(drafter=drafter, target=target, stage=stage, **overrides)
+    if cache_owner is not None:
+        module.share_feature_cache(cache_owner)
+    trainer = instantiate(cfg.trainer)(
+        max_steps=steps, logger=False, enable_checkpointing=False, callbacks=[], limit_val_batches=0
+    )
+    trainer.fit(module, datamodule=datamodule)
+    module.final_metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    return module
+
+
+@torch.no_grad()
+def analytic_tau(cfg, drafter, target, datamodule, budgets: Sequence[int], anchors: int, cache_owner) -> dict:
+    """Per budget: ``sum P`` (raw target law) on ``anchors`` anchors of every held-out row, anchor-weighted.
+
+    Returns ``{B: {"tau", "coverage", "exit_mass" [K+1], "acc" [K], "anchors"}}``. The anchors
+    are drawn from the validation stream of the seed, so every arm is measured on the same ones.
+    """
+    from hydra.utils import instantiate
+
+    from exittrain.lit.module import anchor_generator
+
+    batches = datamodule.val_dataloader()
+    if not batches:
+        raise ValueError("the ablation's analytic tau needs held-out rows: set data.val_fraction > 0")
+    was_training = drafter.training
+    drafter.eval()
+    out = {}
+    for budget in budgets:
+        module = instantiate(cfg.objective)(
+            drafter=drafter, target=target, stage="pretrain", budget=budget, anchors_per_seq=anchors, vocab_sample=None
+        )
+        module.share_feature_cache(cache_owner)
+        sums: dict[str, float] = {}
+        n_total = 0
+        for i, batch in enumerate(batches):
+            values, _ = module.compute_losses(
+                batch, anchor_generator(cfg.seed, i, 0, stream=1), exit_loss=False, metrics=True
+            )
+            n = int(values["anchors"])
+            n_total += n
+            for k, v in values.items():
+                if k != "anchors" and v.numel() == 1:
+                    sums[k] = sums.get(k, 0.0) + n * float(v)
+        K = drafter.config.block_size - 1
+        mean = {k: v / max(n_total, 1) for k, v in sums.items()}
+        out[budget] = {
+            "tau": mean["analytic_block_length"],
+            "coverage": mean["coverage"],
+            "exit_mass": [mean[f"exit_mass_d{d}"] for d in range(K + 1)],
+            "acc": [mean[f"acc_d{k}"] for k in range(1, K + 1)],
+            "anchors": n_total,
+        }
+    drafter.train(was_training)
+    return out
+
+
+def oracle_rows(target, prompts, budgets, temperatures, new_tokens: int, depth: int, seed: int) -> dict:
+    """``{(B, T): {"tau_oracle", "block_lengths"}}`` with best-first oracle trees on ``prompts``."""
+    from exittrain.decoding import oracle_generate
+
+    out = {}
+    for budget in budgets:
+        for temperature in temperatures:
+            lengths = []
+            for i, prompt in enumerate(prompts):
+                result, _ = oracle_generate(target, prompt, budget, new_tokens, temperature, seed=seed + i,
+                                            max_depth=depth)
+                lengths.extend(r.block_length for r in result.rounds)
+            out[(budget, temperature)] = {"tau_oracle": sum(lengths) / len(lengths), "block_lengths": lengths}
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# verifier latency
+
+
+def permutation_p_value(a: Sequence[float], b: Sequence[float], resamples: int = 5000, seed: int = 0) -> float:
+    """Two-sided permutation p-value of ``mean(a) - mean(b)`` (pooled relabelling, fixed seed)."""
+    if not a or not b:
+        raise ValueError("permutation_p_value needs two non-empty samples")
+    rng = random.Random(seed)
+    pooled = list(a) + list(b)
+    observed = abs(statistics.fmean(a) - statistics.fmean(b))
+    hits = 0
+    for _ in range(resamples):
+        rng.shuffle(pooled)
+        if abs(statistics.fmean(pooled[: len(a)]) - statistics.fmean(pooled[len(a):])) >= observed - 1e-12:
+            hits += 1
+    return (hits + 1) / (resamples + 1)
+
+
+def verifier_latency(target, drafter, prompts, budgets, temperatures, new_tokens: int, seed: int) -> list[dict]:
+    """TEV vs predraw vs sequential inside real rounds; one row per (B, T, verifier)."""
+    from exittrain.decoding import SpeculativeDecoder
+
+    SpeculativeDecoder(target, drafter, budget=budgets[0]).generate(prompts[0], 4)  # warm-up, not timed
+    rows = []
+    for budget in budgets:
+        for temperature in temperatures:
+            per: dict[str, dict[str, list]] = {v: {"verify": [], "lengths": [], "round": []} for v in VERIFIER_NAMES}
+            for i, prompt in enumerate(prompts):
+                for name in VERIFIER_NAMES:  # interleaved: machine noise hits all three alike
+                    res = SpeculativeDecoder(target, drafter, budget=budget, verifier=name).generate(
+                        prompt, new_tokens, temperature=temperature, seed=seed + i
+                    )
+                    per[name]["verify"].extend(r.times.get("verify", 0.0) for r in res.rounds)
+                    per[name]["round"].extend(sum(r.times.values()) for r in res.rounds)
+                    per[name]["lengths"].extend(r.block_length for r in res.rounds)
+            ref = per["sequential"]
+            for name in VERIFIER_NAMES:
+                d = per[name]
+                row = {
+                    "budget": budget,
+                    "temperature": temperature,
+                    "verifier": name,
+                    "rounds": len(d["lengths"]),
+                    "tau": statistics.fmean(d["lengths"]),
+                    "verify_ms_mean": 1e3 * statistics.fmean(d["verify"]),
+                    "verify_ms_median": 1e3 * statistics.median(d["verify"]),
+                    "round_ms_mean": 1e3 * statistics.fmean(d["round"]),
+                    "verify_vs_sequential": statistics.fmean(d["verify"]) / statistics.fmean(ref["verify"]),
+                    "block_lengths": d["lengths"],
+                }
+                if temperature == 0:
+                    row["same_lengths_as_sequential"] = d["lengths"] == ref["lengths"]
+                else:
+                    row["p_same_mean_as_sequential"] = permutation_p_value(d["lengths"], ref["lengths"], seed=seed)
+                rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# one domain
+
+
+def run_domain(domain: str, settings: Settings, out: Path, target=None) -> dict:
+    """Warm start, arms, evaluation and oracle for one domain; returns its JSON-ready result."""
+    from hydra.utils import instantiate
+
+    from exittrain.eval.decode_eval import evaluate_prompts, summarize
+    from exittrain.lit import save_drafter
+    from exittrain.models import load_drafter
+
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    cfg = compose_fit_config(domain, out / domain, settings.overrides)
+    cfg.seed = settings.seed
+    target = target if target is not None else instantiate(cfg.target)
+    dm = instantiate(cfg.data)(
+        target=lambda: (target.model, target.tokenizer), tokenizer=target.tokenizer, target_name=target.name
+    )
+    dm.prepare_data()
+    dm.setup("fit")
+    prompts = dm.eval_prompts(max(settings.eval_prompts, settings.verifier_prompts))
+    timings["data_s"] = time.perf_counter() - t0
+    _log(f"{domain}: {len(dm.train_set)} train rows, {len(dm.val_set or [])} held-out rows, {len(prompts)} prompts")
+
+    # the shared warm start (the baseline arm)
+    t0 = time.perf_counter()
+    drafter = instantiate(cfg.drafter)(target)
+    pre = {k: v for k, v in cfg.stages.pretrain.items() if k != "max_steps"}
+    owner = _train(cfg, drafter, target, dm, "pretrain", settings.warm_steps, **pre)
+    paths = {"baseline": save_drafter(drafter, out / domain / "baseline")}
+    timings["warm_start_s"] = time.perf_counter() - t0
+    _log(f"{domain}: warm start done ({timings['warm_start_s']:.0f} s)")
+
+    # the arms: identical lr, anchors, data and steps; only the objective differs
+    arm_args = {k: v for k, v in cfg.stages.exittrain.items() if k != "max_steps"}
+    arm_args["anchors_per_seq"] = settings.arm_anchors
+    arm_specs = {"control": ("pretrain", {"vocab_sample": None, "analytic_every": 0})}
+    arm_specs.update({f"exittrain-{w}": ("exittrain", {"weight_type": w}) for w in settings.weight_types})
+    train_metrics = {"baseline": owner.final_metrics}
+    for arm, (stage, extra) in arm_specs.items():
+        t0 = time.perf_counter()
+        arm_drafter = load_drafter(paths["baseline"], target)
+        module = _train(cfg, arm_drafter, target, dm, stage, settings.arm_steps, cache_owner=owner,
+                        **{**arm_args, **extra})
+        train_metrics[arm] = module.final_metrics
+        paths[arm] = save_drafter(arm_drafter, out / domain / arm)
+        timings[f"train_{arm}_s"] = time.perf_counter() - t0
+        _log(f"{domain}: {arm} trained ({timings[f'train_{arm}_s']:.0f} s)")
+
+    # evaluation of every arm on the same prompts and held-out anchors
+    ar_cache: dict = {}
+    arms = {}
+    for arm, path in paths.items():
+        t0 = time.perf_counter()
+        d = load_drafter(path, target)
+        analytic = analytic_tau(cfg, d, target, dm, settings.budgets, settings.analytic_anchors, owner)
+        rows = evaluate_prompts(
+            target, d, prompts[: settings.eval_prompts], budgets=list(settings.budgets),
+            temperatures=list(settings.temperatures), max_new_tokens=settings.new_tokens, verifier="tev",
+            seed=settings.seed, baseline=True, label=arm, ar_cache=ar_cache,
+        )
+        table = summarize(rows)
+        for r in table:
+            r["analytic_tau"] = analytic[r["budget"]]["tau"]
+        arms[arm] = {
+            "path": str(path),
+            "table": table,
+            "analytic": {str(b): v for b, v in analytic.items()},
+            "block_lengths": {f"{r['budget']}/{r['temperature']:g}": [x for row in rows if row["budget"] == r["budget"]
+                              and row["temperature"] == r["temperature"] for x in row["block_lengths"]]
+                              for r in table},
+            "train": train_metrics[arm],
+        }
+        timings[f"eval_{arm}_s"] = time.perf_counter() - t0
+        best = max(table, key=lambda r: (r["budget"], -r["temperature"]))
+        _log(f"{domain}: {arm} tau {best['tau']:.2f} at B={best['budget']} T={best['temperature']:g}, "
+             f"analytic {analytic[best['budget']]['tau']:.2f} ({timings[f'eval_{arm}_s']:.0f} s)")
+
+    oracle = {}
+    if settings.oracle:
+        t0 = time.perf_counter()
+        oracle = oracle_rows(target, prompts[: settings.eval_prompts], settings.budgets, settings.temperatures,
+                             settings.new_tokens, drafter.config.block_size - 1, settings.seed)
+        timings["oracle_s"] = time.perf_counter() - t0
+        for arm in arms.values():
+            for r in arm["table"]:
+                o = oracle[(r["budget"], r["temperature"])]["tau_oracle"]
+                r["tau_oracle"], r["efficiency"] = o, r["tau"] / o
+    for arm in arms.values():  # the ratio to the control at the same (B, T)
+        for r, c in zip(arm["table"], arms["control"]["table"]):
+            r["tau_vs_control"] = r["tau"] / c["tau"]
+            r["analytic_vs_control"] = r["analytic_tau"] / c["analytic_tau"]
+    return {
+        "domain": domain,
+        "train_rows": len(dm.train_set),
+        "held_out_rows": len(dm.val_set or []),
+        "prompts": settings.eval_prompts,
+        "arms": arms,
+        "oracle": {f"{b}/{t:g}": v for (b, t), v in oracle.items()},
+        "timings": timings,
+        "_target": target,
+        "_prompts": prompts,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# the whole run
+
+
+def summary(domains: list[dict], settings: Settings) -> dict:
+    """Mean ratio to the control over domains, per arm and (B, T), and overall; the best weight type."""
+    per: dict[str, dict[str, list[float]]] = {}
+    analytic: dict[str, list[float]] = {}
+    for d in domains:
+        for arm, a in d["arms"].items():
+            for r in a["table"]:
+                per.setdefault(arm, {}).setdefault(f"B={r['budget']} T={r['temperature']:g}", []).append(
+                    r["tau_vs_control"]
+                )
+            analytic.setdefault(arm, []).extend(v["tau"] for v in a["analytic"].values())
+    mean_ratio = {arm: {k: statistics.fmean(v) for k, v in cells.items()} for arm, cells in per.items()}
+    overall = {arm: statistics.fmean(cells.values()) for arm, cells in mean_ratio.items()}
+    exit_arms = [f"exittrain-{w}" for w in settings.weight_types]
+    best = max(exit_arms, key=lambda a: overall[a])
+    return {"mean_tau_vs_control": mean_ratio, "overall_tau_vs_control": overall, "best_weight_type": best,
+            "goal_met": overall[best] >= 1.13}
+
+
+def to_markdown(result: dict) -> str:
+    s = result["settings"]
+    lines = [
+        f"Embedded SmolLM2-135M-Instruct target, CPU ({result['threads']} threads), seed {s['seed']}. Warm start "
+        f"{s['warm_steps']} block-CE steps; each arm {s['arm_steps']} more steps ({s['arm_anchors']} anchors/seq). "
+        f"Decoded: {s['eval_prompts']} held-out prompts x {s['new_tokens']} new tokens per domain, TEV. "
+        f"Total {result['seconds'] / 60:.1f} min.",
+        "",
+    ]
+    for d in result["domains"]:
+        lines += [
+            f"### {d['domain']} ({d['train_rows']} train rows, {d['held_out_rows']} held-out rows for analytic tau)",
+            "",
+            "| arm | B | T | tau | 95% CI | vs control | analytic tau | analytic vs control | tau_oracle | "
+            "tau/oracle | tok/s | speedup |",
+            "|---" * 12 + "|",
+        ]
+        for arm, a in d["arms"].items():
+            for r in a["table"]:
+                def f(key, fmt="{:.2f}", r=r):
+                    return fmt.format(r[key]) if key in r else "-"
+
+                lines.append(
+                    f"| {arm} | {r['budget']} | {r['temperature']:g} | {r['tau']:.2f} | "
+                    f"{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f} | {r['tau_vs_control']:.3f} | {r['analytic_tau']:.3f} | "
+                    f"{r['analytic_vs_control']:.3f} | {f('tau_oracle')} | {f('efficiency')} | "
+                    f"{r['tokens_per_s']:.1f} | {f('speedup')}x |"
+                )
+        lines.append("")
+    sm = result["summary"]
+    cells = list(next(iter(sm["mean_tau_vs_control"].values())))
+    lines += [
+        "### Decoded tau relative to the control, averaged over domains",
+        "",
+        "| arm | " + " | ".join(cells) + " | mean |",
+        "|---" * (len(cells) + 2) + "|",
+    ]
+    for arm, row in sm["mean_tau_vs_control"].items():
+        lines.append(f"| {arm} | " + " | ".join(f"{row[c]:.3f}" for c in cells)
+                     + f" | {sm['overall_tau_vs_control'][arm]:.3f} |")
+    lines += ["", f"Best weight type: **{sm['best_weight_type']}** (goal 1.13x the control: "
+                  f"{'met' if sm['goal_met'] else 'not met'}).", ""]
+    if result.get("verifiers"):
+        lines += [
+            f"### Verifier stage inside real rounds ({result['verifier_domain']}, exittrain-flow drafter)",
+            "",
+            "| B | T | verifier | rounds | tau | verify ms/round (mean) | (median) | vs sequential | "
+            "same block lengths |",
+            "|---" * 9 + "|",
+        ]
+        for r in result["verifiers"]:
+            same = (str(r["same_lengths_as_sequential"]) if "same_lengths_as_sequential" in r
+                    else f"p = {r['p_same_mean_as_sequential']:.2f} (permutation, mean)")
+            lines.append(
+                f"| {r['budget']} | {r['temperature']:g} | {r['verifier']} | {r['rounds']} | {r['tau']:.2f} | "
+                f"{r['verify_ms_mean']:.2f} | {r['verify_ms_median']:.2f} | {r['verify_vs_sequential']:.2f}x | {same} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def make_plots(result: dict, out: Path, trees: dict) -> list[str]:
+    """The PNGs of the ablation; returns their paths."""
+    from exittrain.eval.plots import (
+        plot_block_length_histogram,
+        plot_draft_tree,
+        plot_exit_mass_by_depth,
+        plot_grouped_bars,
+        plot_tau_vs_budget,
+    )
+
+    made = []
+    top_b = max(result["settings"]["budgets"])
+    for d in result["domains"]:
+        name = d["domain"]
+        rows = [{**r, "arm": arm} for arm, a in d["arms"].items() for r in a["table"]]
+        made.append(plot_tau_vs_budget(rows, out / f"{name}_tau_vs_budget.png",
+                                       title=f"{name}: decoded tau vs tree budget (dashed: oracle bound)"))
+        greedy = f"{top_b}/0"
+        made.append(plot_block_length_histogram(
+            {arm: a["block_lengths"][greedy] for arm, a in d["arms"].items() if greedy in a["block_lengths"]},
+            out / f"{name}_block_lengths.png", title=f"{name}: block length per round, B={top_b}, T=0"))
+        made.append(plot_exit_mass_by_depth(
+            {arm: a["analytic"][str(top_b)]["exit_mass"] for arm, a in d["arms"].items()},
+            out / f"{name}_exit_mass.png", title=f"{name}: exit mass by depth on held-out anchors, B={top_b}"))
+        if name in trees:
+            made.append(plot_draft_tree(trees[name], out / f"{name}_draft_tree.png"))
+    ratio = {d["domain"]: {arm: statistics.fmean(r["tau_vs_control"] for r in a["table"])
+                           for arm, a in d["arms"].items()} for d in result["domains"]}
+    made.append(plot_grouped_bars(ratio, out / "tau_vs_control.png", title="Decoded tau / control (mean over B, T)",
+                                  ylabel="tau relative to the control arm", reference=1.13,
+                                  reference_label="goal 1.13x"))
+    if result.get("verifiers"):
+        ms = {}
+        for r in result["verifiers"]:
+            ms.setdefault(f"B={r['budget']} T={r['temperature']:g}", {})[r["verifier"]] = r["verify_ms_mean"]
+        made.append(plot_grouped_bars(ms, out / "verifier_ms.png", title="Verify-decision time per round",
+                                      ylabel="ms per round (mean)"))
+        top = [r for r in result["verifiers"] if r["budget"] == top_b and r["temperature"] == max(
+            result["settings"]["temperatures"])]
+        made.append(plot_block_length_histogram({r["verifier"]: r["block_lengths"] for r in top},
+                                                out / "verifier_block_lengths.png",
+                                                title=f"Block lengths per verifier, B={top_b}"))
+    return [str(p) for p in made]
+
+
+def run(settings: Settings, out: Path) -> dict:
+    from exittrain.eval.tree_example import tree_example
+    from exittrain.models import load_drafter
+
+    started = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    domains, trees, target = [], {}, None
+    verifiers = []
+    for domain in settings.domains:
+        d = run_domain(domain, settings, out, target)
+        target, prompts = d.pop("_target"), d.pop("_prompts")
+        flow = load_drafter(d["arms"]["exittrain-flow"]["path"], target) if "exittrain-flow" in d["arms"] else None
+        if flow is not None:
+            trees[domain] = tree_example(target, flow, prompts[0], budget=min(settings.budgets))
+            if domain == settings.verifier_domain:
+                t0 = time.perf_counter()
+                verifiers = verifier_latency(target, flow, prompts[: settings.verifier_prompts], settings.budgets,
+                                             settings.temperatures, settings.new_tokens, settings.seed)
+                d["timings"]["verifiers_s"] = time.perf_counter() - t0
+        domains.append(d)
+        _log(f"{domain}: done; timings {json.dumps({k: round(v) for k, v in d['timings'].items()})}")
+    result = {
+        "settings": asdict(settings),
+        "threads": torch.get_num_threads(),
+        "domains": domains,
+        "verifiers": verifiers,
+        "verifier_domain": settings.verifier_domain,
+        "summary": summary(domains, settings),
+        "seconds": time.perf_counter() - started,
+    }
+    result["plots"] = make_plots(result, out, trees)
+    return result
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a small setting (code only, minutes) to try the bench")
+    parser.add_argument("--domains", nargs="+", choices=("dialogue", "code", "math"))
+    parser.add_argument("--warm-steps", type=int)
+    parser.add_argument("--arm-steps", type=int)
+    parser.add_argument("--budgets", type=int, nargs="+")
+    parser.add_argument("--eval-prompts", type=int)
+    parser.add_argument("--new-tokens", type=int)
+    parser.add_argument("--no-oracle", action="store_true")
+    parser.add_argument("--override", action="append", default=[], help="a Hydra override of the fit config")
+    parser.add_argument("--out", default="results/ablation")
+    args = parser.parse_args(argv)
+    settings = QUICK if args.quick else Settings()
+    chosen = {"domains": tuple(args.domains) if args.domains else None, "warm_steps": args.warm_steps,
+              "arm_steps": args.arm_steps, "budgets": tuple(args.budgets) if args.budgets else None,
+              "eval_prompts": args.eval_prompts, "new_tokens": args.new_tokens}
+    settings = replace(settings, **{k: v for k, v in chosen.items() if v is not None},
+                       oracle=settings.oracle and not args.no_oracle,
+                       overrides=(*settings.overrides, *args.override))
+    if settings.verifier_domain not in settings.domains:
+        settings = replace(settings, verifier_domain=settings.domains[0])
+    out = Path(args.out)
+    result = run(settings, out)
+    from exittrain.eval.bench import write_results
+
+    write_results(str(out / "ablation"), result, to_markdown(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,454 @@
+"""Bad input at every boundary: a ValueError naming the file, row or key and the fix; nothing dropped silently.
+
+The matrix: prompt files (JSON Lines, JSON arrays, Parquet) with malformed, blank, non-UTF-8, empty
+and over-long rows; over-long prompts in regeneration and in the DataModule; a tokenizer without a
+chat template; a drafter saved for another target; out-of-range settings, directly and through the
+Hydra config; and a non-finite loss during a Lightning fit (a RuntimeError: not bad input, but the
+same rule of naming where and what). Everything is tiny, offline and CPU-only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import lightning.pytorch as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+
+from exittrain import cli
+from exittrain.core import build_tree
+from exittrain.data.datamodule import ExitTrainDataModule
+from exittrain.data.regenerate import GenerationConfig, cache_path, chat_prompt_ids, read_meta, regenerate
+from exittrain.data.sources import load_domain, load_prompts
+from exittrain.lit import ExitTrainModule
+from exittrain.lit.module import check_module_args
+from exittrain.models import DrafterConfig, TargetModel, load_drafter, new_drafter
+from tests.data.helpers import tiny_llama
+from tests.lit.helpers import loader, make_module
+from tests.lit.helpers import trainer as make_trainer
+from tests.models.helpers import tiny_target
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`"),
+    pytest.mark.filterwarnings("ignore:`isinstance.treespec, LeafSpec.` is deprecated"),
+]
+
+GOOD = [json.dumps({"p": "first good prompt"}).encode(), json.dumps({"p": "second good prompt"}).encode()]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread (the test machine is a shared 2-core box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("llama")
+
+
+def word_tokenizer(*, chat_template: bool = True, name: str = "tiny-words"):
+    """A word-level fast tokenizer built in memory (no download); optionally with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<eos>", "<unk>", "assistant", "user"] + [f"w{i}" for i in range(40)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", name_or_path=name
+    )
+    if chat_template:
+        tok.chat_template = (
+            "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+            "{% if add_generation_prompt %}assistant{% endif %}"
+        )
+    return tok
+
+
+def words(n: int, start: int = 0) -> str:
+    return " ".join(f"w{(start + i) % 40}" for i in range(n))
+
+
+# ----------------------------------------------------------------------------------------------
+# prompt files: bad rows are counted and reported; a file with no good row is an error
+
+
+BAD_JSONL_LINES = {
+    "malformed": b'{"p": "unterminated',
+    "blank_line": b"   \t",
+    "non_utf8": b'{"p": "caf\xe9 latin-1"}',
+    "empty": json.dumps({"p": "  \n "}).encode(),
+    "too_long": json.dumps({"p": "x" * 81}).encode(),
+}
+
+
+@pytest.mark.parametrize("reason", sorted(BAD_JSONL_LINES))
+def test_jsonl_bad_rows_are_counted_and_reported_with_file_and_line(tmp_path, caplog, reason):
+    bad = BAD_JSONL_LINES[reason]
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(b"\n".join([GOOD[0], bad, bad + b" ", GOOD[1]]) + b"\n")  # bad rows on lines 2 and 3
+    with caplog.at_level(logging.WARNING, logger="exittrain.data.sources"):
+        prompts, stats = load_prompts(f"jsonl:{path}:p", max_chars=80)
+    assert prompts == ["first good prompt", "second good prompt"]
+    assert stats.rows == 4 and stats.kept == 2 and stats.n_rejected == 2
+    assert stats.rejected[reason] == 2 and stats.example_rows[reason] == [2, 3]
+    warning = next(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert str(path) in warning and f"{reason}=2 (rows [2, 3])" in warning
+
+
+@pytest.mark.parametrize("reason", sorted(BAD_JSONL_LINES))
+def test_jsonl_with_only_bad_rows_is_an_error_naming_the_file(tmp_path, reason):
+    path = tmp_path / f"all_{reason}.jsonl"
+    path.write_bytes(b"\n".join([BAD_JSONL_LINES[reason]] * 3) + b"\n")
+    with pytest.raises(ValueError) as err:
+        load_prompts(f"jsonl:{path}:p", max_chars=80)
+    message = str(err.value)
+    assert str(path) in message and f"{reason}=3" in message and "fix the file or the limits" in message
+
+
+def test_empty_prompt_file_is_an_error_naming_the_file(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty\.jsonl:p yielded no usable prompt.*0 rows.*fix the file"):
+        load_prompts(f"jsonl:{path}:p")
+
+
+def test_over_long_rows_by_token_count_are_counted(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"p": text}) + "\n" for text in (words(3), words(20), words(4, 5))))
+    prompts, stats = load_prompts(f"jsonl:{path}:p", max_tokens=5, tokenizer=word_tokenizer())
+    assert prompts == [words(3), words(4, 5)]
+    assert stats.rejected["too_long"] == 1 and stats.example_rows["too_long"] == [2]
+
+
+def test_utf8_byte_order_mark_is_not_a_bad_row(tmp_path):
+    """Windows editors write a BOM; it used to turn a valid first row (or a whole JSON array) into 'malformed'."""
+    bom = b"\xef\xbb\xbf"
+    lines = tmp_path / "bom.jsonl"
+    lines.write_bytes(bom + b"\n".join(GOOD) + b"\n")
+    prompts, stats = load_prompts(f"jsonl:{lines}:p")
+    assert prompts == ["first good prompt", "second good prompt"] and stats.n_rejected == 0
+    array = tmp_path / "bom.json"
+    array.write_bytes(bom + b"[" + b",".join(GOOD) + b"]")
+    prompts, stats = load_prompts(f"json:{array}:p")
+    assert prompts == ["first good prompt", "second good prompt"] and stats.n_rejected == 0
+
+
+def test_parquet_bad_rows_are_counted_and_reported(tmp_path, caplog):
+    path = tmp_path / "prompts.parquet"
+    texts = [b"first good prompt", None, b"", b"\xff\xfe not utf-8", b"y" * 81, b"second good prompt"]
+    pq.write_table(pa.table({"p": pa.array(texts, type=pa.binary())}), path)
+    with caplog.at_level(logging.WARNING, logger="exittrain.data.sources"):
+        prompts, stats = load_prompts(f"parquet:{path}:p", max_chars=80)
+    assert prompts == ["first good prompt", "second good prompt"]
+    assert {k: v for k, v in stats.rejected.items() if v} == {"not_string": 1, "empty": 1, "non_utf8": 1, "too_long": 1}
+    assert stats.example_rows["non_utf8"] == [3]  # 0-based row index for Parquet
+    warning = next(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert str(path) in warning and "non_utf8=1 (rows [3])" in warning
+
+
+def test_parquet_with_only_bad_rows_is_an_error_naming_the_file(tmp_path):
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"p": pa.array([None, b"\xff", b"   "], type=pa.binary())}), path)
+    with pytest.raises(ValueError) as err:
+        load_prompts(f"parquet:{path}:p")
+    message = str(err.value)
+    assert str(path) in message and "not_string=1" in message and "non_utf8=1" in message and "empty=1" in message
+    assert "fix the file" in message
+
+
+def test_corrupt_parquet_file_is_an_error_naming_the_file(tmp_path):
+    path = tmp_path / "corrupt.parquet"
+    path.write_bytes(b"PAR1 this is not a parquet file at all")
+    with pytest.raises(ValueError, match=r"could not read Parquet file .*corrupt\.parquet.*re-export the file"):
+        load_prompts(f"parquet:{path}:p")
+
+
+def test_bad_rows_reach_the_domain_report(tmp_path):
+    """load_domain (the DataModule's entry) keeps every source's rejection counts for the run's stats."""
+    train, evals = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_bytes(b"\n".join([GOOD[0], b"{broken", BAD_JSONL_LINES["non_utf8"], GOOD[1]]) + b"\n")
+    evals.write_text(json.dumps({"p": "an evaluation prompt"}) + "\n")
+    report = load_domain("custom", train=[f"jsonl:{train}:p"], eval=[f"jsonl:{evals}:p"]).to_dict()
+    (stats,) = report["train_stats"]
+    assert stats["rejected"]["malformed"] == 1 and stats["rejected"]["non_utf8"] == 1 and stats["kept"] == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# over-long prompts in regeneration and in the DataModule
+
+
+def _tiny_pair():
+    tok = word_tokenizer()
+    return tiny_llama(tok), tok
+
+
+def test_regeneration_counts_over_long_prompts_and_refuses_when_all_are(tmp_path, caplog):
+    model, tok = _tiny_pair()
+    prompts = [words(2), words(30), words(3, 7), words(40)]
+    gen = GenerationConfig(max_new_tokens=2, batch_size=4, max_prompt_tokens=10)
+    with caplog.at_level(logging.WARNING, logger="exittrain.data.regenerate"):
+        ds = regenerate(prompts, (model, tok), target_name="tiny", cache_dir=tmp_path, gen=gen, progress=False)
+    assert ds["prompt_index"] == [0, 2]
+    assert read_meta(cache_path(tmp_path, "tiny", "", prompts, gen))["rejected_too_long"] == 2
+    assert "2 of 4 prompts exceed max_prompt_tokens=10" in caplog.text and "[1, 3]" in caplog.text
+
+    with pytest.raises(ValueError) as err:
+        regenerate(prompts[1::2], (model, tok), target_name="tiny", cache_dir=tmp_path, gen=gen, progress=False)
+    message = str(err.value)
+    assert "every one of the 2 prompts exceeds max_prompt_tokens=10" in message and "'tiny'" in message
+    assert "raise generation.max_prompt_tokens" in message and "data.generation.max_prompt_tokens" in message
+
+
+def test_datamodule_drops_prompts_that_fill_max_length_and_refuses_when_all_do(tmp_path, caplog):
+    model, tok = _tiny_pair()
+    train, evals = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text("".join(json.dumps({"p": words(n, 3 * n)}) + "\n" for n in (1, 2, 9, 10, 11)))
+    evals.write_text(json.dumps({"p": words(3, 30)}) + "\n")
+
+    def datamodule(max_length: int) -> ExitTrainDataModule:
+        return ExitTrainDataModule(
+            domain="custom",
+            train_sources=[f"jsonl:{train}:p"],
+            eval_sources=[f"jsonl:{evals}:p"],
+            target=lambda: (model, tok),
+            tokenizer=tok,
+            target_name="tiny",
+            cache_dir=tmp_path / "cache",
+            max_length=max_length,
+            val_fraction=0.0,
+            generation={"max_new_tokens": 2, "batch_size": 8},
+            progress=False,
+        )
+
+    dm = datamodule(max_length=8)  # templated prompts: "user <words> assistant" = n + 2 tokens
+    dm.prepare_data()
+    with caplog.at_level(logging.WARNING, logger="exittrain.data.datamodule"):
+        dm.setup("fit")
+    assert len(dm.train_set) == 2  # n = 1, 2
+    assert dm.stats["truncation"]["truncated"] == 3 and dm.stats["truncation"]["dropped_no_response"] == 3
+    assert "max_length=8 truncates 3 of 5 rows; 3 of them keep no response token" in caplog.text
+
+    dm = datamodule(max_length=2)
+    dm.prepare_data()  # the same cache entry: max_length is applied at setup
+    with pytest.raises(ValueError, match=r"every prompt in .*cache.* is at least max_length=2 tokens; raise max_len"):
+        dm.setup("fit")
+
+
+# ----------------------------------------------------------------------------------------------
+# a tokenizer without a chat template
+
+
+def test_tokenizer_without_chat_template_is_an_error_naming_it_and_the_fix(tmp_path):
+    tok = word_tokenizer(chat_template=False, name="org/base-model")
+    with pytest.raises(ValueError) as err:
+        chat_prompt_ids(tok, "hello")
+    message = str(err.value)
+    assert "'org/base-model' has no chat template" in message and "set tokenizer.chat_template" in message
+    with pytest.raises(ValueError, match="'org/base-model' has no chat template"):
+        regenerate([words(3)], (tiny_llama(tok), tok), target_name="base", cache_dir=tmp_path, progress=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# a drafter saved for another target
+
+
+def other_target(*, name: str = "tiny-llama", vocab: int = 64, hidden: int = 32, layers: int = 3) -> TargetModel:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=1,
+        attn_implementation="sdpa",
+    )
+    return TargetModel(LlamaForCausalLM(config), None, name=name)
+
+
+@pytest.mark.parametrize(
+    "changed, field",
+    [
+        ({"name": "tiny-qwen"}, "target_name"),
+        ({"vocab": 80}, "target_vocab_size=64"),
+        ({"hidden": 48}, "target_hidden_size=32"),
+        ({"layers": 4}, "target_num_layers=3"),
+    ],
+)
+def test_drafter_for_another_target_names_both_targets_and_the_field(tmp_path, target, changed, field):
+    new_drafter(target, block_size=4, num_layers=1, seed=0).save_pretrained(tmp_path / "drafter")
+    other = other_target(**changed)
+    with pytest.raises(ValueError) as err:
+        load_drafter(tmp_path / "drafter", other)
+    message = str(err.value)
+    assert f"target {target.name!r}" in message and f"target {other.name!r}" in message and field in message
+    assert "load the target it was trained for" in message
+
+
+# ----------------------------------------------------------------------------------------------
+# settings out of range: directly, and through the Hydra config the CLI composes
+
+BAD_MODULE_ARGS = [
+    ({"budget": 0}, "budget=0: need an int >= 1"),
+    ({"alpha": -0.1}, "alpha=-0.1: need a float in [0, 1]"),
+    ({"alpha": 1.5}, "alpha=1.5: need a float in [0, 1]"),
+    ({"alpha": float("nan")}, "alpha=nan: need a float in [0, 1]"),
+    ({"lambda_tok": -1.0}, "lambda_tok=-1.0: need a float >= 0"),
+    ({"lambda_exit": -0.5}, "lambda_exit=-0.5: need a float >= 0"),
+    ({"weight_type": "nope"}, "weight_type='nope': must be one of ('flow', 'exit', 'missing')"),
+    ({"stage": "finetune"}, "stage='finetune': must be one of ('pretrain', 'exittrain')"),
+]
+
+
+@pytest.mark.parametrize("bad, message", BAD_MODULE_ARGS)
+def test_module_settings_out_of_range_name_the_key_and_the_range(target, bad, message):
+    drafter = new_drafter(target, block_size=4, num_layers=1, seed=0)
+    with pytest.raises(ValueError) as err:
+        ExitTrainModule(drafter, target, **bad)
+    assert message in str(err.value)
+    with pytest.raises(ValueError) as err:
+        check_module_args(**bad)  # the same check without a drafter or target (the CLI runs it first)
+    assert message in str(err.value)
+
+
+def test_unknown_module_argument_lists_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown ExitTrainModule arguments \['alpah'\]; the known ones .*'alpha'"):
+        check_module_args(alpah=0.1)
+
+
+@pytest.mark.parametrize("block_size", [1, 0, -3])
+def test_block_size_below_two_names_the_key_and_the_fix(target, block_size):
+    with pytest.raises(ValueError, match=rf"block_size={block_size}: need an int >= 2 .*set block_size to K \+ 1"):
+        new_drafter(target, block_size=block_size)
+    with pytest.raises(ValueError, match=rf"block_size={block_size}: need an int >= 2"):
+        DrafterConfig(block_size=block_size)
+
+
+@pytest.mark.parametrize("budget", [0, -1, 2.5])
+def test_tree_budget_below_one_is_an_error(budget):
+    logq = torch.log_softmax(torch.randn(1, 3, 8), dim=-1)
+    with pytest.raises(ValueError, match=rf"budget must be an integer >= 1 \(number of draft nodes\), got {budget}"):
+        build_tree(logq, budget)
+
+
+def compose_fit(*overrides: str):
+    cli.register_recipes()
+    with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
+        return compose("fit", overrides=["+recipe=code", *overrides])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("tree.budget_train=0", "budget=0: need an int >= 1"),
+        ("objective.alpha=2", "alpha=2: need a float in [0, 1]"),
+        ("objective.alpha=-1", "alpha=-1: need a float in [0, 1]"),
+        ("objective.lambda_tok=-1", "lambda_tok=-1: need a float >= 0"),
+        ("objective.lambda_exit=-0.1", "lambda_exit=-0.1: need a float >= 0"),
+        ("objective.weight_type=nope", "weight_type='nope': must be one of"),
+        ("+stages.exittrain.alpha=3", "stage 'exittrain' (objective.* with stages.exittrain.* overrides): alpha=3"),
+    ],
+)
+def test_bad_config_values_fail_before_the_target_loads(monkeypatch, tmp_path, override, message):
+    """`fit` validates every stage's module arguments before loading the target or regenerating."""
+    cfg = compose_fit(override, f"paths.output_dir={tmp_path}")
+
+    def no_instantiate(*args, **kwargs):
+        raise AssertionError("fit built an object before validating the objective")
+
+    monkeypatch.setattr(cli, "instantiate", no_instantiate)
+    with pytest.raises(ValueError) as err:
+        cli.run_fit(cfg)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in cli.RECIPES_DIR.glob("*.yaml")))
+@pytest.mark.parametrize("extra", [[], ["debug=smoke"]])
+def test_every_shipped_config_passes_the_early_check(recipe, extra):
+    """The early check must not refuse a valid run: every recipe, with and without debug=smoke."""
+    cli.register_recipes()
+    with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
+        cfg = compose("fit", overrides=[f"+recipe={recipe}", *extra])
+    assert cli._check_objective(cfg, list(cli.STAGE_ORDER)) is None  # a bad value would raise ValueError
+
+
+def test_bad_drafter_block_size_through_the_config(target):
+    cfg = compose_fit("drafter.block_size=1")
+    with pytest.raises(ValueError, match=r"block_size=1: need an int >= 2"):
+        instantiate(cfg.drafter)(target)  # as run_fit builds it
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("+recipe=nope", r"Could not find 'recipe/nope'\s+Available options in 'recipe':\s+code\s+dialogue\s+math"),
+        ("objective=nope", r"Could not find 'objective/nope'\s+Available options in 'objective':\s+exittrain"),
+        ("data=nope", r"Could not find 'data/nope'\s+Available options in 'data':\s+code\s+dialogue\s+math"),
+        ("tree=nope", r"Could not find 'tree/nope'\s+Available options in 'tree':\s+default"),
+        ("objective.alpah=0.1", r"Could not override 'objective.alpah'"),
+    ],
+)
+def test_unknown_recipe_group_option_or_key_is_a_composition_error(override, message):
+    """Hydra names the group and lists its options; tests/test_cli.py checks the non-zero exit of the CLI."""
+    cli.register_recipes()
+    with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
+        with pytest.raises(ConfigCompositionException, match=message):
+            compose("fit", overrides=[override])
+
+
+# ----------------------------------------------------------------------------------------------
+# NaN or inf in the loss: the fit stops, naming the step and the batch
+
+
+class PoisonWeights(pl.Callback):
+    """Sets every drafter weight to NaN just before training batch ``at``."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.at:
+            with torch.no_grad():
+                for p in pl_module.drafter.parameters():
+                    p.fill_(float("nan"))
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "exittrain"])
+def test_nan_loss_stops_the_fit_naming_step_and_batch(target, stage):
+    module = make_module(target, stage=stage, analytic_every=0)
+    trainer = make_trainer(6, callbacks=[PoisonWeights(at=2)])
+    with pytest.raises(RuntimeError, match=r"non-finite training loss nan at global step 2, batch index 2"):
+        trainer.fit(module, loader(12))
+    assert trainer.global_step == 2  # steps 0 and 1 trained; the poisoned batch was never stepped on
+
+
+def test_inf_loss_stops_the_fit_naming_step_and_batch(target):
+    module = make_module(target, stage="exittrain")
+    compute = module.compute_losses
+
+    def inf_at_step_one(batch, generator, **kwargs):
+        values, times = compute(batch, generator, **kwargs)
+        if module.global_step == 1:
+            values["loss"] = values["loss"] + float("inf")
+        return values, times
+
+    module.compute_losses = inf_at_step_one
+    trainer = make_trainer(4)
+    with pytest.raises(RuntimeError) as err:
+        trainer.fit(module, loader(8))
+    message = str(err.value)
+    assert "non-finite training loss inf at global step 1, batch index 1" in message
+    assert "check this batch's data" in message

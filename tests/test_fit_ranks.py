@@ -1,0 +1,229 @@
+"""`fit` on a process that is not global rank 0 trains and leaves the rest to rank 0, which
+regenerates the data, evaluates and writes every file.
+
+tests/lit/test_ddp.py runs two processes but builds its own trainer, not ``run_fit``. These tests
+instead set Lightning's ``rank_zero_only.rank``, the rank that
+``exittrain.cli`` and Lightning's loggers read, in one CPU process. Lightning changes it only
+when a multi-process strategy builds its world; the single-device trainer used here leaves it
+alone, so the whole of ``run_fit`` runs as rank 1 would. Everything is tiny and offline.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import hydra.utils
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from lightning.pytorch.utilities import rank_zero_only
+
+from exittrain import cli
+from exittrain.models import TargetModel
+from tests.models.helpers import VOCAB, tiny_target
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`isinstance.treespec, LeafSpec.` is deprecated"),
+    pytest.mark.filterwarnings("ignore:The '.*_dataloader' does not have many workers"),
+]
+
+WORDS = [f"w{i}" for i in range(2, VOCAB)]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture()
+def rank(monkeypatch):
+    """Set this process's global rank as Lightning (and exittrain.cli) see it; restored afterwards."""
+
+    def set_rank(value: int) -> None:
+        monkeypatch.setattr(rank_zero_only, "rank", value)
+
+    return set_rank
+
+
+# ----------------------------------------------------------------------------------------------
+# the W&B logger
+
+
+def test_wandb_logger_is_not_configured_on_ranks_above_zero(rank, tmp_path, monkeypatch):
+    """On rank 1 `experiment` is Lightning's dummy: touching its `config` raised AttributeError."""
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    rank(1)
+    cfg = _compose("logger=wandb", f"paths.output_dir={tmp_path}")
+    logger = cli._make_logger(cfg, "code-pretrain")
+    try:
+        assert type(logger).__name__ == "WandbLogger"
+        assert wandb.run is None, "a rank above 0 started a W&B run"
+    finally:
+        cli._close_logger(logger)
+    assert not (tmp_path / "wandb").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# regeneration: rank 0 writes, the others wait
+
+
+class FakeData:
+    """What cli._prepare_data uses of the DataModule: prepare_data() and cache_path."""
+
+    def __init__(self, path: Path):
+        self.cache_path = path
+        self.prepared = 0
+
+    def prepare_data(self) -> None:
+        self.prepared += 1
+        self.cache_path.mkdir()
+
+
+def test_rank_zero_regenerates(rank, tmp_path):
+    rank(0)
+    data = FakeData(tmp_path / "entry")
+    cli._prepare_data(data, wait_s=0)
+    assert data.prepared == 1
+
+
+def test_other_ranks_wait_for_the_complete_entry(rank, tmp_path):
+    rank(1)
+    data = FakeData(tmp_path / "entry")
+    timer = threading.Timer(0.3, data.cache_path.mkdir)  # "rank 0" finishes a moment later
+    timer.start()
+    try:
+        cli._prepare_data(data, wait_s=30, poll_s=0.02)
+    finally:
+        timer.cancel()
+    assert data.prepared == 0 and data.cache_path.is_dir()
+
+
+def test_other_ranks_give_up_with_a_clear_error(rank, tmp_path):
+    rank(2)
+    data = FakeData(tmp_path / "entry")
+    with pytest.raises(TimeoutError, match=r"rank 2: no regenerated data at .*entry after data_wait_s=0.05 s"):
+        cli._prepare_data(data, wait_s=0.05, poll_s=0.01)
+    assert data.prepared == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# run_fit end to end as rank 1
+
+
+def _compose(*overrides: str):
+    cli.register_recipes()
+    with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
+        return compose("fit", overrides=["+recipe=code", "debug=smoke", *overrides])
+
+
+def _word_target() -> TargetModel:
+    """tiny_target with a word-level tokenizer (w2..w63) and a one-line chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "</s>": 1, **{w: i for i, w in enumerate(WORDS, start=2)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    target = tiny_target("llama")
+    return TargetModel(target.model, tokenizer, name="tiny-words")
+
+
+def _sources(tmp_path: Path) -> tuple[str, str]:
+    g = torch.Generator().manual_seed(0)
+
+    def prompts(n: int, offset: int) -> str:
+        rows = []
+        for i in range(n):
+            ids = torch.randint(0, len(WORDS), (6,), generator=g).tolist()
+            rows.append(json.dumps({"text": " ".join([WORDS[(offset + i) % len(WORDS)], *(WORDS[j] for j in ids)])}))
+        return "\n".join(rows) + "\n"
+
+    train, evals = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text(prompts(8, 0))
+    evals.write_text(prompts(2, 30))
+    return f"data.train_sources=[jsonl:{train}:text]", f"data.eval_sources=[jsonl:{evals}:text]"
+
+
+def _tiny_fit(tmp_path: Path, monkeypatch):
+    """A fit config of a few steps on a tiny target (swapped in for load_target); returns (cfg, target)."""
+    cfg = _compose(
+        *_sources(tmp_path),
+        f"paths.output_dir={tmp_path / 'run'}",
+        f"paths.cache_dir={tmp_path / 'cache'}",
+        "~logger",
+        "~callbacks.checkpoint",
+        "~callbacks.lr_monitor",
+        "callbacks.decode_eval.max_new_tokens=4",
+        "data.generation.max_new_tokens=8",
+        "data.max_length=32",
+        "data.batch_size=2",
+        "stages.pretrain.max_steps=2",
+        "stages.exittrain.max_steps=1",
+        "tree.budget_train=4",
+        "tree.budget_eval=4",
+        "eval.budgets=[4]",
+        "eval.num_prompts=1",
+        "eval.max_new_tokens=4",
+        "drafter.block_size=3",
+        "data_wait_s=0",
+    )
+    target = _word_target()
+    real_instantiate = cli.instantiate
+
+    def instantiate(node, *args, **kwargs):
+        if node.get("_target_") == "exittrain.models.load_target":
+            return target
+        return real_instantiate(node, *args, **kwargs)
+
+    monkeypatch.setattr(cli, "instantiate", instantiate)
+    return cfg, target
+
+
+RANK_ZERO_FILES = ("eval_warm_start.json", "eval_exittrain.json", "tree_example.json", "metrics.json", "drafter")
+
+
+def test_run_fit_on_rank_zero_regenerates_evaluates_and_writes(rank, tmp_path, monkeypatch):
+    cfg, _ = _tiny_fit(tmp_path, monkeypatch)
+    rank(0)
+    summary = cli.run_fit(cfg)
+    assert set(summary["tables"]) == {"warm_start", "exittrain"}
+    for name in RANK_ZERO_FILES:
+        assert (tmp_path / "run" / name).exists(), name
+
+
+def test_run_fit_on_rank_one_trains_and_leaves_evaluation_and_files_to_rank_zero(rank, tmp_path, monkeypatch):
+    cfg, target = _tiny_fit(tmp_path, monkeypatch)
+
+    def rank_zero_only_work(*args, **kwargs):
+        raise AssertionError("rank 1 ran rank 0's evaluation or export")
+
+    monkeypatch.setattr("exittrain.eval.decode_eval.evaluate_prompts", rank_zero_only_work)
+    monkeypatch.setattr("exittrain.lit.save_drafter", rank_zero_only_work)
+    rank(1)
+
+    # an empty cache: rank 1 never regenerates, it waits (here 0 s) for rank 0 and says so
+    with pytest.raises(TimeoutError, match="global rank 0 writes it"):
+        cli.run_fit(cfg)
+    assert not list((tmp_path / "cache").rglob("*")), "rank 1 wrote to the regeneration cache"
+
+    # rank 0's regeneration, then rank 1's whole fit
+    datamodule = hydra.utils.instantiate(cfg.data)(
+        target=lambda: (target.model, target.tokenizer), tokenizer=target.tokenizer, target_name=target.name
+    )
+    datamodule.prepare_data()
+    summary = cli.run_fit(cfg)
+
+    assert summary["stages"] == ["pretrain", "exittrain"] and summary["tables"] == {}
+    assert summary["exittrain_metrics"]["train/loss_tok"] > 0
+    # drafter/ is left out: the export callback writes it too (trainer.is_global_zero is True in one process)
+    for name in RANK_ZERO_FILES[:-1]:
+        assert not (tmp_path / "run" / name).exists(), f"rank 1 wrote {name}"
