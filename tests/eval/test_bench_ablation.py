@@ -1,0 +1,117 @@
+"""The ablation bench's reporting on synthetic arms: ratios, best weight type, markdown, PNGs, permutation test.
+
+The training and decoding parts run on the real target in ``make bench-ablation-quick``; here the
+pieces that turn results into claims are checked against numbers known in advance.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from exittrain.eval import bench_ablation as ab
+from exittrain.eval.decode_eval import summarize
+from exittrain.eval.plots import plot_grouped_bars
+
+from .helpers import prompt_rows, tree_example_dict
+from .test_plots import assert_png
+
+ARM_MEANS = {"baseline": 1.6, "control": 1.7, "exittrain-flow": 2.2, "exittrain-exit": 1.9, "exittrain-missing": 1.8}
+
+
+def _domain(name: str, seed: int) -> dict:
+    arms = {}
+    for i, (arm, mean) in enumerate(ARM_MEANS.items()):
+        rows = prompt_rows(arm, mean, budgets=(32, 64), temperatures=(0.0, 1.0), prompts=4, seed=seed + i)
+        table = summarize(rows)
+        for r in table:
+            r["analytic_tau"] = r["tau"] + 0.1
+        arms[arm] = {
+            "table": table,
+            "analytic": {"32": {"tau": mean, "exit_mass": [0.5, 0.3, 0.2]},
+                         "64": {"tau": mean + 0.1, "exit_mass": [0.4, 0.35, 0.25]}},
+            "block_lengths": {f"{r['budget']}/{r['temperature']:g}": [x for row in rows if row["budget"] == r["budget"]
+                              and row["temperature"] == r["temperature"] for x in row["block_lengths"]]
+                              for r in table},
+        }
+    for arm in arms.values():
+        for r, c in zip(arm["table"], arms["control"]["table"]):
+            r["tau_vs_control"] = r["tau"] / c["tau"]
+            r["analytic_vs_control"] = r["analytic_tau"] / c["analytic_tau"]
+    return {"domain": name, "train_rows": 100, "held_out_rows": 4, "prompts": 4, "arms": arms, "oracle": {},
+            "timings": {}}
+
+
+@pytest.fixture(scope="module")
+def result():
+    settings = ab.Settings(domains=("code", "math"))
+    domains = [_domain("code", 0), _domain("math", 10)]
+    verifiers = []
+    for name, ms in (("tev", 2.0), ("predraw", 3.0), ("sequential", 2.5)):
+        verifiers.append({"budget": 64, "temperature": 1.0, "verifier": name, "rounds": 30, "tau": 1.8,
+                          "verify_ms_mean": ms, "verify_ms_median": ms, "round_ms_mean": 200.0,
+                          "verify_vs_sequential": ms / 2.5, "p_same_mean_as_sequential": 0.7,
+                          "block_lengths": [1, 2, 2, 3] * 5})
+    return {"settings": ab.asdict(settings), "threads": 2, "domains": domains, "verifiers": verifiers,
+            "verifier_domain": "code", "summary": ab.summary(domains, settings), "seconds": 60.0}
+
+
+def test_summary_averages_ratios_over_domains_and_picks_the_best_weight_type(result):
+    sm = result["summary"]
+    assert sm["best_weight_type"] == "exittrain-flow"
+    overall = sm["overall_tau_vs_control"]
+    assert overall["control"] == pytest.approx(1.0)
+    # each cell is the mean over the two domains of tau(arm) / tau(control) at that (B, T)
+    cell = "B=64 T=1"
+    expected = sum(
+        next(r["tau_vs_control"] for r in d["arms"]["exittrain-flow"]["table"]
+             if r["budget"] == 64 and r["temperature"] == 1.0)
+        for d in result["domains"]
+    ) / 2
+    assert sm["mean_tau_vs_control"]["exittrain-flow"][cell] == pytest.approx(expected)
+    # the synthetic arms' means are ordered flow > exit > missing > control (block lengths clipped to 1..4)
+    assert overall["exittrain-flow"] > overall["exittrain-exit"] > overall["control"]
+    assert sm["goal_met"] is (overall["exittrain-flow"] >= 1.13)
+    # analytic: per domain and budget, the arm's held-out sum P over the control's, then the mean
+    assert sm["analytic_vs_control"]["exittrain-flow"] == pytest.approx((2.2 / 1.7 + 2.3 / 1.8) / 2)
+    assert sm["analytic_vs_control"]["control"] == pytest.approx(1.0)
+
+
+def test_markdown_holds_every_arm_domain_and_the_verdict(result):
+    md = ab.to_markdown(result)
+    for arm in ARM_MEANS:
+        assert f"| {arm} | 64 | 1 |" in md
+    assert "### code" in md and "### math" in md
+    assert "Best weight type: **exittrain-flow**" in md
+    assert "| 64 | 1 | tev | 30 | 1.80 | 2.00 |" in md
+    assert "p = 0.70" in md
+
+
+def test_plots_are_written(result, tmp_path):
+    trees = {"code": tree_example_dict()}
+    paths = ab.make_plots(result, tmp_path, trees)
+    names = {p.rsplit("/", 1)[-1] for p in paths}
+    assert {"code_tau_vs_budget.png", "code_block_lengths.png", "code_exit_mass.png", "code_draft_tree.png",
+            "math_tau_vs_budget.png", "tau_vs_control.png", "verifier_ms.png", "verifier_block_lengths.png"} <= names
+    for p in paths:
+        assert_png(tmp_path / p.rsplit("/", 1)[-1], min_bytes=3000)
+
+
+def test_grouped_bars_reject_nothing_to_plot(tmp_path):
+    with pytest.raises(ValueError, match="no values"):
+        plot_grouped_bars({"a": {}}, tmp_path / "x.png", title="t", ylabel="y")
+    out = plot_grouped_bars({"a": {"s": 1.0, "t": 2.0}, "b": {"s": 1.5}}, tmp_path / "ok.png", title="t", ylabel="y",
+                            reference=1.0, errors={"a": {"s": (0.9, 1.1)}})
+    assert_png(out, min_bytes=3000)
+
+
+def test_permutation_p_value_separates_equal_from_shifted_samples():
+    rng = random.Random(0)
+    a = [rng.choice([1, 2, 2, 3]) for _ in range(200)]
+    b = [rng.choice([1, 2, 2, 3]) for _ in range(200)]
+    shifted = [x + 1 for x in b]
+    assert ab.permutation_p_value(a, b, resamples=2000) > 0.05
+    assert ab.permutation_p_value(a, shifted, resamples=2000) < 0.001
+    with pytest.raises(ValueError, match="non-empty"):
+        ab.permutation_p_value([], b)
