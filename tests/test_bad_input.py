@@ -32,9 +32,9 @@ from exittrain.models import DrafterConfig, TargetModel, load_drafter, new_draft
 from tests.data.helpers import tiny_llama
 from tests.lit.helpers import loader, make_module
 from tests.lit.helpers import trainer as make_trainer
-from tests.models.helpers import tiny_target
 
 pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
     pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`"),
     pytest.mark.filterwarnings("ignore:`isinstance.treespec, LeafSpec.` is deprecated"),
 ]
@@ -42,18 +42,9 @@ pytestmark = [
 GOOD = [json.dumps({"p": "first good prompt"}).encode(), json.dumps({"p": "second good prompt"}).encode()]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread (the test machine is a shared 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
-def target():
-    return tiny_target("llama")
+def target(tiny_llama_target):
+    return tiny_llama_target
 
 
 def word_tokenizer(*, chat_template: bool = True, name: str = "tiny-words"):

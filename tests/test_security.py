@@ -40,23 +40,15 @@ PICKLE_SUFFIXES = {".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt"}
 SECRETS = {"WANDB_API_KEY": "secret-xyz", "HF_TOKEN": "hf_secretxyz"}
 
 pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
     pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`"),
     pytest.mark.filterwarnings("ignore:`isinstance.treespec, LeafSpec.` is deprecated"),
 ]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread (the test machine is a shared 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
-def target():
-    return tiny_target("llama")
+def target(tiny_llama_target):
+    return tiny_llama_target
 
 
 def test_the_scan_sees_the_whole_package():

@@ -76,8 +76,9 @@ class Settings:
     analytic_anchors: int = 8  # anchors per held-out row for the analytic tau
     weight_types: tuple[str, ...] = WEIGHT_TYPES
     verifier_domain: str = "code"
-    verifier_prompts: int = 4
+    verifier_prompts: int = 4  # 0: no verifier-latency measurement
     oracle: bool = True
+    warm_start_root: str | None = None  # reuse <root>/<domain>/baseline (a previous run's warm starts)
     seed: int = 0
     overrides: tuple[str, ...] = field(default_factory=tuple)  # extra Hydra overrides of the fit config
 
@@ -282,12 +283,16 @@ def run_domain(domain: str, settings: Settings, out: Path, target=None) -> dict:
     timings["data_s"] = time.perf_counter() - t0
     _log(f"{domain}: {len(dm.train_set)} train rows, {len(dm.val_set or [])} held-out rows, {len(prompts)} prompts")
 
-    # the shared warm start (the baseline arm)
+    # the shared warm start (the baseline arm), trained here or reused from an earlier run
     t0 = time.perf_counter()
-    drafter = instantiate(cfg.drafter)(target)
     pre = {k: v for k, v in cfg.stages.pretrain.items() if k != "max_steps"}
     pre["analytic_every"] = 0  # the arms are measured after training; scoring trees here would only cost time
-    owner = _train(cfg, drafter, target, dm, "pretrain", settings.warm_steps, **pre)
+    if settings.warm_start_root is not None:
+        drafter = load_drafter(Path(settings.warm_start_root) / domain / "baseline", target)
+        owner = instantiate(cfg.objective)(drafter=drafter, target=target, stage="pretrain", **pre)  # cache owner
+    else:
+        drafter = instantiate(cfg.drafter)(target)
+        owner = _train(cfg, drafter, target, dm, "pretrain", settings.warm_steps, **pre)
     paths = {"baseline": save_drafter(drafter, out / domain / "baseline")}
     timings["warm_start_s"] = time.perf_counter() - t0
     _log(f"{domain}: warm start done ({timings['warm_start_s']:.0f} s)")
@@ -297,7 +302,7 @@ def run_domain(domain: str, settings: Settings, out: Path, target=None) -> dict:
     arm_args["anchors_per_seq"] = settings.arm_anchors
     arm_specs = {"control": ("pretrain", {"vocab_sample": None, "analytic_every": 0})}
     arm_specs.update({f"exittrain-{w}": ("exittrain", {"weight_type": w}) for w in settings.weight_types})
-    train_metrics = {"baseline": owner.final_metrics}
+    train_metrics = {"baseline": getattr(owner, "final_metrics", {})}
     for arm, (stage, extra) in arm_specs.items():
         t0 = time.perf_counter()
         arm_drafter = load_drafter(paths["baseline"], target)
@@ -393,7 +398,9 @@ def to_markdown(result: dict) -> str:
     s = result["settings"]
     lines = [
         f"Embedded SmolLM2-135M-Instruct target, CPU ({result['threads']} threads), seed {s['seed']}. Warm start "
-        f"{s['warm_steps']} block-CE steps; each arm {s['arm_steps']} more steps ({s['arm_anchors']} anchors/seq). "
+        + (f"reused from {s['warm_start_root']}" if s.get("warm_start_root") else f"{s['warm_steps']} block-CE steps")
+        + f"; each arm {s['arm_steps']} more steps ({s['arm_anchors']} anchors/seq). "
+        f"Fit overrides: {', '.join(s['overrides']) or 'none'}. "
         f"Decoded: {s['eval_prompts']} held-out prompts x {s['new_tokens']} new tokens per domain, TEV. "
         f"Total {result['seconds'] / 60:.1f} min.",
         "",
@@ -509,7 +516,7 @@ def run(settings: Settings, out: Path) -> dict:
         flow = load_drafter(d["arms"]["exittrain-flow"]["path"], target) if "exittrain-flow" in d["arms"] else None
         if flow is not None:
             trees[domain] = tree_example(target, flow, prompts[0], budget=min(settings.budgets))
-            if domain == settings.verifier_domain:
+            if domain == settings.verifier_domain and settings.verifier_prompts > 0:
                 t0 = time.perf_counter()
                 verifiers = verifier_latency(target, flow, prompts[: settings.verifier_prompts], settings.budgets,
                                              settings.temperatures, settings.new_tokens, settings.seed)
@@ -539,13 +546,18 @@ def main(argv=None) -> None:
     parser.add_argument("--eval-prompts", type=int)
     parser.add_argument("--new-tokens", type=int)
     parser.add_argument("--no-oracle", action="store_true")
+    parser.add_argument("--weight-types", nargs="+", choices=WEIGHT_TYPES)
+    parser.add_argument("--verifier-prompts", type=int, help="0 skips the verifier-latency measurement")
+    parser.add_argument("--warm-start-root", help="reuse ROOT/<domain>/baseline from an earlier run's --out")
     parser.add_argument("--override", action="append", default=[], help="a Hydra override of the fit config")
     parser.add_argument("--out", default="results/ablation")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else Settings()
     chosen = {"domains": tuple(args.domains) if args.domains else None, "warm_steps": args.warm_steps,
               "arm_steps": args.arm_steps, "budgets": tuple(args.budgets) if args.budgets else None,
-              "eval_prompts": args.eval_prompts, "new_tokens": args.new_tokens}
+              "eval_prompts": args.eval_prompts, "new_tokens": args.new_tokens,
+              "weight_types": tuple(args.weight_types) if args.weight_types else None,
+              "verifier_prompts": args.verifier_prompts, "warm_start_root": args.warm_start_root}
     settings = replace(settings, **{k: v for k, v in chosen.items() if v is not None},
                        oracle=settings.oracle and not args.no_oracle,
                        overrides=(*settings.overrides, *args.override))

@@ -1,0 +1,23 @@
+"""Fixtures shared by every test folder: single-threaded torch and one tiny frozen Llama target."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.models.helpers import tiny_target
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread; on a shared 2-core box, more threads spin and stall."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_target():
+    """A tiny random Llama target (one per test module; folders alias it as ``target``)."""
+    return tiny_target("llama")
