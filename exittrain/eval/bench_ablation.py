@@ -395,6 +395,8 @@ def summary(domains: list[dict], settings: Settings) -> dict:
 
 
 def to_markdown(result: dict) -> str:
+    from exittrain.eval.decode_eval import optional_cell
+
     s = result["settings"]
     lines = [
         f"Embedded SmolLM2-135M-Instruct target, CPU ({result['threads']} threads), seed {s['seed']}. Warm start "
@@ -416,7 +418,7 @@ def to_markdown(result: dict) -> str:
         for arm, a in d["arms"].items():
             for r in a["table"]:
                 def f(key, fmt="{:.2f}", r=r):
-                    return fmt.format(r[key]) if key in r else "-"
+                    return optional_cell(r, key, fmt)
 
                 lines.append(
                     f"| {arm} | {r['budget']} | {r['temperature']:g} | {r['tau']:.2f} | "

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from exittrain.decoding import SpeculativeDecoder, autoregressive_generate, oracle_generate
 
-__all__ = ["evaluate_prompts", "summarize", "format_table", "bootstrap_ci"]
+__all__ = ["evaluate_prompts", "summarize", "format_table", "bootstrap_ci", "optional_cell"]
 
 
 def evaluate_prompts(
@@ -148,13 +148,18 @@ def summarize(rows: list[dict]) -> list[dict]:
     return table
 
 
+def optional_cell(row: dict, key: str, fmt: str = "{:.2f}") -> str:
+    """``row[key]`` formatted for a markdown table cell, or ``-`` when the row lacks it."""
+    return fmt.format(row[key]) if key in row else "-"
+
+
 def format_table(table: list[dict]) -> str:
     """A markdown table of :func:`summarize` rows."""
     head = "| run | B | T | prompts | tau | 95% CI | tau_oracle | tau/oracle | tok/s | AR tok/s | speedup |"
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in table:
         def f(key, fmt="{:.2f}", r=r):
-            return fmt.format(r[key]) if key in r else "-"
+            return optional_cell(r, key, fmt)
 
         lines.append(
             f"| {r['label'] or '-'} | {r['budget']} | {r['temperature']:g} | {r['prompts']} | {r['tau']:.2f} | "
