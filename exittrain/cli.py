@@ -228,7 +228,7 @@ def run_fit(cfg: DictConfig) -> dict:
     import lightning as L
 
     from exittrain.eval.decode_eval import evaluate_prompts, format_table, summarize
-    from exittrain.lit import save_drafter
+    from exittrain.lit import full_drafter, save_drafter
     from exittrain.lit.checkpoint_io import AtomicCheckpointIO
     from exittrain.models import load_drafter
 
@@ -250,6 +250,8 @@ def run_fit(cfg: DictConfig) -> dict:
     else:
         drafter = instantiate(cfg.drafter)(target)
 
+    # what rank 0 evaluates and saves: the drafter itself, or after a trainer=fsdp stage its gathered copy
+    full = drafter
     summary: dict = {"recipe": cfg.recipe_name, "stages": stages, "target": target.name, "tables": {}}
     timings: dict[str, float] = {"regeneration_and_setup_s": time.perf_counter() - started}
 
@@ -258,7 +260,7 @@ def run_fit(cfg: DictConfig) -> dict:
     # collective (the evaluation must finish within the process group's timeout, 30 min by default).
     def evaluate(label: str) -> list[dict]:
         t0 = time.perf_counter()
-        rows = evaluate_prompts(target, drafter, eval_prompts[: cfg.eval.num_prompts], label=label, **settings)
+        rows = evaluate_prompts(target, full, eval_prompts[: cfg.eval.num_prompts], label=label, **settings)
         table = summarize(rows)
         summary["tables"][label] = table
         write_json_atomic(out / f"eval_{label}.json", rows)
@@ -283,6 +285,9 @@ def run_fit(cfg: DictConfig) -> dict:
             t0 = time.perf_counter()
             ckpt = cfg.ckpt_path if (cfg.ckpt_path is not None and stage == stages[0]) else None
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
+            # trainer=fsdp left the drafter sharded (the next stage trains it so): every rank gathers it,
+            # rank 0 gets a full copy and the others None; unsharded this is the drafter itself, no copy
+            full = full_drafter(drafter, target)
             timings[f"{stage}_s"] = time.perf_counter() - t0
             summary[f"{stage}_metrics"] = {
                 k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1
@@ -293,8 +298,8 @@ def run_fit(cfg: DictConfig) -> dict:
             _close_logger(logger)
     if _global_rank() != 0:
         return summary  # this rank trained its share; rank 0 exports, evaluates and writes
-    save_drafter(drafter, out / "drafter")
-    _write_tree_example(target, drafter, eval_prompts[0], max(settings["budgets"]), out)
+    save_drafter(full, out / "drafter")
+    _write_tree_example(target, full, eval_prompts[0], max(settings["budgets"]), out)
 
     timings["total_s"] = time.perf_counter() - started
     summary["timings"] = timings

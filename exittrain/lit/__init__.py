@@ -18,20 +18,25 @@ from exittrain.lit.module import (
     select_trees,
     tree_metrics,
 )
+from exittrain.lit.sharding import DrafterFSDPStrategy, full_drafter, is_sharded, shard_drafter
 
 __all__ = [
     "SCORING_MODES",
     "STAGES",
     "TIMED_PARTS",
     "DecodeEvalCallback",
+    "DrafterFSDPStrategy",
     "ExitTrainModule",
     "ExportDrafterCallback",
     "MetricsFileCallback",
     "WarmupCosine",
     "anchor_generator",
+    "full_drafter",
+    "is_sharded",
     "sample_anchors",
     "save_drafter",
     "select_trees",
+    "shard_drafter",
     "tree_metrics",
     "write_json_atomic",
 ]

@@ -32,6 +32,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from exittrain.atomic import atomic_open, fsync_dir, fsync_tree, remove_stale_temps, temp_sibling
 from exittrain.decoding import SpeculativeDecoder
+from exittrain.lit.sharding import full_drafter
 
 __all__ = [
     "DecodeEvalCallback",
@@ -146,7 +147,10 @@ class DecodeEvalCallback(Callback):
     on_epoch from ``on_validation_epoch_end``; at fit end written into
     ``trainer.callback_metrics`` and the loggers directly. The decoding runs on global rank 0
     and its result is broadcast, so every rank logs the same values. The drafter is put in eval
-    mode for decoding and back into its previous mode after.
+    mode for decoding and back into its previous mode after. Under ``trainer=fsdp`` every rank
+    first takes part in gathering the sharded drafter into a full copy on rank 0
+    (:func:`~exittrain.lit.sharding.full_drafter`), which rank 0 decodes; unsharded, rank 0
+    decodes the drafter itself.
 
     :attr:`history` lists ``{"step", "block_length", "tokens_per_s", "rounds", "tokens", "seconds"}``
     per evaluation; it is saved in checkpoints (``state_dict``) and restored on resume.
@@ -239,8 +243,10 @@ class DecodeEvalCallback(Callback):
         if self.history and self.last_step == trainer.global_step:
             return self.history[-1]
         stats = None
+        drafter, target = _drafter_and_target(pl_module)
+        drafter = full_drafter(drafter, target)  # sharded: a collective, the full copy on rank 0 only
         if trainer.is_global_zero:
-            stats = self.evaluate(*_drafter_and_target(pl_module))
+            stats = self.evaluate(drafter, target)
         stats = trainer.strategy.broadcast(stats, src=0)
         entry = {"step": float(trainer.global_step), **stats}
         self.history.append(entry)
@@ -293,8 +299,9 @@ class ExportDrafterCallback(Callback):
     ``ModelCheckpoint`` that tracked a best checkpoint, ``dirpath/{name}-best`` receives the
     drafter rebuilt from that checkpoint (:meth:`ExitTrainModule.drafter_from_checkpoint`).
     Every write is atomic (:func:`save_drafter`) and happens on global rank 0 only; the
-    other ranks wait at a barrier. The target's weights are never saved. :attr:`exported` lists
-    the folders written.
+    other ranks wait at a barrier. Under ``trainer=fsdp`` every rank first takes part in
+    gathering the sharded drafter (:func:`~exittrain.lit.sharding.full_drafter`), and rank 0 saves
+    that full copy. The target's weights are never saved. :attr:`exported` lists the folders written.
     """
 
     def __init__(self, dirpath: str | os.PathLike, name: str = "drafter", *, export_best: bool = False) -> None:
@@ -307,6 +314,7 @@ class ExportDrafterCallback(Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         drafter, target = _drafter_and_target(pl_module)
+        drafter = full_drafter(drafter, target)  # sharded: a collective, the full copy on rank 0 only
         if trainer.is_global_zero:
             self.exported.append(save_drafter(drafter, self.dirpath / self.name))
             best = self._best_checkpoint(trainer)

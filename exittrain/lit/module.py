@@ -51,6 +51,12 @@ affects ``flow`` and ``exit``.
 The target is a plain attribute (``TargetModel`` is not an ``nn.Module``): the drafter is the
 only submodule, so its parameters are the only trainable ones and the only checkpoint entries.
 The target must already sit on the device the trainer puts the module on (checked at fit start).
+
+Sharding (``trainer=fsdp``, :class:`exittrain.lit.sharding.DrafterFSDPStrategy`): the strategy
+gives the module a device mesh, and :meth:`ExitTrainModule.configure_model` shards the drafter
+over it with FSDP2 (``fully_shard``); the target stays whole on every rank. Under any other
+strategy there is no mesh and ``configure_model`` does nothing. Lightning's ``FSDPStrategy``
+(FSDP1) is refused at setup: use ``trainer=fsdp``.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ import json
 import math
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -75,6 +82,7 @@ from exittrain.core import (
     sampled_block_cross_entropy,
 )
 from exittrain.core.exit_law import ExitLaw
+from exittrain.lit.sharding import shard_drafter
 from exittrain.models import BlockDrafter, DrafterConfig, TargetModel
 
 __all__ = [
@@ -451,7 +459,14 @@ class ExitTrainModule(pl.LightningModule):
         """Rebuild the trained drafter from a Lightning checkpoint alone (config + ``drafter.*`` weights).
 
         Loads with ``weights_only=True``; the drafter is attached to ``target`` (pairing checked).
+        Checkpoints written under ``trainer=fsdp`` are single files with the full weights too; a
+        folder (a sharded checkpoint) raises ValueError.
         """
+        if Path(path).is_dir():
+            raise ValueError(
+                f"{path} is a folder (a sharded checkpoint, ModelParallelStrategy(save_distributed_checkpoint=True)); "
+                "drafters are rebuilt from single-file checkpoints: train with trainer=fsdp, which writes those"
+            )
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
         if CHECKPOINT_KEY not in ckpt:
             raise ValueError(f"{path} holds no '{CHECKPOINT_KEY}' entry: not an ExitTrainModule checkpoint")
@@ -463,6 +478,38 @@ class ExitTrainModule(pl.LightningModule):
         return drafter.to(target.device)
 
     # -- fit ------------------------------------------------------------------------------------
+
+    def setup(self, stage: str) -> None:
+        """Refuse Lightning's ``FSDPStrategy`` (FSDP1): the callbacks and ``fit`` gather FSDP2 shards only."""
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if self._trainer is not None and isinstance(self.trainer.strategy, FSDPStrategy):
+            raise ValueError(
+                f"trainer.strategy={type(self.trainer.strategy).__name__} (FSDP1) is not supported: decoding, export "
+                "and checkpoints of the drafter gather FSDP2 shards; use trainer=fsdp "
+                "(exittrain.lit.DrafterFSDPStrategy) or trainer=ddp"
+            )
+
+    def configure_model(self) -> None:
+        """Shard the drafter (FSDP2) over the strategy's data-parallel mesh; a no-op without a mesh.
+
+        Only ``ModelParallelStrategy`` (``trainer=fsdp``: :class:`~exittrain.lit.sharding.DrafterFSDPStrategy`)
+        gives a mesh; single-device and DDP runs leave the drafter as it is. Idempotent: a drafter
+        already sharded (an earlier stage of the same run) is kept as it is. The target is never
+        sharded. A mesh with a ``tensor_parallel`` dimension larger than 1 raises ValueError: the
+        drafter has no tensor-parallel plan.
+        """
+        mesh = self.device_mesh
+        if mesh is None:
+            return
+        names = mesh.mesh_dim_names or ()
+        if "tensor_parallel" in names and mesh["tensor_parallel"].size() > 1:
+            raise ValueError(
+                f"trainer.strategy.tensor_parallel_size={mesh['tensor_parallel'].size()}: ExitTrainModule only "
+                "shards the drafter over data_parallel (FSDP); use trainer=fsdp (exittrain.lit.DrafterFSDPStrategy, "
+                "tensor_parallel_size=1) instead of a bare ModelParallelStrategy"
+            )
+        shard_drafter(self.drafter, mesh["data_parallel"] if "data_parallel" in names else mesh)
 
     def on_fit_start(self) -> None:
         if self.target.device != self.device:
