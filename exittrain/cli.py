@@ -240,15 +240,17 @@ def run_fit(cfg: DictConfig) -> dict:
     started = time.perf_counter()
 
     target = instantiate(cfg.target)
+    # the drafter before the data: bad drafter.* settings or a warm start saved for another target
+    # fail in seconds, not after the regeneration
+    if cfg.warm_start is not None:
+        drafter = load_drafter(cfg.warm_start, target)
+    else:
+        drafter = instantiate(cfg.drafter)(target)
     datamodule = instantiate(cfg.data)(
         target=lambda: (target.model, target.tokenizer), tokenizer=target.tokenizer, target_name=target.name
     )
     _prepare_data(datamodule, wait_s=cfg.data_wait_s)
     eval_prompts = datamodule.eval_prompts(max(cfg.eval.num_prompts, cfg.callbacks.decode_eval.num_prompts))
-    if cfg.warm_start is not None:
-        drafter = load_drafter(cfg.warm_start, target)
-    else:
-        drafter = instantiate(cfg.drafter)(target)
 
     # what rank 0 evaluates and saves: the drafter itself, or after a trainer=fsdp stage its gathered copy
     full = drafter

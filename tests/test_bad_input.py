@@ -376,10 +376,25 @@ def test_every_shipped_config_passes_the_early_check(recipe, extra):
     assert cli._check_objective(cfg, list(cli.STAGE_ORDER)) is None  # a bad value would raise ValueError
 
 
-def test_bad_drafter_block_size_through_the_config(target):
-    cfg = compose_fit("drafter.block_size=1")
-    with pytest.raises(ValueError, match=r"block_size=1: need an int >= 2"):
-        instantiate(cfg.drafter)(target)  # as run_fit builds it
+def test_bad_drafter_settings_fail_before_the_regeneration(monkeypatch, tmp_path, target):
+    """`fit drafter.block_size=1` stops as soon as the target is there, before any data work."""
+    cfg = compose_fit("drafter.block_size=1", f"paths.output_dir={tmp_path}")
+    built = []
+
+    def instantiate_spy(node, *args, **kwargs):
+        built.append(node._target_)
+        if node._target_ == "exittrain.models.load_target":
+            return target  # the tiny target stands in for the embedded one
+        return instantiate(node, *args, **kwargs)
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("fit started the data step before building the drafter")
+
+    monkeypatch.setattr(cli, "instantiate", instantiate_spy)
+    monkeypatch.setattr(cli, "_prepare_data", no_data)
+    with pytest.raises(ValueError, match=r"block_size=1: need an int >= 2 .*set block_size to K \+ 1"):
+        cli.run_fit(cfg)
+    assert built == ["exittrain.models.load_target", "exittrain.models.new_drafter"]
 
 
 @pytest.mark.parametrize(

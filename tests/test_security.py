@@ -14,6 +14,7 @@ Each AST scanner has a negative control: it must flag a synthetic source that br
 from __future__ import annotations
 
 import ast
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -288,8 +289,10 @@ def test_secret_scanner_negative_control(tmp_path):
     assert files_containing(tmp_path, SECRETS.values()) == {"sub/leak.yaml": ["hf_secretxyz"]}
 
 
-def test_composed_fit_config_holds_no_environment_secrets(monkeypatch, tmp_path):
-    """What Hydra saves (.hydra/config.yaml, hydra.yaml) and what W&B gets (the resolved config)."""
+@contextlib.contextmanager
+def composed_fit_config(monkeypatch, tmp_path):
+    """The `fit +recipe=code` config with the secrets in the environment and Hydra's runtime set
+    (``${hydra:runtime.cwd}`` resolves as in a run); yields ``(cfg without hydra, hydra yaml)``."""
     for key, value in SECRETS.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("EXITTRAIN_CACHE", str(tmp_path / "cache"))  # the one env value the config reads
@@ -297,17 +300,41 @@ def test_composed_fit_config_holds_no_environment_secrets(monkeypatch, tmp_path)
     with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
         cfg = compose("fit", overrides=["+recipe=code", f"paths.output_dir={tmp_path}"], return_hydra_config=True)
     hydra_yaml = OmegaConf.to_yaml(cfg.hydra)  # Hydra saves it apart, as .hydra/hydra.yaml
-    HydraConfig.instance().set_config(cfg)  # ${hydra:runtime.cwd} resolves as in a run
+    HydraConfig.instance().set_config(cfg)
     try:
         with open_dict(cfg):
             del cfg["hydra"]
-        saved = OmegaConf.to_yaml(cfg) + hydra_yaml
-        resolved = yaml.safe_dump(OmegaConf.to_container(cfg, resolve=True))
+        yield cfg, hydra_yaml
     finally:
         HydraConfig.instance().cfg = None
+
+
+def test_composed_fit_config_holds_no_environment_secrets(monkeypatch, tmp_path):
+    """What Hydra saves (.hydra/config.yaml, hydra.yaml) and what W&B gets (the resolved config)."""
+    with composed_fit_config(monkeypatch, tmp_path) as (cfg, hydra_yaml):
+        saved = OmegaConf.to_yaml(cfg) + hydra_yaml
+        resolved = yaml.safe_dump(OmegaConf.to_container(cfg, resolve=True))
     assert str(tmp_path / "cache") in resolved  # the resolution did read the environment
     for secret in SECRETS.values():
         assert secret not in saved and secret not in resolved
+
+
+def test_wandb_offline_run_files_hold_no_environment_secrets(monkeypatch, tmp_path, target):
+    """The default logger (W&B, offline) as `fit` builds it, through a tiny training run and
+    ``wandb.finish()``: no file of the offline run (config, metadata, history, the binary
+    ``.wandb`` log) contains the API key or the hub token."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    with composed_fit_config(monkeypatch, tmp_path) as (cfg, _):
+        logger = cli._make_logger(cfg, "secrets-check")
+        try:
+            make_trainer(2, logger=logger).fit(make_module(target, stage="pretrain"), loader(4))
+        finally:
+            cli._close_logger(logger)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(p.suffix == ".wandb" for p in runs[0].iterdir()), runs
+    assert files_containing(tmp_path / "wandb", ["exittrain"]), "the scan must see the run's own config"
+    assert files_containing(tmp_path, SECRETS.values()) == {}
 
 
 def test_fit_outputs_hold_no_environment_secrets(monkeypatch, tmp_path, target):
