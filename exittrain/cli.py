@@ -28,6 +28,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO_ROOT / "conf"
 RECIPES_DIR = REPO_ROOT / "recipes"
 STAGE_ORDER = ("pretrain", "exittrain")
+# keys of stages.<stage> that configure the stage itself; every other key overrides the objective
+STAGE_KEYS = ("max_steps", "eval_every")
 
 
 def register_recipes(recipes_dir: Path = RECIPES_DIR) -> list[str]:
@@ -138,6 +140,13 @@ def _stages_to_run(cfg: DictConfig) -> list[str]:
         steps = cfg.stages[name].max_steps
         if not isinstance(steps, int) or steps < 0:
             raise ValueError(f"stages.{name}.max_steps={steps!r} must be an integer >= 0")
+        every = cfg.stages[name].get("eval_every")
+        if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 0):
+            raise ValueError(
+                f"stages.{name}.eval_every={every!r}: need an int >= 0 (a decode check and a checkpoint every N "
+                "steps; 0 = one decode check at the stage's end and no periodic checkpoint) or null (the "
+                "callbacks' own settings)"
+            )
     stages = [s for s in STAGE_ORDER if cfg.stages[s].max_steps > 0]
     if cfg.warm_start is not None and "pretrain" in stages:
         stages.remove("pretrain")
@@ -163,14 +172,23 @@ def _check_objective(cfg: DictConfig, stages: list[str]) -> None:
     objective = OmegaConf.to_container(cfg.objective, resolve=True)
     base = {k: v for k, v in objective.items() if not k.startswith("_")}  # drop _target_ / _partial_
     for stage in stages:
-        overrides = {k: v for k, v in cfg.stages[stage].items() if k != "max_steps"}
+        overrides = _module_overrides(cfg, stage)
         try:
             check_module_args(**{**base, **overrides, "stage": stage})
         except ValueError as e:
             raise ValueError(f"stage {stage!r} (objective.* with stages.{stage}.* overrides): {e}") from e
 
 
-def _build_callbacks(cfg: DictConfig, stage: str, eval_prompts: list[list[int]], out: Path) -> list:
+def _module_overrides(cfg: DictConfig, stage: str) -> dict:
+    """``stages.<stage>`` minus the keys of the stage itself: what overrides the objective there."""
+    return {k: v for k, v in cfg.stages[stage].items() if k not in STAGE_KEYS}
+
+
+def _build_callbacks(
+    cfg: DictConfig, stage: str, eval_prompts: list[list[int]], out: Path, eval_every: int | None = None
+) -> list:
+    """The stage's callbacks; ``eval_every`` (``stages.<stage>.eval_every``), when set, replaces the
+    decode check's ``every_n_steps`` and the checkpoint's ``every_n_train_steps`` for this stage."""
     from exittrain.lit import ExportDrafterCallback, MetricsFileCallback
 
     callbacks = []
@@ -180,9 +198,12 @@ def _build_callbacks(cfg: DictConfig, stage: str, eval_prompts: list[list[int]],
         if name == "decode_eval":
             node = OmegaConf.to_container(node, resolve=True)
             n = node.pop("num_prompts")
+            if eval_every is not None:
+                node["every_n_steps"] = eval_every
             callbacks.append(instantiate(node)(prompts=eval_prompts[:n]))
         elif name == "checkpoint":
-            callbacks.append(instantiate(node, dirpath=str(out / "checkpoints" / stage)))
+            extra = {} if eval_every is None else {"every_n_train_steps": eval_every}
+            callbacks.append(instantiate(node, dirpath=str(out / "checkpoints" / stage), **extra))
         else:
             callbacks.append(instantiate(node))
     callbacks.append(ExportDrafterCallback(out, name="drafter" if stage == "exittrain" else "warmstart_drafter"))
@@ -275,12 +296,11 @@ def run_fit(cfg: DictConfig) -> dict:
         try:
             if stage == "exittrain" and "warm_start" not in summary["tables"] and _global_rank() == 0:
                 _log_table(logger, "final/warm_start", evaluate("warm_start"))  # a given or resumed warm start
-            # every key of stages.<stage> but max_steps overrides the objective for that stage
-            overrides = {k: v for k, v in cfg.stages[stage].items() if k != "max_steps"}
+            overrides = _module_overrides(cfg, stage)
             module = instantiate(cfg.objective)(drafter=drafter, target=target, stage=stage, **overrides)
             trainer = instantiate(cfg.trainer)(
                 max_steps=cfg.stages[stage].max_steps,
-                callbacks=_build_callbacks(cfg, stage, eval_prompts, out),
+                callbacks=_build_callbacks(cfg, stage, eval_prompts, out, cfg.stages[stage].get("eval_every")),
                 logger=logger if logger is not None else False,
                 plugins=[AtomicCheckpointIO()],  # temp file + fsync + rename: a kill never tears a checkpoint
             )

@@ -351,6 +351,7 @@ def compose_fit(*overrides: str):
         ("objective.lambda_exit=-0.1", "lambda_exit=-0.1: need a float >= 0"),
         ("objective.weight_type=nope", "weight_type='nope': must be one of"),
         ("+stages.exittrain.alpha=3", "stage 'exittrain' (objective.* with stages.exittrain.* overrides): alpha=3"),
+        ("stages.exittrain.eval_every=-1", "stages.exittrain.eval_every=-1: need an int >= 0"),
     ],
 )
 def test_bad_config_values_fail_before_the_target_loads(monkeypatch, tmp_path, override, message):
@@ -374,6 +375,20 @@ def test_every_shipped_config_passes_the_early_check(recipe, extra):
     with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
         cfg = compose("fit", overrides=[f"+recipe={recipe}", *extra])
     assert cli._check_objective(cfg, list(cli.STAGE_ORDER)) is None  # a bad value would raise ValueError
+
+
+@pytest.mark.parametrize("eval_every, expect", [(None, 150), (20, 20), (0, 0)])
+def test_stage_eval_every_sets_the_decode_check_and_the_checkpoint_interval(tmp_path, eval_every, expect):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from exittrain.lit import DecodeEvalCallback
+
+    cfg = compose_fit(f"paths.output_dir={tmp_path}")
+    callbacks = cli._build_callbacks(cfg, "exittrain", [[1, 2, 3]], tmp_path, eval_every)
+    decode = next(c for c in callbacks if isinstance(c, DecodeEvalCallback))
+    ckpt = next(c for c in callbacks if isinstance(c, ModelCheckpoint))
+    assert decode.every_n_steps == expect and ckpt._every_n_train_steps == expect
+    assert cli._module_overrides(cfg, "exittrain") == {"lr": 3.0e-4, "anchors_per_seq": 8}  # not eval_every
 
 
 def test_bad_drafter_settings_fail_before_the_regeneration(monkeypatch, tmp_path, target):

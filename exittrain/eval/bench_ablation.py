@@ -36,7 +36,8 @@ verifier's is reported.
 Writes ``<out>/ablation.json`` (everything), ``<out>/ablation.md`` (the tables) and PNG plots
 (tau vs budget with the oracle bound, block-length histograms, exit mass by depth, one drafted
 tree, tau relative to the control, verifier time per round). Each arm's drafter is saved under
-``<out>/<domain>/<arm>/``.
+``<out>/<domain>/<arm>/``. While later domains run, ``<out>/ablation_partial.json`` holds the
+finished ones, so a crash or a kill keeps them.
 
 Limits: the trees are trained at the recipe's ``tree.budget_train`` and evaluated at the
 ``--budgets``; a CPU run uses few prompts, so the decoded intervals are wide (the analytic tau
@@ -54,6 +55,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -261,8 +263,12 @@ def verifier_latency(target, drafter, prompts, budgets, temperatures, new_tokens
 # one domain
 
 
-def run_domain(domain: str, settings: Settings, out: Path, target=None) -> dict:
-    """Warm start, arms, evaluation and oracle for one domain; returns its JSON-ready result."""
+def run_domain(domain: str, settings: Settings, out: Path, target=None) -> tuple[dict, Any, list]:
+    """Warm start, arms, evaluation and oracle for one domain.
+
+    Returns ``(result, target, prompts)``: the domain's JSON-ready result, the target (loaded here
+    when ``target`` is None, for the next domains to reuse) and the domain's held-out prompt ids.
+    """
     from hydra.utils import instantiate
 
     from exittrain.eval.decode_eval import evaluate_prompts, summarize
@@ -364,9 +370,7 @@ def run_domain(domain: str, settings: Settings, out: Path, target=None) -> dict:
         "arms": arms,
         "oracle": {f"{b}/{t:g}": v for (b, t), v in oracle.items()},
         "timings": timings,
-        "_target": target,
-        "_prompts": prompts,
-    }
+    }, target, prompts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -506,6 +510,7 @@ def make_plots(result: dict, out: Path, trees: dict) -> list[str]:
 
 def run(settings: Settings, out: Path) -> dict:
     from exittrain.eval.tree_example import tree_example
+    from exittrain.lit import write_json_atomic
     from exittrain.models import load_drafter
 
     started = time.perf_counter()
@@ -513,8 +518,7 @@ def run(settings: Settings, out: Path) -> dict:
     domains, trees, target = [], {}, None
     verifiers = []
     for domain in settings.domains:
-        d = run_domain(domain, settings, out, target)
-        target, prompts = d.pop("_target"), d.pop("_prompts")
+        d, target, prompts = run_domain(domain, settings, out, target)
         flow = load_drafter(d["arms"]["exittrain-flow"]["path"], target) if "exittrain-flow" in d["arms"] else None
         if flow is not None:
             trees[domain] = tree_example(target, flow, prompts[0], budget=min(settings.budgets))
@@ -524,6 +528,9 @@ def run(settings: Settings, out: Path) -> dict:
                                              settings.temperatures, settings.new_tokens, settings.seed)
                 d["timings"]["verifiers_s"] = time.perf_counter() - t0
         domains.append(d)
+        # the finished domains survive a crash or a kill in a later one (ablation.json comes at the end)
+        write_json_atomic(out / "ablation_partial.json", {"settings": asdict(settings), "domains": domains,
+                                                          "verifiers": verifiers})
         _log(f"{domain}: done; timings {json.dumps({k: round(v) for k, v in d['timings'].items()})}")
     result = {
         "settings": asdict(settings),

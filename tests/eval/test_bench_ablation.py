@@ -6,6 +6,7 @@ pieces that turn results into claims are checked against numbers known in advanc
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -115,3 +116,23 @@ def test_permutation_p_value_separates_equal_from_shifted_samples():
     assert ab.permutation_p_value(a, shifted, resamples=2000) < 0.001
     with pytest.raises(ValueError, match="non-empty"):
         ab.permutation_p_value([], b)
+
+
+def test_finished_domains_survive_a_crash_in_a_later_one(monkeypatch, tmp_path):
+    """``run`` writes ``ablation_partial.json`` after every domain, so a kill in the math domain
+    keeps the code domain's tables (the final ``ablation.json`` is written only at the end)."""
+    done = _domain("code", 0)
+    del done["arms"]["exittrain-flow"]  # no drafter folder to load for the tree and verifier parts
+
+    def fake_run_domain(domain, settings, out, target=None):
+        if domain == "math":
+            raise RuntimeError("killed while training math")
+        return done, "target", [[1, 2, 3]]
+
+    monkeypatch.setattr(ab, "run_domain", fake_run_domain)
+    with pytest.raises(RuntimeError, match="killed while training math"):
+        ab.run(ab.Settings(domains=("code", "math")), tmp_path)
+    partial = json.loads((tmp_path / "ablation_partial.json").read_text())
+    assert [d["domain"] for d in partial["domains"]] == ["code"]
+    assert partial["domains"][0]["arms"]["control"]["table"] == done["arms"]["control"]["table"]
+    assert partial["settings"]["domains"] == ["code", "math"]

@@ -67,9 +67,10 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
-def _run_ddp(out: Path) -> subprocess.CompletedProcess:
-    """Run the driver on 2 processes; on timeout kill its whole process group (rank 1 included)."""
-    cmd = [sys.executable, "-m", "tests.lit.ddp_driver", "--out", str(out), "--devices", "2", "--batch-size", "2"]
+def run_two_ranks(module: str, out: Path, *args: str, label: str) -> subprocess.CompletedProcess:
+    """``python -m <module> --out OUT --devices 2 ARGS`` (Lightning's launcher starts rank 1); on
+    timeout kill its whole process group, rank 1 included, and fail with the output's tail."""
+    cmd = [sys.executable, "-m", module, "--out", str(out), "--devices", "2", *args]
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
@@ -79,8 +80,12 @@ def _run_ddp(out: Path) -> subprocess.CompletedProcess:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
-        pytest.fail(f"DDP driver timed out after {TIMEOUT_S} s:\n{output[-4000:]}")
+        pytest.fail(f"{label} driver timed out after {TIMEOUT_S} s:\n{output[-4000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, output, None)
+
+
+def _run_ddp(out: Path) -> subprocess.CompletedProcess:
+    return run_two_ranks("tests.lit.ddp_driver", out, "--batch-size", "2", label="DDP")
 
 
 @pytest.fixture(scope="module")

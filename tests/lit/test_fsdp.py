@@ -25,10 +25,7 @@ observed through the ``sys.audit`` journal of ``ddp_driver`` in each process.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,7 +34,7 @@ import pytest
 import torch
 
 from tests.lit import fsdp_driver
-from tests.lit.test_ddp import LATER_TOL, STEP0_TOL, _clean_env, _rel_err
+from tests.lit.test_ddp import LATER_TOL, STEP0_TOL, _rel_err, run_two_ranks
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`isinstance.treespec, LeafSpec.` is deprecated"),
@@ -46,25 +43,11 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`"),
 ]
 
-REPO = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 240
 STEPS = fsdp_driver.STEPS
 
 
 def _run_fsdp(out: Path) -> subprocess.CompletedProcess:
-    """Run the driver on 2 processes; on timeout kill its whole process group (rank 1 included)."""
-    cmd = [sys.executable, "-m", "tests.lit.fsdp_driver", "--out", str(out), "--devices", "2"]
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"FSDP driver timed out after {TIMEOUT_S} s:\n{output[-4000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, output, None)
+    return run_two_ranks("tests.lit.fsdp_driver", out, label="FSDP")
 
 
 def _global_order(ranks: list[dict], phase: str) -> list[int]:
