@@ -290,6 +290,7 @@ def run_fit(cfg: DictConfig) -> dict:
         timings[f"eval_{label}_s"] = time.perf_counter() - t0
         return table
 
+    previous = None  # the last stage's module
     for stage in stages:
         label = "warm_start" if stage == "pretrain" else "exittrain"
         logger = _make_logger(cfg, f"{cfg.recipe_name}-{stage}")
@@ -298,6 +299,9 @@ def run_fit(cfg: DictConfig) -> dict:
                 _log_table(logger, "final/warm_start", evaluate("warm_start"))  # a given or resumed warm start
             overrides = _module_overrides(cfg, stage)
             module = instantiate(cfg.objective)(drafter=drafter, target=target, stage=stage, **overrides)
+            if previous is not None and previous.hparams.feature_cache and module.hparams.feature_cache:
+                module.share_feature_cache(previous)  # the same rows: the ExitTrain stage reuses pretrain's features
+            previous = module
             trainer = instantiate(cfg.trainer)(
                 max_steps=cfg.stages[stage].max_steps,
                 callbacks=_build_callbacks(cfg, stage, eval_prompts, out, cfg.stages[stage].get("eval_every")),

@@ -227,3 +227,18 @@ def test_run_fit_on_rank_one_trains_and_leaves_evaluation_and_files_to_rank_zero
     # drafter/ is left out: the export callback writes it too (trainer.is_global_zero is True in one process)
     for name in RANK_ZERO_FILES[:-1]:
         assert not (tmp_path / "run" / name).exists(), f"rank 1 wrote {name}"
+
+
+def test_exittrain_stage_reuses_the_pretrain_features(rank, tmp_path, monkeypatch):
+    """The pretrain stage saw every training row, so the ExitTrain stage computes no target features:
+    its module reads the pretrain module's cache (fit shares it between the stages)."""
+    cfg, _ = _tiny_fit(tmp_path, monkeypatch)
+    cfg.stages.pretrain.max_steps = 8  # several epochs over the few rows: every row is cached
+    cfg.stages.exittrain.max_steps = 2
+    rank(0)
+    cli.run_fit(cfg)
+    pretrain = json.loads((tmp_path / "run" / "metrics_pretrain.json").read_text())["final"]
+    exittrain = json.loads((tmp_path / "run" / "metrics_exittrain.json").read_text())["final"]
+    assert pretrain["train/feature_cache_rows"] > 0
+    assert exittrain["train/feature_cache_rows"] == pretrain["train/feature_cache_rows"]
+    assert exittrain["train/feature_rows_computed"] == 0
