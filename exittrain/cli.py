@@ -281,9 +281,13 @@ def run_fit(cfg: DictConfig) -> dict:
     # The held-out evaluations and every file below are global rank 0's work, like the
     # callbacks' writes; ranks >= 1 go on to the next stage and wait for rank 0 in its first
     # collective (the evaluation must finish within the process group's timeout, 30 min by default).
+    ar_cache: dict = {}  # one autoregressive baseline per prompt serves both tables (the same denominator)
+
     def evaluate(label: str) -> list[dict]:
         t0 = time.perf_counter()
-        rows = evaluate_prompts(target, full, eval_prompts[: cfg.eval.num_prompts], label=label, **settings)
+        rows = evaluate_prompts(
+            target, full, eval_prompts[: cfg.eval.num_prompts], label=label, ar_cache=ar_cache, **settings
+        )
         table = summarize(rows)
         summary["tables"][label] = table
         write_json_atomic(out / f"eval_{label}.json", rows)

@@ -193,11 +193,25 @@ RANK_ZERO_FILES = ("eval_warm_start.json", "eval_exittrain.json", "tree_example.
 
 def test_run_fit_on_rank_zero_regenerates_evaluates_and_writes(rank, tmp_path, monkeypatch):
     cfg, _ = _tiny_fit(tmp_path, monkeypatch)
+    from exittrain.eval import decode_eval
+
+    baselines = []
+    real_ar = decode_eval.autoregressive_generate
+
+    def counting_ar(target, prompt, *args, **kwargs):
+        baselines.append(list(prompt))
+        return real_ar(target, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(decode_eval, "autoregressive_generate", counting_ar)
     rank(0)
     summary = cli.run_fit(cfg)
     assert set(summary["tables"]) == {"warm_start", "exittrain"}
     for name in RANK_ZERO_FILES:
         assert (tmp_path / "run" / name).exists(), name
+    # one autoregressive baseline per prompt and temperature serves both tables
+    assert len(baselines) == cfg.eval.num_prompts * len(cfg.eval.temperatures)
+    ar = {label: [r["ar_tokens_per_s"] for r in table] for label, table in summary["tables"].items()}
+    assert ar["warm_start"] == ar["exittrain"]
 
 
 def test_run_fit_on_rank_one_trains_and_leaves_evaluation_and_files_to_rank_zero(rank, tmp_path, monkeypatch):
