@@ -175,11 +175,16 @@ def train(
         "writes": journal.writes if journal is not None else None,
     }
     state = {k: v.detach().clone() for k, v in module.drafter.state_dict().items()}
-    torch.save({"state": state, "grads": record.grads}, out / f"rank{rank}.pt")
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
-    # rank 0 (the launching process) exits only after every rank has written its record
-    trainer.strategy.barrier("ddp_driver.results")
+    write_rank_record(out, rank, result, {"state": state, "grads": record.grads}, trainer.strategy)
     return result
+
+
+def write_rank_record(out: Path, rank: int, result: dict, tensors: dict, strategy) -> None:
+    """``rank{rank}.json`` (``result``) and ``rank{rank}.pt`` (``tensors``) under ``out``, then a barrier:
+    rank 0 (the launching process) exits only after every rank has written its record."""
+    torch.save(tensors, out / f"rank{rank}.pt")
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    strategy.barrier("rank_records")
 
 
 def main(argv: list[str] | None = None) -> None:

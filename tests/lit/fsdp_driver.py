@@ -37,7 +37,6 @@ Results ``DIR/rank{r}.json`` and ``DIR/rank{r}.pt``, per rank:
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -50,6 +49,7 @@ from tests.lit.ddp_driver import (
     IndexedRows,
     WriteJournal,
     collate_indexed,
+    write_rank_record,
 )
 
 GLOBAL_BATCH = 4
@@ -212,10 +212,7 @@ def train(
         "fit_state": fit_state,
         "resumed_state": resumed_state,
     }
-    torch.save(tensors, out / f"rank{rank}.pt")
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
-    # rank 0 (the launching process) exits only after every rank has written its record
-    resumed_trainer.strategy.barrier("fsdp_driver.results")
+    write_rank_record(out, rank, result, tensors, resumed_trainer.strategy)
     return result
 
 

@@ -67,9 +67,10 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
-def run_two_ranks(module: str, out: Path, *args: str, label: str) -> subprocess.CompletedProcess:
-    """``python -m <module> --out OUT --devices 2 ARGS`` (Lightning's launcher starts rank 1); on
-    timeout kill its whole process group, rank 1 included, and fail with the output's tail."""
+def run_two_ranks(module: str, out: Path, *args: str, label: str) -> tuple[list[dict], list[dict]]:
+    """``python -m <module> --out OUT --devices 2 ARGS`` (Lightning's launcher starts rank 1); returns
+    the records each rank wrote, ``([rank0.json, rank1.json], [rank0.pt, rank1.pt])``. On timeout
+    the whole process group, rank 1 included, is killed and the test fails with the output's tail."""
     cmd = [sys.executable, "-m", module, "--out", str(out), "--devices", "2", *args]
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -81,11 +82,26 @@ def run_two_ranks(module: str, out: Path, *args: str, label: str) -> subprocess.
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         pytest.fail(f"{label} driver timed out after {TIMEOUT_S} s:\n{output[-4000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, output, None)
+    assert proc.returncode == 0, output[-4000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    tensors = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return ranks, tensors
 
 
-def _run_ddp(out: Path) -> subprocess.CompletedProcess:
-    return run_two_ranks("tests.lit.ddp_driver", out, "--batch-size", "2", label="DDP")
+def global_order(rows_rank0: list[list[int]], rows_rank1: list[list[int]]) -> list[int]:
+    """The rows in global order: step s's batch is rank 0's rows then rank 1's (any order gives the same sums)."""
+    return [i for step in zip(rows_rank0, rows_rank1) for rows in step for i in rows]
+
+
+def reference_run(train, out: Path) -> tuple[dict, dict]:
+    """``train()`` (a single-process driver run writing into ``out``) and its ``rank0.pt``; the driver
+    sets 1 thread like each rank, and this process's thread count is restored after."""
+    threads = torch.get_num_threads()
+    try:
+        ref = train()
+    finally:
+        torch.set_num_threads(threads)
+    return ref, torch.load(out / "rank0.pt", weights_only=True)
 
 
 @pytest.fixture(scope="module")
@@ -93,19 +109,12 @@ def runs(tmp_path_factory):
     """The DDP run's per-rank records and the single-process reference on the same global batches."""
     out = tmp_path_factory.mktemp("ddp")
     t0 = time.perf_counter()
-    proc = _run_ddp(out)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    tensors = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
-    # the global order: step s's batch is rank 0's rows then rank 1's rows (any order gives the same sums)
-    order = [i for step in zip(ranks[0]["row_ids"], ranks[1]["row_ids"]) for rows in step for i in rows]
+    ranks, tensors = run_two_ranks("tests.lit.ddp_driver", out, "--batch-size", "2", label="DDP")
+    order = global_order(ranks[0]["row_ids"], ranks[1]["row_ids"])
     ref_out = tmp_path_factory.mktemp("single")
-    threads = torch.get_num_threads()
-    try:
-        ref = ddp_driver.train(1, ddp_driver.GLOBAL_BATCH, ref_out, order=order)  # sets 1 thread, like each rank
-    finally:
-        torch.set_num_threads(threads)
-    ref_tensors = torch.load(ref_out / "rank0.pt", weights_only=True)
+    ref, ref_tensors = reference_run(
+        lambda: ddp_driver.train(1, ddp_driver.GLOBAL_BATCH, ref_out, order=order), ref_out
+    )
     print(f"DDP driver {time.perf_counter() - t0:.1f} s (both runs)")
     return {"out": out, "ranks": ranks, "tensors": tensors, "ref": ref, "ref_tensors": ref_tensors, "order": order}
 

@@ -25,16 +25,14 @@ observed through the ``sys.audit`` journal of ``ddp_driver`` in each process.
 from __future__ import annotations
 
 import json
-import subprocess
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tests.lit import fsdp_driver
-from tests.lit.test_ddp import LATER_TOL, STEP0_TOL, _rel_err, run_two_ranks
+from tests.lit.test_ddp import LATER_TOL, STEP0_TOL, _rel_err, global_order, reference_run, run_two_ranks
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`isinstance.treespec, LeafSpec.` is deprecated"),
@@ -46,13 +44,8 @@ pytestmark = [
 STEPS = fsdp_driver.STEPS
 
 
-def _run_fsdp(out: Path) -> subprocess.CompletedProcess:
-    return run_two_ranks("tests.lit.fsdp_driver", out, label="FSDP")
-
-
 def _global_order(ranks: list[dict], phase: str) -> list[int]:
-    """Step s's global batch: rank 0's rows then rank 1's (any order gives the same sums)."""
-    return [i for step in zip(ranks[0]["row_ids"][phase], ranks[1]["row_ids"][phase]) for rows in step for i in rows]
+    return global_order(ranks[0]["row_ids"][phase], ranks[1]["row_ids"][phase])
 
 
 @pytest.fixture(scope="module")
@@ -60,18 +53,12 @@ def runs(tmp_path_factory):
     """The sharded run's per-rank records and the single-process reference on the same global batches."""
     out = tmp_path_factory.mktemp("fsdp")
     t0 = time.perf_counter()
-    proc = _run_fsdp(out)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    tensors = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    ranks, tensors = run_two_ranks("tests.lit.fsdp_driver", out, label="FSDP")
     order, resume_order = _global_order(ranks, "fit"), _global_order(ranks, "resume")
     ref_out = tmp_path_factory.mktemp("single")
-    threads = torch.get_num_threads()
-    try:
-        ref = fsdp_driver.train(1, ref_out, order=order, resume_order=resume_order)  # 1 thread, like each rank
-    finally:
-        torch.set_num_threads(threads)
-    ref_tensors = torch.load(ref_out / "rank0.pt", weights_only=True)
+    ref, ref_tensors = reference_run(
+        lambda: fsdp_driver.train(1, ref_out, order=order, resume_order=resume_order), ref_out
+    )
     print(f"FSDP driver and reference {time.perf_counter() - t0:.1f} s")
     return {"out": out, "ranks": ranks, "tensors": tensors, "ref": ref, "ref_tensors": ref_tensors}
 
