@@ -172,14 +172,14 @@ def _check_objective(cfg: DictConfig, stages: list[str]) -> None:
     objective = OmegaConf.to_container(cfg.objective, resolve=True)
     base = {k: v for k, v in objective.items() if not k.startswith("_")}  # drop _target_ / _partial_
     for stage in stages:
-        overrides = _module_overrides(cfg, stage)
+        overrides = module_overrides(cfg, stage)
         try:
             check_module_args(**{**base, **overrides, "stage": stage})
         except ValueError as e:
             raise ValueError(f"stage {stage!r} (objective.* with stages.{stage}.* overrides): {e}") from e
 
 
-def _module_overrides(cfg: DictConfig, stage: str) -> dict:
+def module_overrides(cfg: DictConfig, stage: str) -> dict:
     """``stages.<stage>`` minus the keys of the stage itself: what overrides the objective there."""
     return {k: v for k, v in cfg.stages[stage].items() if k not in STAGE_KEYS}
 
@@ -301,7 +301,7 @@ def run_fit(cfg: DictConfig) -> dict:
         try:
             if stage == "exittrain" and "warm_start" not in summary["tables"] and _global_rank() == 0:
                 _log_table(logger, "final/warm_start", evaluate("warm_start"))  # a given or resumed warm start
-            overrides = _module_overrides(cfg, stage)
+            overrides = module_overrides(cfg, stage)
             module = instantiate(cfg.objective)(drafter=drafter, target=target, stage=stage, **overrides)
             if previous is not None and previous.hparams.feature_cache and module.hparams.feature_cache:
                 module.share_feature_cache(previous)  # the same rows: the ExitTrain stage reuses pretrain's features

@@ -121,6 +121,17 @@ def compose_fit_config(domain: str, out: Path, overrides: Sequence[str] = ()):
         )
 
 
+def stage_args(cfg, settings: Settings) -> tuple[dict, dict]:
+    """The module arguments ``fit`` would give its stages (``stages.<stage>`` without the stage's own
+    keys), adapted to the bench: ``(warm start, arms)``. The warm start scores no trees; every arm
+    (the control included) uses the ExitTrain stage's lr with ``settings.arm_anchors`` anchors."""
+    from exittrain.cli import module_overrides
+
+    pre = {**module_overrides(cfg, "pretrain"), "analytic_every": 0}  # the arms are measured after training
+    arms = {**module_overrides(cfg, "exittrain"), "anchors_per_seq": settings.arm_anchors}
+    return pre, arms
+
+
 def _train(cfg, drafter, target, datamodule, stage: str, steps: int, cache_owner=None, **overrides):
     """Fit ``drafter`` for ``steps`` of ``stage`` on ``datamodule``; returns the module (its metrics inside)."""
     import lightning as L
@@ -291,8 +302,7 @@ def run_domain(domain: str, settings: Settings, out: Path, target=None) -> tuple
 
     # the shared warm start (the baseline arm), trained here or reused from an earlier run
     t0 = time.perf_counter()
-    pre = {k: v for k, v in cfg.stages.pretrain.items() if k != "max_steps"}
-    pre["analytic_every"] = 0  # the arms are measured after training; scoring trees here would only cost time
+    pre, arm_args = stage_args(cfg, settings)
     if settings.warm_start_root is not None:
         drafter = load_drafter(Path(settings.warm_start_root) / domain / "baseline", target)
         owner = instantiate(cfg.objective)(drafter=drafter, target=target, stage="pretrain", **pre)  # cache owner
@@ -304,8 +314,6 @@ def run_domain(domain: str, settings: Settings, out: Path, target=None) -> tuple
     _log(f"{domain}: warm start done ({timings['warm_start_s']:.0f} s)")
 
     # the arms: identical lr, anchors, data and steps; only the objective differs
-    arm_args = {k: v for k, v in cfg.stages.exittrain.items() if k != "max_steps"}
-    arm_args["anchors_per_seq"] = settings.arm_anchors
     arm_specs = {"control": ("pretrain", {"vocab_sample": None, "analytic_every": 0})}
     arm_specs.update({f"exittrain-{w}": ("exittrain", {"weight_type": w}) for w in settings.weight_types})
     train_metrics = {"baseline": getattr(owner, "final_metrics", {})}

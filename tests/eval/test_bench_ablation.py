@@ -139,3 +139,21 @@ def test_finished_domains_survive_a_crash_in_a_later_one(monkeypatch, tmp_path):
         (r["budget"], r["temperature"], r["tau"]) for r in want
     ]
     assert partial["settings"]["domains"] == ["code", "math"]
+
+
+def test_stage_args_are_module_arguments_of_the_shipped_config(tmp_path):
+    """The warm start and arm arguments the bench derives from `fit +recipe=code` pass the module's
+    own check: stage keys such as ``stages.exittrain.eval_every`` are not module arguments."""
+    from omegaconf import OmegaConf
+
+    from exittrain.lit.module import check_module_args
+
+    cfg = ab.compose_fit_config("code", tmp_path)
+    assert "eval_every" in cfg.stages.exittrain  # the key the bench must leave out
+    objective = {k: v for k, v in OmegaConf.to_container(cfg.objective, resolve=True).items() if not k.startswith("_")}
+    pre, arms = ab.stage_args(cfg, ab.Settings())
+    assert "eval_every" not in arms and pre["analytic_every"] == 0
+    assert arms["anchors_per_seq"] == ab.Settings().arm_anchors
+    check_module_args(**{**objective, **pre, "stage": "pretrain"})
+    for stage in ("pretrain", "exittrain"):  # the control trains the pretrain stage with the arms' arguments
+        check_module_args(**{**objective, **arms, "stage": stage})
