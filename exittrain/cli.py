@@ -267,8 +267,14 @@ def run_fit(cfg: DictConfig) -> dict:
         drafter = load_drafter(cfg.warm_start, target)
     else:
         drafter = instantiate(cfg.drafter)(target)
+    # with the feature cache on, the regeneration keeps the drafter's target features as it answers:
+    # no training row then needs a target forward of its own
+    feature_layers = drafter.config.target_layer_ids if cfg.objective.feature_cache else None
     datamodule = instantiate(cfg.data)(
-        target=lambda: (target.model, target.tokenizer), tokenizer=target.tokenizer, target_name=target.name
+        target=lambda: (target.model, target.tokenizer),
+        tokenizer=target.tokenizer,
+        target_name=target.name,
+        feature_layers=feature_layers,
     )
     _prepare_data(datamodule, wait_s=cfg.data_wait_s)
     eval_prompts = datamodule.eval_prompts(max(cfg.eval.num_prompts, cfg.callbacks.decode_eval.num_prompts))

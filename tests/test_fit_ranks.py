@@ -246,13 +246,31 @@ def test_run_fit_on_rank_one_trains_and_leaves_evaluation_and_files_to_rank_zero
 def test_exittrain_stage_reuses_the_pretrain_features(rank, tmp_path, monkeypatch):
     """The pretrain stage saw every training row, so the ExitTrain stage computes no target features:
     its module reads the pretrain module's cache (fit shares it between the stages)."""
-    cfg, _ = _tiny_fit(tmp_path, monkeypatch)
+    cfg, target = _tiny_fit(tmp_path, monkeypatch)
     cfg.stages.pretrain.max_steps = 8  # several epochs over the few rows: every row is cached
     cfg.stages.exittrain.max_steps = 2
     rank(0)
+    # a cache entry regenerated without feature_layers: the pretrain module computes the features itself
+    hydra.utils.instantiate(cfg.data)(
+        target=lambda: (target.model, target.tokenizer), tokenizer=target.tokenizer, target_name=target.name
+    ).prepare_data()
     cli.run_fit(cfg)
     pretrain = json.loads((tmp_path / "run" / "metrics_pretrain.json").read_text())["final"]
     exittrain = json.loads((tmp_path / "run" / "metrics_exittrain.json").read_text())["final"]
     assert pretrain["train/feature_cache_rows"] > 0
     assert exittrain["train/feature_cache_rows"] == pretrain["train/feature_cache_rows"]
     assert exittrain["train/feature_rows_computed"] == 0
+
+
+def test_fit_trains_on_the_features_kept_by_the_regeneration(rank, tmp_path, monkeypatch):
+    """A fresh regeneration keeps the drafter's target features: no stage runs the target over a row."""
+    cfg, target = _tiny_fit(tmp_path, monkeypatch)
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("the target ran over a training row whose features the regeneration kept")
+
+    monkeypatch.setattr(target, "sequence_features", no_forward)
+    rank(0)
+    summary = cli.run_fit(cfg)
+    assert summary["pretrain_metrics"]["train/feature_cache_rows"] > 0
+    assert summary["exittrain_metrics"]["train/loss_exit"] > 0

@@ -38,6 +38,8 @@ from exittrain.data.regenerate import (
     TargetProvider,
     cache_path,
     chat_prompt_ids,
+    features_file,
+    load_features,
     read_meta,
     regenerate,
 )
@@ -89,6 +91,10 @@ class ExitTrainDataModule(pl.LightningDataModule):
         seed: seed of the prompt sample, the validation split and the shuffling.
         max_prompt_chars: prompts longer than this are rejected (counted) when sources are read.
         progress: show the regeneration progress bar.
+        feature_layers: target layer ids whose outputs regeneration keeps beside the answers
+            (:func:`~exittrain.data.regenerate.regenerate`); :meth:`captured_features` serves them
+            to the training module, which then never runs the target over a training row. Not part
+            of the cache key: an entry already cached without them is used as it is.
     """
 
     def __init__(
@@ -110,6 +116,7 @@ class ExitTrainDataModule(pl.LightningDataModule):
         seed: int = 0,
         max_prompt_chars: int | None = DEFAULT_MAX_CHARS,
         progress: bool = True,
+        feature_layers: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         if max_length < 2:
@@ -137,6 +144,8 @@ class ExitTrainDataModule(pl.LightningDataModule):
         self.seed = seed
         self.max_prompt_chars = max_prompt_chars
         self.progress = progress
+        self.feature_layers = list(feature_layers) if feature_layers is not None else None
+        self._captured: tuple[list[int], dict[int, tuple[torch.Tensor, torch.Tensor]]] | None = None
 
         self._prompts: DomainPrompts | None = None
         self.train_set: datasets.Dataset | None = None
@@ -193,6 +202,7 @@ class ExitTrainDataModule(pl.LightningDataModule):
             gen=self.generation,
             prompt_set=self._prompt_set_description(),
             progress=self.progress,
+            feature_layers=self.feature_layers,
         )
 
     def setup(self, stage: str | None = None) -> None:
@@ -251,6 +261,42 @@ class ExitTrainDataModule(pl.LightningDataModule):
         logger.info(
             "data: %d train rows, %d val rows, %d eval prompts (%s)", len(self.train_set), n_val, len(dp.eval), path
         )
+
+    def captured_features(self, layers: Sequence[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Target features of ``layers`` kept by the regeneration, for every train and val row.
+
+        Returns ``row_id -> (input ids (n,) int32, features (n, F) bf16)`` with n the row's length
+        after the collator's ``max_length`` cut: the entries of the training module's feature cache.
+        Empty when the cache entry holds no features of these layers (written without
+        ``feature_layers``, or for others). Loaded once and kept (host memory, ~1 MB per row of
+        ~300 tokens for three SmolLM2 layers). A stored row whose length differs from its tokens
+        raises ValueError naming the row and the entry.
+        """
+        if self.train_set is None:
+            raise ValueError("the DataModule is not set up; call setup() first")
+        layers = [int(x) for x in layers]
+        if self._captured is not None and self._captured[0] == layers:
+            return self._captured[1]
+        path = self.cache_path
+        stored = load_features(path, layers)
+        rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for split in (self.train_set, self.val_set) if stored is not None else ():
+            if split is None:
+                continue
+            for row_id, ids in zip(split["prompt_index"], split["input_ids"]):
+                feats = stored.get(int(row_id))
+                if feats is None or feats.shape[0] != len(ids):
+                    raise ValueError(
+                        f"{path}: stored features of row {row_id} cover {None if feats is None else feats.shape[0]} "
+                        f"positions for {len(ids)} tokens; delete {features_file(layers)} from the entry to "
+                        "recompute them"
+                    )
+                n = min(len(ids), self.max_length)
+                rows[int(row_id)] = (torch.tensor(ids[:n], dtype=torch.int32), feats[:n])
+        self._captured = (layers, rows)
+        if rows:
+            logger.info("target features of layers %s: %d rows kept by the regeneration (%s)", layers, len(rows), path)
+        return rows
 
     def _collator(self) -> Collator:
         if self.pad_token_id is None:

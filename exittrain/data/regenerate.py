@@ -12,9 +12,15 @@ and answered greedily by default, in left-padded batches. A result row holds:
 Prompts whose templated length exceeds ``GenerationConfig.max_prompt_tokens`` are not answered; they
 are counted in the cache metadata (``rejected_too_long``) and logged.
 
+``GenerationConfig.dtype`` answers with a copy of the target in another dtype (bf16 on a CPU: faster,
+and an approximation of the fp32 target's answers). With ``feature_layers`` the outputs of those
+target layers at every position of every row are kept while the target answers, and saved beside
+the dataset as ``features-<layers>.safetensors`` (``prompt_index -> (n, F)`` bf16, n the row's
+length; :func:`load_features`): the drafter's training then needs no target forward over the rows.
+
 Cache layout under ``cache_dir`` (a ``datasets`` Arrow dataset written with ``save_to_disk``)::
 
-    <name>-<key>/              complete; read with datasets.load_from_disk (+ meta.json)
+    <name>-<key>/              complete; read with datasets.load_from_disk (+ meta.json, + features-*.safetensors)
     <name>-<key>.partial/      in progress: shard_00000/, shard_00001/, ... one per finished batch
 
 ``key`` hashes the target name, the prompt-set description, the prompt list and the generation
@@ -32,6 +38,7 @@ with ``seed + batch index``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import json
@@ -51,6 +58,7 @@ import torch
 from tqdm.auto import tqdm
 
 from exittrain.atomic import fsync_dir, fsync_tree
+from exittrain.models.target import layer_output_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +80,8 @@ FEATURES = datasets.Features(
     }
 )
 
+GENERATION_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
 TargetProvider = Callable[[], tuple[Any, Any]]
 """A zero-argument callable returning ``(model, tokenizer)``: a Hugging Face causal LM and its tokenizer."""
 
@@ -88,6 +98,12 @@ class GenerationConfig:
         seed: sampling seed; batch ``i`` runs under ``torch.manual_seed(seed + i)``.
         max_prompt_tokens: templated prompts longer than this are not answered (counted).
         system_prompt: a system turn to put before the user turn; None keeps the template's default.
+        dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``: answer with a copy of the target in
+            that dtype (kept only while generating); None answers with the target as loaded. On a
+            CPU with bf16 instructions ``"bfloat16"`` generates ~1.6x faster than fp32, and its greedy
+            next token agrees with the fp32 target's at ~98% of positions (BENCHMARKS.md §4). A
+            copy doubles the target's memory while it lives: for a large target, load it in the
+            wanted dtype (``target.dtype``) and leave this None.
     """
 
     max_new_tokens: int = 128
@@ -98,8 +114,14 @@ class GenerationConfig:
     seed: int = 0
     max_prompt_tokens: int = 512
     system_prompt: str | None = None
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in GENERATION_DTYPES:
+            raise ValueError(
+                f"GenerationConfig.dtype={self.dtype!r}: use one of {sorted(GENERATION_DTYPES)} or null (the target's "
+                "own dtype); in a fit config it is data.generation.dtype"
+            )
         for name in ("max_new_tokens", "batch_size", "max_prompt_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"GenerationConfig.{name}={getattr(self, name)} must be positive")
@@ -201,31 +223,64 @@ def generate_batch(
     gen: GenerationConfig,
     pad_token_id: int,
     eos_ids: Sequence[int],
-) -> list[tuple[list[int], bool]]:
-    """Answer one batch of templated prompts; returns ``(response ids, finished)`` per prompt.
+    feature_layers: Sequence[int] | None = None,
+) -> list[tuple[list[int], bool, torch.Tensor | None]]:
+    """Answer one batch of templated prompts; returns ``(response ids, finished, features)`` per prompt.
 
-    Prompts are left-padded to a common length ``P`` on the model's device.
+    Prompts are left-padded to a common length ``P`` on the model's device. With ``feature_layers``
+    (target layer ids, the convention of :mod:`exittrain.models.target`) ``features`` is the
+    concatenated output of those decoder layers at every position of prompt + response,
+    ``(n_prompt + n_response, F)`` bf16 on the CPU, captured by hooks while the model generates:
+    the prefill gives the prompt's, each decode step the token it was fed. ``generate`` never
+    feeds its last token back, so one more forward step (with its cache) gives that one. Without
+    ``feature_layers`` it is None.
     """
     device = next(model.parameters()).device
-    width = max(len(ids) for ids in prompt_ids)
-    input_ids_NP = torch.full((len(prompt_ids), width), pad_token_id, dtype=torch.long)
-    attention_mask_NP = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+    layers = list(feature_layers or [])
+    N, width = len(prompt_ids), max(len(ids) for ids in prompt_ids)
+    input_ids_NP = torch.full((N, width), pad_token_id, dtype=torch.long)
+    attention_mask_NP = torch.zeros((N, width), dtype=torch.long)
     for i, ids in enumerate(prompt_ids):
         input_ids_NP[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
         attention_mask_NP[i, width - len(ids) :] = 1
     kwargs: dict[str, Any] = {"do_sample": gen.do_sample}
     if gen.do_sample:
         kwargs.update(temperature=gen.temperature, top_p=gen.top_p, top_k=0)
-    out = model.generate(
-        input_ids=input_ids_NP.to(device),
-        attention_mask=attention_mask_NP.to(device),
-        max_new_tokens=gen.max_new_tokens,
-        pad_token_id=pad_token_id,
-        eos_token_id=list(eos_ids),
-        **kwargs,
-    )
-    new_NG = out[:, width:].tolist()
-    return [split_response(row, eos_ids) for row in new_NG]
+    steps: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}  # per layer: (N, Q, H) per forward
+
+    def keep(layer_id: int, output: torch.Tensor) -> None:
+        steps[layer_id].append(output.to("cpu", torch.bfloat16))
+
+    with layer_output_hooks(model, layers, keep):
+        out = model.generate(
+            input_ids=input_ids_NP.to(device),
+            attention_mask=attention_mask_NP.to(device),
+            max_new_tokens=gen.max_new_tokens,
+            pad_token_id=pad_token_id,
+            eos_token_id=list(eos_ids),
+            return_dict_in_generate=True,
+            **kwargs,
+        )
+        sequences_NS = out.sequences  # (N, P + G)
+        G = sequences_NS.shape[1] - width
+        if layers and G > 0:
+            # HF positions are cumsum(mask) - 1, so the last column sits at (real tokens so far) - 1
+            mask_NS = torch.cat([attention_mask_NP, torch.ones(N, G, dtype=torch.long)], dim=1).to(device)
+            model(
+                input_ids=sequences_NS[:, -1:],
+                attention_mask=mask_NS,
+                position_ids=mask_NS.sum(1, keepdim=True) - 1,
+                cache=out.cache,
+                use_cache=True,
+            )
+    answers = [split_response(row, eos_ids) for row in sequences_NS[:, width:].tolist()]
+    if not layers:
+        return [(resp, fin, None) for resp, fin in answers]
+    features_NSF = torch.cat([torch.cat(steps[layer], dim=1) for layer in layers], dim=-1)  # (N, P + G, F)
+    return [
+        (resp, fin, features_NSF[i, width - len(ids) : width + len(resp)].clone())
+        for i, (ids, (resp, fin)) in enumerate(zip(prompt_ids, answers))
+    ]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -250,7 +305,8 @@ def cache_key(target_name: str, prompt_set: str, prompts: Sequence[str], gen: Ge
         "prompt_set": prompt_set,
         "n_prompts": len(prompts),
         "prompts_sha256": prompts_digest(prompts),
-        "generation": gen.to_dict(),
+        # a None dtype (the target's own) is left out, so entries written before the field existed keep their key
+        "generation": {k: v for k, v in gen.to_dict().items() if not (k == "dtype" and v is None)},
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 
@@ -281,8 +337,32 @@ def _quiet_datasets_bars():
             datasets.enable_progress_bars()
 
 
-def _save_atomic(ds: datasets.Dataset, final: Path, meta: dict[str, Any] | None = None) -> None:
-    """Write ``ds`` (and ``meta``) to a temporary sibling folder, then rename it to ``final``.
+def features_file(layers: Sequence[int]) -> str:
+    """File name of the features of target ``layers`` inside a cache entry (or a shard of one)."""
+    return f"features-{'_'.join(str(int(x)) for x in layers)}.safetensors"
+
+
+def load_features(path: str | os.PathLike, layers: Sequence[int]) -> dict[int, torch.Tensor] | None:
+    """The features of ``layers`` saved beside the dataset at ``path``: ``prompt_index -> (n, F)``
+    bf16, where n is the row's ``len(input_ids)``; None when the entry has none for these layers."""
+    from safetensors.torch import load_file
+
+    file = Path(path) / features_file(layers)
+    if not file.is_file():
+        return None
+    return {int(k): v for k, v in load_file(str(file)).items()}
+
+
+def _save_atomic(
+    ds: datasets.Dataset,
+    final: Path,
+    meta: dict[str, Any] | None = None,
+    *,
+    features: Mapping[int, torch.Tensor] | None = None,
+    layers: Sequence[int] = (),
+) -> None:
+    """Write ``ds`` (and ``meta``, and ``features`` of ``layers`` as :func:`features_file`) to a
+    temporary sibling folder, then rename it to ``final``.
 
     A folder named ``final`` is therefore always complete: readers test ``final.is_dir()``, and a
     write that fails or is killed leaves only ``<final>.tmp-*``, which no reader opens (a failed
@@ -297,6 +377,11 @@ def _save_atomic(ds: datasets.Dataset, final: Path, meta: dict[str, Any] | None 
         if meta is not None:
             with open(tmp / META_FILE, "w") as f:
                 json.dump(meta, f, indent=2, sort_keys=True)
+        if features:
+            from safetensors.torch import save_file
+
+            tensors = {str(i): t.contiguous() for i, t in features.items()}
+            save_file(tensors, str(tmp / features_file(layers)), metadata={"layers": ",".join(map(str, layers))})
         fsync_tree(tmp)
         try:
             os.rename(tmp, final)
@@ -329,6 +414,7 @@ def regenerate(
     gen: GenerationConfig | Mapping[str, Any] | None = None,
     prompt_set: str = "",
     progress: bool = True,
+    feature_layers: Sequence[int] | None = None,
 ) -> datasets.Dataset:
     """The target's own answers to ``prompts``, from the cache or generated now.
 
@@ -342,6 +428,10 @@ def regenerate(
         gen: generation settings (:class:`GenerationConfig` or a mapping of its fields).
         prompt_set: a description of where the prompts came from (source specs); part of the key.
         progress: show a tqdm bar over batches.
+        feature_layers: target layer ids whose outputs to keep while generating (see
+            :func:`generate_batch`); they are saved beside the dataset (:func:`load_features`), so
+            training need not run the target over every row again. A cache hit never adds them: an
+            entry written without them (or for other layers) is returned as it is.
 
     Returns:
         A ``datasets.Dataset`` with :data:`FEATURES`, rows sorted by ``prompt_index``. Prompts
@@ -350,6 +440,9 @@ def regenerate(
     gen = GenerationConfig.coerce(gen)
     if not prompts:
         raise ValueError("regenerate got no prompts; check the prompt sources")
+    layers = [int(x) for x in feature_layers or []]
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"feature_layers={layers} repeats a layer id; give each target layer once")
     final = cache_path(cache_dir, target_name, prompt_set, prompts, gen)
     if final.is_dir():
         logger.info("regenerated data found in cache: %s", final)
@@ -363,6 +456,9 @@ def regenerate(
     if pad_token_id is None:
         raise ValueError("tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token")
     eos_ids = eos_token_ids(model, tokenizer)
+    depth = len(model.get_decoder().layers)
+    if any(not 0 <= x < depth for x in layers):
+        raise ValueError(f"feature_layers={layers} must be layer ids in [0, {depth}) of target {target_name!r}")
 
     templated = [chat_prompt_ids(tokenizer, p, gen.system_prompt) for p in prompts]
     too_long = [i for i, ids in enumerate(templated) if len(ids) > gen.max_prompt_tokens]
@@ -394,6 +490,10 @@ def regenerate(
 
     was_training = model.training
     model.eval()
+    dtype = GENERATION_DTYPES.get(gen.dtype) if gen.dtype is not None else None
+    answerer = model
+    if dtype is not None and next(model.parameters()).dtype != dtype:
+        answerer = copy.deepcopy(model).to(dtype)  # the target itself stays as loaded
     bar = tqdm(
         total=len(batches),
         initial=len(batches) - len(todo),
@@ -407,20 +507,35 @@ def regenerate(
             idx = batches[b]
             if gen.do_sample:
                 torch.manual_seed(gen.seed + b)
-            answers = generate_batch(model, tokenizer, [templated[i] for i in idx], gen, pad_token_id, eos_ids)
-            rows = [make_row(i, prompts[i], templated[i], resp, fin, tokenizer) for i, (resp, fin) in zip(idx, answers)]
-            _save_atomic(datasets.Dataset.from_list(rows, features=FEATURES), shard_dir(b))
-            new_tokens += sum(len(resp) for resp, _ in answers)
+            answers = generate_batch(
+                answerer, tokenizer, [templated[i] for i in idx], gen, pad_token_id, eos_ids, layers
+            )
+            rows = [make_row(i, prompts[i], templated[i], r, fin, tokenizer) for i, (r, fin, _) in zip(idx, answers)]
+            features = {i: f for i, (_, _, f) in zip(idx, answers) if f is not None}
+            shard = datasets.Dataset.from_list(rows, features=FEATURES)
+            _save_atomic(shard, shard_dir(b), features=features, layers=layers)
+            new_tokens += sum(len(resp) for resp, _, _ in answers)
             bar.update(1)
             bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
     finally:
         bar.close()
         model.train(was_training)
+        del answerer
 
     shards = [datasets.load_from_disk(str(shard_dir(b))) for b in range(len(batches))]
     for b, shard in enumerate(shards):
         assert shard["prompt_index"] == batches[b], f"shard {b} in {partial} does not match its batch"
     ds = datasets.concatenate_datasets(shards)
+    feature_rows: dict[int, torch.Tensor] | None = {} if layers else None
+    for b in range(len(batches)) if layers else ():
+        part = load_features(shard_dir(b), layers)
+        if part is None:  # a shard of an interrupted run that kept no features (or other layers)
+            logger.warning(
+                "batch %d in %s kept no features of layers %s; the entry is saved without features", b, partial, layers
+            )
+            feature_rows = None
+            break
+        feature_rows.update(part)
     index = ds["prompt_index"]
     ds = ds.select(sorted(range(len(ds)), key=index.__getitem__))
     meta = {
@@ -435,10 +550,11 @@ def regenerate(
         "unfinished": int(len(ds) - sum(ds["finished"])),
         "pad_token_id": int(pad_token_id),
         "eos_token_ids": eos_ids,
+        "feature_layers": layers if feature_rows else [],
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": {"datasets": datasets.__version__, "torch": torch.__version__},
     }
-    _save_atomic(ds, final, meta)
+    _save_atomic(ds, final, meta, features=feature_rows, layers=layers)
     shutil.rmtree(partial, ignore_errors=True)
     logger.info(
         "regenerated %d responses (%d hit max_new_tokens=%d, %d prompts too long) -> %s",

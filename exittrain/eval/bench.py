@@ -1,4 +1,4 @@
-"""`python -m exittrain bench {core,decode,train,memory} [args]`: dispatch to one benchmark."""
+"""`python -m exittrain bench {core,decode,train,ablation,memory,regen} [args]`: dispatch to one benchmark."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ BENCHES = {
     "train": "exittrain.eval.bench_train",
     "ablation": "exittrain.eval.bench_ablation",
     "memory": "exittrain.eval.bench_memory",
+    "regen": "exittrain.eval.bench_regen",
 }
 
 

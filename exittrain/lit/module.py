@@ -42,7 +42,10 @@ only the rows of a batch it has not seen, in one ``sequence_features`` call on t
 Every step's features are the bf16-rounded values, cached or not, so a row gives the same loss
 on every visit. Memory: rows x length x F x 2 bytes, e.g. 400 rows x 500 tokens x F = 1728
 (3 layers of SmolLM2-135M, hidden 576) x 2 = 0.7 GB of host memory (per process). Validation
-rows share the cache under their own ids. The cache is derived data: never checkpointed.
+rows share the cache under their own ids. The cache is derived data: never checkpointed. When
+the trainer's datamodule kept the features during regeneration
+(:meth:`exittrain.data.ExitTrainDataModule.captured_features`), :meth:`setup` fills the cache with
+them and no row needs a target forward at all.
 
 ``weight_type="missing"`` uses the raw reach P(v) (ALGORITHM.md section 7 and
 :mod:`exittrain.core.losses` define that loss with P, not the floored P~), so ``alpha`` only
@@ -424,6 +427,24 @@ class ExitTrainModule(pl.LightningModule):
         """Drop every cached row (e.g. to free host memory); they are recomputed on their next visit."""
         self._feature_cache.clear()
 
+    def preload_features(self, rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Cache features computed elsewhere: ``row_id -> (input ids (n,) int32, features (n, F) bf16)``.
+
+        The regeneration keeps them while the target answers (in ``data.generation.dtype``); the
+        cache's own entries come from the trainer's forward (bf16 autocast under ``bf16-mixed``).
+        Both are bf16-rounded features of the same target, not bitwise equal. Rows already cached
+        are kept. Features of the wrong shape raise ValueError.
+        """
+        width = self.drafter.config.feature_size
+        for row_id, (ids, feats) in rows.items():
+            if feats.dim() != 2 or feats.shape != (ids.numel(), width):
+                raise ValueError(
+                    f"preloaded features of row {row_id} have shape {tuple(feats.shape)}; need "
+                    f"({ids.numel()}, {width}) for {ids.numel()} tokens and target layers "
+                    f"{self.drafter.config.target_layer_ids}"
+                )
+            self._feature_cache.setdefault(int(row_id), (ids.to(torch.int32), feats.to(torch.bfloat16)))
+
     def share_feature_cache(self, other: ExitTrainModule) -> None:
         """Read and fill ``other``'s feature cache from now on (same target, layers and data).
 
@@ -480,7 +501,11 @@ class ExitTrainModule(pl.LightningModule):
     # -- fit ------------------------------------------------------------------------------------
 
     def setup(self, stage: str) -> None:
-        """Refuse Lightning's ``FSDPStrategy`` (FSDP1): the callbacks and ``fit`` gather FSDP2 shards only."""
+        """Refuse Lightning's ``FSDPStrategy`` (FSDP1): the callbacks and ``fit`` gather FSDP2 shards only.
+
+        With ``feature_cache``, fill the cache with the features the regeneration kept when the
+        trainer's datamodule offers them (``captured_features``, :class:`~exittrain.data.ExitTrainDataModule`).
+        """
         from lightning.pytorch.strategies import FSDPStrategy
 
         if self._trainer is not None and isinstance(self.trainer.strategy, FSDPStrategy):
@@ -489,6 +514,9 @@ class ExitTrainModule(pl.LightningModule):
                 "and checkpoints of the drafter gather FSDP2 shards; use trainer=fsdp "
                 "(exittrain.lit.DrafterFSDPStrategy) or trainer=ddp"
             )
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if self.hparams.feature_cache and hasattr(datamodule, "captured_features"):
+            self.preload_features(datamodule.captured_features(self.drafter.config.target_layer_ids))
 
     def configure_model(self) -> None:
         """Shard the drafter (FSDP2) over the strategy's data-parallel mesh; a no-op without a mesh.

@@ -53,7 +53,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -70,6 +70,7 @@ __all__ = [
     "TreeForwardOutput",
     "TreeScores",
     "convert_embedded_target",
+    "layer_output_hooks",
     "load_target",
 ]
 
@@ -83,6 +84,28 @@ _SUPPORTED_ATTENTION = ("eager", "sdpa")
 
 # ----------------------------------------------------------------------------------------------
 # outputs
+
+
+@contextlib.contextmanager
+def layer_output_hooks(
+    model: nn.Module, layers: Sequence[int], sink: Callable[[int, torch.Tensor], None]
+) -> Iterator[None]:
+    """Call ``sink(layer_id, output)`` with the output of decoder layer ``layer_id`` of a Hugging
+    Face causal LM (the layer-id convention of the module docstring) at every forward of it,
+    while the context is open. Each id is hooked once; the hooks are removed on exit."""
+    decoder_layers = model.get_decoder().layers
+    handles = []
+    for layer_id in sorted(set(layers)):
+
+        def hook(_module, _args, output, layer_id=layer_id):
+            sink(layer_id, output[0] if isinstance(output, tuple) else output)
+
+        handles.append(decoder_layers[layer_id].register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class PrefillOutput(NamedTuple):
@@ -227,20 +250,8 @@ class TargetModel:
     def _capture(self, layers: list[int] | None) -> Iterator[dict[int, torch.Tensor]]:
         """Forward hooks that store the outputs of the given decoder layers in the yielded dict."""
         captured: dict[int, torch.Tensor] = {}
-        handles = []
-        if layers:
-            decoder_layers = self._decoder.layers
-            for layer_id in set(layers):
-
-                def hook(_module, _args, output, layer_id=layer_id):
-                    captured[layer_id] = output[0] if isinstance(output, tuple) else output
-
-                handles.append(decoder_layers[layer_id].register_forward_hook(hook))
-        try:
+        with layer_output_hooks(self.model, layers or [], captured.__setitem__):
             yield captured
-        finally:
-            for handle in handles:
-                handle.remove()
 
     def _features(self, captured: dict[int, torch.Tensor], layers: list[int] | None) -> torch.Tensor | None:
         """The captured outputs of ``layers``, concatenated on :attr:`device` (layers may sit on other GPUs)."""

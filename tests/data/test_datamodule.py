@@ -162,3 +162,60 @@ def test_embedded_target_answers_math_prompts(tmp_path):
     batch = next(iter(dm.train_dataloader()))
     assert batch["input_ids"].shape[0] == 2 and batch["loss_mask"].any()
     assert dm.eval_prompts(1)[0][-3:] == batch["input_ids"][0, : batch["n_prompt_tokens"][0]].tolist()[-3:]
+
+
+def test_kept_features_fill_the_training_modules_cache(tmp_path, sources, smollm2_tokenizer, monkeypatch):
+    import lightning.pytorch as pl
+    from safetensors.torch import load_file, save_file
+
+    from exittrain.data.regenerate import features_file
+    from exittrain.lit import ExitTrainModule
+    from exittrain.models import TargetModel, new_drafter
+
+    tok = smollm2_tokenizer
+    model = tiny_llama(tok, seed=0)
+    prompt_len = max(len(chat_prompt_ids(tok, p)) for p in TRAIN)
+    max_length = prompt_len + 2  # every row is cut: the kept features must be cut with it
+    dm = _datamodule(tmp_path, sources, CountingTarget(model, tok), max_length=max_length, feature_layers=[1, 0])
+    dm.prepare_data()
+    dm.setup("fit")
+    rows = dm.captured_features([1, 0])
+    splits = [*dm.train_set, *dm.val_set]
+    assert sorted(rows) == sorted(r["prompt_index"] for r in splits) and len(rows) == 10
+    for r in splits:
+        ids, feats = rows[r["prompt_index"]]
+        assert ids.tolist() == r["input_ids"][:max_length] and feats.shape == (max_length, 2 * 32)
+    assert dm.captured_features([0, 1]) == {}  # kept for [1, 0] only: the module then computes its own
+
+    # the module takes them at setup and never runs the target over a row
+    target = TargetModel(model, tok, name="tiny")
+    drafter = new_drafter(target, block_size=3, num_layers=1, hidden_size=32, num_heads=4, layer_ids=[1, 0], seed=0)
+    module = ExitTrainModule(drafter, target, stage="pretrain", anchors_per_seq=2, feature_cache=True, seed=0)
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("the target ran over a row whose features the regeneration kept")
+
+    monkeypatch.setattr(target, "sequence_features", no_forward)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=1,
+    )
+    trainer.fit(module, datamodule=dm)
+    assert module.feature_cache_rows == 10 and trainer.global_step == 2
+
+    # a stored row that does not cover its tokens is refused, naming the row and the file to delete
+    file = dm.cache_path / features_file([1, 0])
+    stored = load_file(str(file))
+    first = sorted(stored, key=int)[0]
+    stored[first] = stored[first][:-1].contiguous()
+    save_file(stored, str(file))
+    fresh = _datamodule(tmp_path, sources, CountingTarget(model, tok), max_length=max_length)
+    fresh.setup("fit")
+    with pytest.raises(ValueError, match=f"features of row {first} cover .* delete features-1_0.safetensors"):
+        fresh.captured_features([1, 0])

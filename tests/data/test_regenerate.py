@@ -5,15 +5,20 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from exittrain.data.regenerate import (
     GenerationConfig,
+    cache_key,
     cache_path,
     chat_prompt_ids,
+    features_file,
+    load_features,
     read_meta,
     regenerate,
     split_response,
 )
+from exittrain.models import TargetModel
 from tests.data.helpers import CountingTarget, tiny_llama
 
 PROMPTS = ["Hi there", "What is 2+2?", "Write a poem about the sea.", "Name three colours.", "Why is the sky blue?"]
@@ -118,3 +123,98 @@ def test_generation_config_validates_and_coerces():
         GenerationConfig(batch_size=0)
     with pytest.raises(ValueError, match="temperature > 0"):
         GenerationConfig(do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match="dtype='bf16'.*bfloat16.*data.generation.dtype"):
+        GenerationConfig(dtype="bf16")
+
+
+def test_a_dtype_left_unset_keeps_the_cache_keys_written_before_the_field():
+    # the key this configuration had before GenerationConfig.dtype existed: cached data stays valid
+    assert (
+        cache_key("tiny", "set", ["a", "b"], GenerationConfig(max_new_tokens=8, batch_size=2)) == "d5bbcb241b86b3f91f2a"
+    )
+    bf16 = GenerationConfig(max_new_tokens=8, batch_size=2, dtype="bfloat16")
+    assert cache_key("tiny", "set", ["a", "b"], bf16) != "d5bbcb241b86b3f91f2a"
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(((a.float() - b.float()).norm(dim=-1) / b.float().norm(dim=-1)).max())
+
+
+def test_kept_features_equal_a_separate_forward_over_each_row(tmp_path, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    target = _target(tok)
+    layers = [1, 0]  # kept in the order given, as the drafter concatenates them
+    ds = regenerate(
+        PROMPTS, target, target_name="tiny", cache_dir=tmp_path, gen=GEN, progress=False, feature_layers=layers
+    )
+    path = cache_path(tmp_path, "tiny", "", PROMPTS, GEN)
+    assert read_meta(path)["feature_layers"] == layers
+    stored = load_features(path, layers)
+    assert load_features(path, [0, 1]) is None  # another layer order is another file
+    reference = TargetModel(target.model, tok, name="tiny")
+    assert {r["finished"] for r in ds} == {True, False}  # rows that stopped at EOS and rows cut at the cap
+    for row in ds:
+        features = stored[row["prompt_index"]]
+        assert features.dtype == torch.bfloat16 and features.shape == (len(row["input_ids"]), 2 * 32)
+        # left padding in the batch, the cache of each step and the extra step for the last token:
+        # every position, the last included, matches one unpadded forward up to the bf16 rounding
+        expected = reference.sequence_features(torch.tensor([row["input_ids"]]), layers)[0]
+        assert _relative_error(features, expected) < 1e-2
+        assert _relative_error(features[-1:], expected[-1:]) < 1e-2
+    # the answers themselves are those of a run that keeps no features
+    plain = regenerate(PROMPTS, _target(tok), target_name="tiny", cache_dir=tmp_path / "plain", gen=GEN, progress=False)
+    assert _rows(plain) == _rows(ds)
+    assert load_features(cache_path(tmp_path / "plain", "tiny", "", PROMPTS, GEN), layers) is None
+
+
+def test_a_resumed_run_whose_first_batches_kept_no_features_saves_none(tmp_path, smollm2_tokenizer, caplog):
+    tok = smollm2_tokenizer
+    with pytest.raises(RuntimeError, match="simulated interruption"):
+        regenerate(PROMPTS, _target(tok, fail_after=1), target_name="tiny", cache_dir=tmp_path, gen=GEN, progress=False)
+    regenerate(
+        PROMPTS, _target(tok), target_name="tiny", cache_dir=tmp_path, gen=GEN, progress=False, feature_layers=[0]
+    )
+    path = cache_path(tmp_path, "tiny", "", PROMPTS, GEN)
+    assert not (path / features_file([0])).exists() and read_meta(path)["feature_layers"] == []
+    assert "kept no features of layers [0]; the entry is saved without features" in caplog.text
+
+
+def test_feature_layers_are_checked(tmp_path, smollm2_tokenizer):
+    target = _target(smollm2_tokenizer)
+    with pytest.raises(ValueError, match="repeats a layer id"):
+        regenerate(PROMPTS, target, target_name="tiny", cache_dir=tmp_path, gen=GEN, feature_layers=[0, 0])
+    with pytest.raises(ValueError, match=r"feature_layers=\[2\] must be layer ids in \[0, 2\)"):
+        regenerate(PROMPTS, target, target_name="tiny", cache_dir=tmp_path, gen=GEN, feature_layers=[2])
+
+
+def test_a_bf16_copy_answers_and_the_target_stays_fp32(tmp_path, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    model = tiny_llama(tok, seed=0, eos_boost=5.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    gen = GenerationConfig(max_new_tokens=8, batch_size=2, dtype="bfloat16")
+    ds = regenerate(
+        PROMPTS, (model, tok), target_name="tiny", cache_dir=tmp_path, gen=gen, progress=False, feature_layers=[0, 1]
+    )
+    assert all(v.dtype == torch.float32 and torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    stored = load_features(cache_path(tmp_path, "tiny", "", PROMPTS, gen), [0, 1])
+    fp32 = GenerationConfig(max_new_tokens=8, batch_size=2)
+    regenerate(PROMPTS, (model, tok), target_name="tiny", cache_dir=tmp_path, gen=fp32, feature_layers=[0, 1])
+    stored_fp32 = load_features(cache_path(tmp_path, "tiny", "", PROMPTS, fp32), [0, 1])
+    reference = TargetModel(model, tok, name="tiny")
+    agree = total = 0
+    for row in ds:
+        ids = torch.tensor([row["input_ids"]])
+        # the bf16 copy's features: close to the fp32 target's, but further off than the bf16
+        # rounding of the fp32 target's own (bf16 arithmetic throughout)
+        expected = reference.sequence_features(ids, [0, 1])[0]
+        n_p = row["n_prompt_tokens"]  # the answers may differ, the prompts do not
+        error = _relative_error(stored[row["prompt_index"]][:n_p], expected[:n_p])
+        rounding = _relative_error(stored_fp32[row["prompt_index"]][:n_p], expected[:n_p])
+        assert 2 * rounding < error < 0.1
+        assert _relative_error(stored[row["prompt_index"]], expected) < 0.1
+        # its greedy answer is the fp32 target's next token at (nearly) every response position
+        with torch.no_grad():
+            fp32_next = model(ids).logits[0, n_p - 1 : -1].argmax(-1)
+        agree += int((fp32_next == ids[0, n_p:]).sum())
+        total += ids.shape[1] - n_p
+    assert agree / total >= 0.9

@@ -1,0 +1,126 @@
+"""Regeneration benchmark on the embedded target: answers per second by dtype, and what bf16 changes.
+
+``python -m exittrain bench regen [--prompts 64] [--max-new-tokens 48] [--batch 32]``
+
+Side by side in one process, on the same training prompts of a domain (default code), each arm
+answers every prompt greedily through :func:`exittrain.data.regenerate.generate_batch`, in the
+batches :func:`~exittrain.data.regenerate.regenerate` would form (sorted by templated length):
+
+- ``float32``: the target as loaded (the reference answers);
+- ``bfloat16``: a bf16 copy of the target (``data.generation.dtype: bfloat16``);
+- ``bfloat16 + features``: the same, keeping the drafter's default target layers at every position
+  (what ``fit`` does, so that training needs no feature pass).
+
+Reports seconds per answer, new tokens per second and the speedup over ``float32``. For the bf16
+arms it also reports how faithful the answers are to the fp32 target: the share of answers equal
+to the fp32 answer, and the share of response positions where the fp32 target, reading the bf16
+answer so far, would pick the same next token (one fp32 forward per answer, not timed). Writes
+``<out>.json`` and ``<out>.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import time
+
+import torch
+
+from exittrain.eval.bench import write_results
+
+
+def run(prompts: int, max_new_tokens: int, batch: int, domain: str) -> dict:
+    from exittrain.data import ExitTrainDataModule
+    from exittrain.data.regenerate import GenerationConfig, chat_prompt_ids, eos_token_ids, generate_batch
+    from exittrain.models import load_target
+    from exittrain.models.drafter import default_layer_ids
+
+    target = load_target(None)
+    model, tok = target.model, target.tokenizer
+    texts = ExitTrainDataModule(domain, tokenizer=tok, max_train_prompts=prompts, progress=False).prompts().train
+    templated = sorted((chat_prompt_ids(tok, p) for p in texts), key=len, reverse=True)
+    batches = [templated[s : s + batch] for s in range(0, len(templated), batch)]
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, batch_size=batch)
+    eos = eos_token_ids(model, tok)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    layers = default_layer_ids(target.num_layers)
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+
+    def answer(m, keep: list[int] | None) -> tuple[float, list[list[int]]]:
+        t0 = time.perf_counter()
+        out = [resp for b in batches for resp, _, _ in generate_batch(m, tok, b, gen, pad, eos, keep)]
+        return time.perf_counter() - t0, out
+
+    arms = [("float32", model, None), ("bfloat16", bf16, None), ("bfloat16 + features", bf16, layers)]
+    rows, reference = [], None
+    for name, m, keep in arms:
+        seconds, answers = answer(m, keep)
+        new_tokens = sum(len(a) for a in answers)
+        row = {
+            "arm": name,
+            "seconds": seconds,
+            "s_per_answer": seconds / len(answers),
+            "new_tok_per_s": new_tokens / seconds,
+            "answers_sha256": hashlib.sha256(json.dumps(answers).encode()).hexdigest(),
+        }
+        if reference is None:
+            reference = (seconds, answers)
+        else:
+            row["speedup"] = reference[0] / seconds
+            row["same_answer"] = sum(a == r for a, r in zip(answers, reference[1])) / len(answers)
+            agree = total = 0
+            with torch.no_grad():
+                for prompt, resp in zip(templated, answers):
+                    ids = torch.tensor([prompt + resp])
+                    picks = model(ids).logits[0, len(prompt) - 1 : -1].argmax(-1)
+                    agree += int((picks == ids[0, len(prompt) :]).sum())
+                    total += len(resp)
+            row["fp32_next_token_agreement"] = agree / max(total, 1)
+        rows.append(row)
+    return {
+        "domain": domain,
+        "prompts": len(templated),
+        "batch": batch,
+        "max_new_tokens": max_new_tokens,
+        "mean_prompt_tokens": sum(map(len, templated)) / len(templated),
+        "feature_layers": layers,
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+    }
+
+
+def to_markdown(result: dict) -> str:
+    lines = [
+        f"Greedy regeneration of {result['prompts']} {result['domain']} prompts (mean "
+        f"{result['mean_prompt_tokens']:.0f} templated tokens), {result['max_new_tokens']} new tokens at most, "
+        f"batches of {result['batch']}, embedded SmolLM2 target, CPU, {result['threads']} threads.",
+        "",
+        "| arm | s / answer | new tok/s | speedup | same answer as fp32 | fp32 next-token agreement |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        extra = (
+            f"{r['speedup']:.2f}x | {100 * r['same_answer']:.0f}% | {100 * r['fp32_next_token_agreement']:.1f}%"
+            if "speedup" in r
+            else "1.00x | - | -"
+        )
+        lines.append(f"| {r['arm']} | {r['s_per_answer']:.2f} | {r['new_tok_per_s']:.0f} | {extra} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--domain", default="code", choices=["code", "dialogue", "math"])
+    parser.add_argument("--out", default="results/bench_regen")
+    args = parser.parse_args(argv)
+    result = run(args.prompts, args.max_new_tokens, args.batch, args.domain)
+    write_results(args.out, result, to_markdown(result))
+
+
+if __name__ == "__main__":
+    main()
