@@ -20,6 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from exittrain.host_memory import keep_freed_host_memory
 from exittrain.lit.callbacks import write_json_atomic
 
 log = logging.getLogger("exittrain")
@@ -400,6 +401,7 @@ def run_eval(cfg: DictConfig) -> dict:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=None)
 def _hydra_main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    keep_freed_host_memory()  # CPU steps reuse their freed activations instead of faulting in new pages
     command = HydraConfig.get().job.config_name
     if command == "fit":
         run_fit(cfg)

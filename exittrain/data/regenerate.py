@@ -366,7 +366,7 @@ def _save_atomic(
 
     A folder named ``final`` is therefore always complete: readers test ``final.is_dir()``, and a
     write that fails or is killed leaves only ``<final>.tmp-*``, which no reader opens (a failed
-    write removes it; a killed one leaves it to the ``.partial`` cleanup or as inert garbage). The
+    write removes it; a killed one leaves it to the next regeneration of the key, which deletes it). The
     files are fsynced before the rename, so a power loss cannot leave a complete-looking folder of
     unwritten data either.
     """
@@ -450,6 +450,9 @@ def regenerate(
     final.parent.mkdir(parents=True, exist_ok=True)
     partial = final.with_name(final.name + ".partial")
     partial.mkdir(exist_ok=True)
+    # temporary folders of a killed write (of a shard or of the entry): one process writes a key at a time
+    for stale in [*final.parent.glob(f"{final.name}.tmp-*"), *partial.glob("shard_*.tmp-*")]:
+        shutil.rmtree(stale, ignore_errors=True)
 
     model, tokenizer = _resolve(target)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

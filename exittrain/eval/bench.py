@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from exittrain.host_memory import keep_freed_host_memory
+
 BENCHES = {
     "core": "exittrain.eval.bench_core",
     "decode": "exittrain.eval.bench_decode",
@@ -31,4 +33,5 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] not in BENCHES:
         sys.stderr.write(f"usage: python -m exittrain bench {{{','.join(BENCHES)}}} [--help]\n")
         raise SystemExit(2)
+    keep_freed_host_memory()  # as fit and eval do: the benchmarks measure the same process settings
     importlib.import_module(BENCHES[argv[0]]).main(argv[1:])

@@ -98,11 +98,17 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path, smollm2_t
     partial = final.with_name(final.name + ".partial")
     assert sorted(os.listdir(partial)) == ["shard_00000"]
 
+    # temporary folders of writes killed mid-way are deleted by the next run of the key
+    stale = [final.with_name(final.name + ".tmp-dead0001"), partial / "shard_00001.tmp-dead0002"]
+    for folder in stale:
+        folder.mkdir()
+        (folder / "data.arrow").write_bytes(b"half")
     resumed_target = _target(tok)
     resumed = regenerate(PROMPTS, resumed_target, target_name="tiny", cache_dir=tmp_path / "b", gen=GEN, progress=False)
     assert resumed_target.generate_calls == 2  # only the two missing batches
     assert _rows(resumed) == _rows(reference)
-    assert not partial.exists()
+    assert not partial.exists() and not any(folder.exists() for folder in stale)
+    assert sorted(os.listdir(tmp_path / "b")) == [final.name]
 
 
 def test_too_long_prompts_are_counted_not_answered(tmp_path, smollm2_tokenizer):

