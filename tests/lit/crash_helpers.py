@@ -85,6 +85,7 @@ def fit_command(
         "objective.anchors_per_seq=4",
         "stages.exittrain.anchors_per_seq=4",
         "stages.pretrain.max_steps=10",
+        "stages.pretrain.eval_every=null",  # the callbacks' every step below, not the default run's interval
         "stages.exittrain.max_steps=4",
         "callbacks.decode_eval.every_n_steps=1",
         "callbacks.decode_eval.num_prompts=1",
