@@ -100,8 +100,9 @@ class GenerationConfig:
         system_prompt: a system turn to put before the user turn; None keeps the template's default.
         dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``: answer with a copy of the target in
             that dtype (kept only while generating); None answers with the target as loaded. On a
-            CPU with bf16 instructions ``"bfloat16"`` generates ~1.6x faster than fp32, and its greedy
-            next token agrees with the fp32 target's at ~98% of positions (BENCHMARKS.md §4). A
+            CPU with bf16 instructions ``"bfloat16"`` answers 1.55x faster than fp32, and the fp32
+            target picks the bf16 answers' next token at 99% of their positions (BENCHMARKS.md §4,
+            ``bench regen``). A
             copy doubles the target's memory while it lives: for a large target, load it in the
             wanted dtype (``target.dtype``) and leave this None.
     """
