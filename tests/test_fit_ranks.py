@@ -258,7 +258,9 @@ def test_exittrain_stage_reuses_the_pretrain_features(rank, tmp_path, monkeypatc
     pretrain = json.loads((tmp_path / "run" / "metrics_pretrain.json").read_text())["final"]
     exittrain = json.loads((tmp_path / "run" / "metrics_exittrain.json").read_text())["final"]
     assert pretrain["train/feature_cache_rows"] > 0
-    assert exittrain["train/feature_cache_rows"] == pretrain["train/feature_cache_rows"]
+    # the same cache: it holds at least what pretraining had when it last logged (its final
+    # validation may add the held-out rows after that), and the ExitTrain step computed nothing
+    assert exittrain["train/feature_cache_rows"] >= pretrain["train/feature_cache_rows"]
     assert exittrain["train/feature_rows_computed"] == 0
 
 
