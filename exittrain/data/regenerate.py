@@ -174,6 +174,23 @@ def chat_prompt_ids(tokenizer: Any, prompt: str, system_prompt: str | None = Non
     return list(out["input_ids"])
 
 
+def padding_token_id(tokenizer: Any) -> int:
+    """The id that left-pads a batch of prompts: the tokenizer's pad token, else its EOS."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError("tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token")
+    return int(pad)
+
+
+def answering_model(model: Any, dtype: str | None) -> Any:
+    """The model that answers under ``GenerationConfig.dtype``: ``model`` itself when ``dtype`` is
+    None or already its dtype, else a copy in ``dtype`` (``model`` stays as loaded)."""
+    wanted = GENERATION_DTYPES.get(dtype)
+    if wanted is None or next(model.parameters()).dtype == wanted:
+        return model
+    return copy.deepcopy(model).to(wanted)
+
+
 def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
     """The ids that end a response: the tokenizer's EOS plus the model's generation-config EOS."""
     ids: set[int] = set()
@@ -456,9 +473,7 @@ def regenerate(
         shutil.rmtree(stale, ignore_errors=True)
 
     model, tokenizer = _resolve(target)
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad_token_id is None:
-        raise ValueError("tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token")
+    pad_token_id = padding_token_id(tokenizer)
     eos_ids = eos_token_ids(model, tokenizer)
     depth = len(model.get_decoder().layers)
     if any(not 0 <= x < depth for x in layers):
@@ -494,10 +509,7 @@ def regenerate(
 
     was_training = model.training
     model.eval()
-    dtype = GENERATION_DTYPES.get(gen.dtype) if gen.dtype is not None else None
-    answerer = model
-    if dtype is not None and next(model.parameters()).dtype != dtype:
-        answerer = copy.deepcopy(model).to(dtype)  # the target itself stays as loaded
+    answerer = answering_model(model, gen.dtype)
     bar = tqdm(
         total=len(batches),
         initial=len(batches) - len(todo),

@@ -21,7 +21,6 @@ answer so far, would pick the same next token (one fp32 forward per answer, not 
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import json
 import time
@@ -33,7 +32,14 @@ from exittrain.eval.bench import write_results
 
 def run(prompts: int, max_new_tokens: int, batch: int, domain: str) -> dict:
     from exittrain.data import ExitTrainDataModule
-    from exittrain.data.regenerate import GenerationConfig, chat_prompt_ids, eos_token_ids, generate_batch
+    from exittrain.data.regenerate import (
+        GenerationConfig,
+        answering_model,
+        chat_prompt_ids,
+        eos_token_ids,
+        generate_batch,
+        padding_token_id,
+    )
     from exittrain.models import load_target
     from exittrain.models.drafter import default_layer_ids
 
@@ -44,9 +50,9 @@ def run(prompts: int, max_new_tokens: int, batch: int, domain: str) -> dict:
     batches = [templated[s : s + batch] for s in range(0, len(templated), batch)]
     gen = GenerationConfig(max_new_tokens=max_new_tokens, batch_size=batch)
     eos = eos_token_ids(model, tok)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pad = padding_token_id(tok)
     layers = default_layer_ids(target.num_layers)
-    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    bf16 = answering_model(model, "bfloat16")
 
     def answer(m, keep: list[int] | None) -> tuple[float, list[list[int]]]:
         t0 = time.perf_counter()

@@ -514,7 +514,7 @@ class ExitTrainModule(pl.LightningModule):
                 "and checkpoints of the drafter gather FSDP2 shards; use trainer=fsdp "
                 "(exittrain.lit.DrafterFSDPStrategy) or trainer=ddp"
             )
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        datamodule = getattr(self._trainer, "datamodule", None)
         if self.hparams.feature_cache and hasattr(datamodule, "captured_features"):
             self.preload_features(datamodule.captured_features(self.drafter.config.target_layer_ids))
 
