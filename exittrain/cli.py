@@ -97,6 +97,7 @@ def _make_logger(cfg: DictConfig, run_name: str):
         exp = logger.experiment
         exp.define_metric("val/block_length", summary="max")
         exp.define_metric("val/analytic_block_length", summary="max")
+        exp.define_metric("val/greedy_block_length", summary="max")
         exp.define_metric("train/analytic_block_length", summary="last")
         exp.config.update(OmegaConf.to_container(cfg, resolve=True), allow_val_change=True)
     return logger

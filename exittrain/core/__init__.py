@@ -16,7 +16,7 @@ from .losses import (
     sampled_block_cross_entropy,
     sampled_block_cross_entropy_reference,
 )
-from .tree import DraftTree, build_tree, build_tree_reference
+from .tree import DraftTree, build_tree, build_tree_reference, followed_depth, followed_depth_reference
 from .verify import (
     VERIFIERS,
     Verdict,
@@ -32,6 +32,8 @@ __all__ = [
     "DraftTree",
     "build_tree",
     "build_tree_reference",
+    "followed_depth",
+    "followed_depth_reference",
     "ExitLaw",
     "exit_law",
     "exit_law_reference",

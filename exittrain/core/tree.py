@@ -38,7 +38,14 @@ from functools import cached_property
 
 import torch
 
-__all__ = ["DraftTree", "build_tree", "build_tree_reference", "candidate_tokens"]
+__all__ = [
+    "DraftTree",
+    "build_tree",
+    "build_tree_reference",
+    "candidate_tokens",
+    "followed_depth",
+    "followed_depth_reference",
+]
 
 
 @dataclass
@@ -379,3 +386,46 @@ def build_tree_reference(logprobs: torch.Tensor, budget: int) -> DraftTree:
         max_depth=K,
         scores=torch.tensor(out_score, dtype=logq_NKM.dtype, device=device),
     )
+
+
+def followed_depth(trees: DraftTree, labels_NK: torch.Tensor) -> torch.Tensor:
+    """(N,) long: how deep each tree holds a given continuation, 0..K.
+
+    Tree n is walked from its root along ``labels_NK[n]`` (the K tokens that follow its root):
+    the result is the largest d such that the path ``labels[n, :d]`` is in the tree. When the
+    labels are the target's greedy continuation, ``1 + followed_depth`` is exactly the block a
+    T = 0 verifier accepts on that tree, bonus included: a decoded tau measured at every anchor of
+    a recorded answer, without a target forward. Siblings carry distinct tokens, so at most one
+    child matches. Batched over trees, a loop over the K depths only.
+    """
+    N, B = trees.tokens.shape
+    if labels_NK.dim() != 2 or labels_NK.shape[0] != N:
+        raise ValueError(f"labels must be (N={N}, K) token ids, got {tuple(labels_NK.shape)}")
+    K = min(labels_NK.shape[1], trees.max_depth)
+    labels_NK = labels_NK.to(trees.tokens.device)
+    row_N = torch.zeros(N, dtype=torch.long, device=trees.tokens.device)  # current node (0 = root)
+    depth_N = torch.zeros_like(row_N)
+    alive_N = torch.ones(N, dtype=torch.bool, device=row_N.device)
+    for d in range(K):
+        match_NB = trees.valid & (trees.parents == row_N.unsqueeze(1)) & (trees.tokens == labels_NK[:, d : d + 1])
+        alive_N = alive_N & match_NB.any(1)
+        row_N = torch.where(alive_N, match_NB.long().argmax(1) + 1, row_N)
+        depth_N = depth_N + alive_N.long()
+    return depth_N
+
+
+def followed_depth_reference(trees: DraftTree, labels_NK: torch.Tensor) -> torch.Tensor:
+    """Slow twin of :func:`followed_depth`: per tree, a search of each depth's children in Python."""
+    tokens, parents, valid = trees.tokens.tolist(), trees.parents.tolist(), trees.valid.tolist()
+    labels = labels_NK.tolist()
+    out = []
+    for n in range(len(tokens)):
+        row, depth = 0, 0
+        for d in range(min(len(labels[n]), trees.max_depth)):
+            children = [j + 1 for j in range(len(tokens[n])) if valid[n][j] and parents[n][j] == row]
+            hit = [j for j in children if tokens[n][j - 1] == labels[n][d]]
+            if not hit:
+                break
+            row, depth = hit[0], depth + 1
+        out.append(depth)
+    return torch.tensor(out, dtype=torch.long)

@@ -70,6 +70,7 @@ def _order(name: str) -> tuple[int, str]:
 TRAINING_KEYS = (
     ("train/analytic_block_length", "train analytic tau"),
     ("val/analytic_block_length", "val analytic tau"),
+    ("val/greedy_block_length", "val greedy tau"),
     ("train/coverage", "coverage"),
     ("train/mean_exit_depth", "mean exit depth"),
     ("val/block_length", "val tau (final)"),

@@ -25,12 +25,18 @@ step's valid trees of ``sum_v P(v)``, the block length TEV achieves on that tree
 Logged per step (``self.log``, on_step): ``train/loss``, ``train/loss_tok``, ``train/loss_exit``
 (exittrain), ``train/acc_d{k}`` (k = 1..K: argmax of q_k equals the label), ``train/anchors``
 (valid anchors), ``lr``, ``train/time_{part}_ms`` (:data:`TIMED_PARTS`), ``train/anchors_per_s``
-and, when trees are scored, ``train/analytic_block_length``, ``train/coverage``,
-``train/mean_exit_depth`` and ``train/exit_mass_d{d}`` (d = 0..K, mean over trees; they sum to 1).
+and, when trees are scored, ``train/analytic_block_length``, ``train/greedy_block_length``,
+``train/coverage``, ``train/mean_exit_depth`` and ``train/exit_mass_d{d}`` (d = 0..K, mean over
+trees; they sum to 1). ``greedy_block_length`` is 1 + how deep each tree holds the row's own
+next K tokens (:func:`exittrain.core.followed_depth`): with greedily regenerated answers, the
+block a T = 0 verifier accepts at every anchor, i.e. decoded tau at T = 0 measured on all the
+anchors of the batch instead of a few decoded prompts (exact when the answers came from the target
+itself; a bf16 copy's answers agree with the fp32 target at ~99% of positions).
 Lightning keeps re-sending an on_step value until the epoch ends, so with ``analytic_every > 1``
 the tree metrics repeat the latest measurement on the steps in between (the times do not: they
 are logged every step, 0 for the parts skipped). Validation logs ``val/loss_tok``,
-``val/analytic_block_length`` and ``val/coverage`` per epoch, weighted by valid anchors.
+``val/analytic_block_length``, ``val/greedy_block_length`` and ``val/coverage`` per epoch, weighted
+by valid anchors.
 With ``feature_cache=True`` training also logs ``train/feature_cache_rows`` (rows cached so far)
 and ``train/feature_rows_computed`` (rows of the step whose features the target computed).
 
@@ -82,6 +88,7 @@ from exittrain.core import (
     build_tree,
     exit_law,
     exit_node_loss,
+    followed_depth,
     sampled_block_cross_entropy,
 )
 from exittrain.core.exit_law import ExitLaw
@@ -709,6 +716,7 @@ class ExitTrainModule(pl.LightningModule):
                 trees_v = select_trees(trees, index)
                 law_raw = exit_law(trees_v, probs, 0.0, validate=False)
                 values.update(tree_metrics(trees_v, law_raw))
+                values["greedy_block_length"] = 1.0 + followed_depth(trees_v, labels[index]).float().mean()
             if exit_loss:
                 law_w = law_raw
                 if hp.weight_type != "missing" and hp.alpha > 0:
@@ -768,13 +776,14 @@ class ExitTrainModule(pl.LightningModule):
         return loss
 
     def validation_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> None:
-        """Logs ``val/loss_tok``, ``val/analytic_block_length`` and ``val/coverage`` per epoch (anchor-weighted)."""
+        """Logs ``val/loss_tok``, ``val/analytic_block_length``, ``val/greedy_block_length`` and
+        ``val/coverage`` per epoch (anchor-weighted)."""
         generator = anchor_generator(self.hparams.seed, batch_idx, self._rank(), stream=1)  # same anchors every epoch
         values, _ = self.compute_losses(batch, generator, exit_loss=False, metrics=True)
         n = int(values["anchors"])
         if n == 0:
             return
-        keys = ("loss_tok", "analytic_block_length", "coverage")
+        keys = ("loss_tok", "analytic_block_length", "greedy_block_length", "coverage")
         self.log_dict(
             {f"val/{k}": values[k].detach() for k in keys if k in values},
             on_step=False,

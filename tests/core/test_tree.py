@@ -135,3 +135,46 @@ def test_bad_input(call, match):
     lp = random_logprobs(2, 3, 5, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=match):
         call(lp)
+
+
+def _labels_along_trees(tree, K, V, g):
+    """Per tree, the tokens of a random node's path (then random tokens to length K): every
+    followed depth 0..K occurs."""
+    N = tree.num_trees
+    labels = torch.randint(0, V, (N, K), generator=g)
+    for n in range(N):
+        row = int(torch.randint(0, tree.budget + 1, (1,), generator=g))
+        path = []
+        while row != 0:
+            path.append(int(tree.tokens[n, row - 1]))
+            row = int(tree.parents[n, row - 1])
+        path = path[::-1]
+        labels[n, : len(path)] = torch.tensor(path, dtype=torch.long)
+    return labels
+
+
+@pytest.mark.parametrize("B", [1, 5, 16])
+def test_followed_depth_matches_reference_and_greedy_verifier(B):
+    from exittrain.core import followed_depth, followed_depth_reference, verify_greedy
+
+    g = torch.Generator().manual_seed(B)
+    N, K, V = 64, 4, 24  # V > B: a random label can miss even the first level
+    tree = build_tree(random_logprobs(N, K, V, g), B)
+    labels = _labels_along_trees(tree, K, V, g)
+    depth = followed_depth(tree, labels)
+    assert torch.equal(depth, followed_depth_reference(tree, labels))
+    assert depth.min() == 0 and depth.max() >= min(B, 2)  # both ends occur: the comparison can fail
+    # a target whose greedy token at depth d is labels[:, d]: the T = 0 verifier accepts the same depth
+    logits = torch.full((N, B + 1, V), -5.0)
+    row_depth = torch.cat([torch.zeros(N, 1, dtype=torch.long), tree.depths], 1).clamp_max(K - 1)  # (N, B+1)
+    logits.scatter_(2, labels.gather(1, row_depth).unsqueeze(-1), 5.0)
+    assert torch.equal(verify_greedy(tree, logits).accept_length, depth)
+
+
+def test_followed_depth_rejects_mismatched_labels():
+    from exittrain.core import followed_depth
+
+    g = torch.Generator().manual_seed(0)
+    tree = build_tree(random_logprobs(3, 2, 5, g), 4)
+    with pytest.raises(ValueError, match="labels must be"):
+        followed_depth(tree, torch.zeros(2, 2, dtype=torch.long))

@@ -24,12 +24,16 @@ K = BLOCK - 1
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17]]
 TRAIN_METRICS = (
     ["train/loss", "train/loss_tok", "train/loss_exit", "train/analytic_block_length", "train/coverage"]
+    + ["train/greedy_block_length"]
     + ["train/mean_exit_depth", "train/anchors", "train/anchors_per_s", "lr"]
     + [f"train/exit_mass_d{d}" for d in range(K + 1)]
     + [f"train/acc_d{k}" for k in range(1, K + 1)]
     + [f"train/time_{p}_ms" for p in ("features", "draft", "tree", "score", "exit", "backward", "step")]
 )
-VAL_METRICS = ["val/loss_tok", "val/analytic_block_length", "val/coverage", "val/block_length", "val/tokens_per_s"]
+VAL_METRICS = ["val/loss_tok", "val/analytic_block_length", "val/greedy_block_length", "val/coverage"] + [
+    "val/block_length",
+    "val/tokens_per_s",
+]
 
 
 def test_fit_smoke_exittrain(target, tmp_path):

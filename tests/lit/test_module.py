@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import exittrain.lit.module as lit_module
-from exittrain.core import build_tree, exit_law, exit_node_loss_reference
+from exittrain.core import build_tree, exit_law, exit_node_loss_reference, followed_depth_reference
 from exittrain.lit import ExitTrainModule, WarmupCosine, anchor_generator, sample_anchors
 from exittrain.models import new_drafter
 from tests.lit.helpers import BLOCK, batch_of, collate, loader, make_module, trainer
@@ -177,7 +177,11 @@ def reference_losses(module, batch, generator):
     alpha = 0.0 if hp.weight_type == "missing" else hp.alpha
     law = exit_law(sub, probs[index], alpha)
     exit_loss = exit_node_loss_reference(logits[index], sub, law, hp.weight_type, probs[index])
-    return ce / n, float(exit_loss), exit_law(sub, probs[index]).expected_block_length.mean()
+    A = anchors.shape[1]
+    labels = torch.stack([ids[l, int(anchors[l, a]) + 1 : int(anchors[l, a]) + 1 + K] for l, a in
+                          (divmod(int(i), A) for i in index)])  # (n, K) the rows' own next tokens
+    greedy = 1.0 + followed_depth_reference(sub, labels).float().mean()
+    return ce / n, float(exit_loss), exit_law(sub, probs[index]).expected_block_length.mean(), float(greedy)
 
 
 @pytest.mark.parametrize("weight_type", ["flow", "exit", "missing"])
@@ -189,12 +193,13 @@ def test_losses_match_the_reference_twins(target, weight_type):
     batch = batch_of(3, seed=4)
     with torch.no_grad():
         values, times = module.compute_losses(batch, anchor_generator(0, 0), exit_loss=True, metrics=True)
-        ref_tok, ref_exit, ref_tau = reference_losses(module, batch, anchor_generator(0, 0))
+        ref_tok, ref_exit, ref_tau, ref_greedy = reference_losses(module, batch, anchor_generator(0, 0))
     assert 0 < int(values["anchors"]) < 3 * 12
     assert float(values["loss_tok"]) == pytest.approx(ref_tok, rel=1e-5)
     assert float(values["loss_exit"]) == pytest.approx(ref_exit, rel=1e-5)
     assert float(values["loss"]) == pytest.approx(0.5 * ref_tok + 2.0 * ref_exit, rel=1e-5)
     assert float(values["analytic_block_length"]) == pytest.approx(float(ref_tau), rel=1e-5)
+    assert float(values["greedy_block_length"]) == pytest.approx(ref_greedy, rel=1e-6)
     exit_mass = sum(float(values[f"exit_mass_d{d}"]) for d in range(K + 1))
     assert exit_mass == pytest.approx(1.0, abs=1e-5)
     assert float(values["coverage"]) == pytest.approx(float(values["analytic_block_length"]) - 1, abs=1e-6)
