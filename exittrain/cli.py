@@ -191,7 +191,7 @@ def _build_callbacks(
 ) -> list:
     """The stage's callbacks; ``eval_every`` (``stages.<stage>.eval_every``), when set, replaces the
     decode check's ``every_n_steps`` and the checkpoint's ``every_n_train_steps`` for this stage."""
-    from exittrain.lit import ExportDrafterCallback, MetricsFileCallback
+    from exittrain.lit import ExportDrafterCallback, MetricsFileCallback, stage_progress_bar
 
     callbacks = []
     for name, node in cfg.callbacks.items():
@@ -210,6 +210,8 @@ def _build_callbacks(
             callbacks.append(instantiate(node))
     callbacks.append(ExportDrafterCallback(out, name="drafter" if stage == "exittrain" else "warmstart_drafter"))
     callbacks.append(MetricsFileCallback(out / f"metrics_{stage}.json"))
+    if cfg.trainer.get("enable_progress_bar", True):  # Lightning refuses a bar when it is switched off
+        callbacks.append(stage_progress_bar(stage))
     return callbacks
 
 

@@ -5,6 +5,7 @@ from exittrain.lit.callbacks import (
     ExportDrafterCallback,
     MetricsFileCallback,
     save_drafter,
+    stage_progress_bar,
     write_json_atomic,
 )
 from exittrain.lit.module import (
@@ -37,6 +38,7 @@ __all__ = [
     "save_drafter",
     "select_trees",
     "shard_drafter",
+    "stage_progress_bar",
     "tree_metrics",
     "write_json_atomic",
 ]

@@ -5,6 +5,8 @@
   ``ModelCheckpoint(monitor="val/block_length", mode="max")`` can select on it.
 - :class:`ExportDrafterCallback` saves the drafter in Hugging Face format at fit end, atomically.
 - :class:`MetricsFileCallback` writes the final (and best) metrics as JSON at fit end, atomically.
+- :func:`stage_progress_bar` is Lightning's default progress bar with the stage's name on the training
+  bar.
 
 How callback-logged metrics reach ``trainer.callback_metrics`` (lightning 2.6): ``pl_module.log``
 is allowed in ``on_train_batch_end`` (on_step) and ``on_validation_epoch_end`` (on_epoch), see
@@ -38,6 +40,7 @@ __all__ = [
     "DecodeEvalCallback",
     "ExportDrafterCallback",
     "MetricsFileCallback",
+    "stage_progress_bar",
     "save_drafter",
     "write_json_atomic",
 ]
@@ -384,3 +387,28 @@ class MetricsFileCallback(Callback):
         if trainer.is_global_zero:
             write_json_atomic(self.path, self.collect(trainer))
         trainer.strategy.barrier("MetricsFileCallback")
+
+
+def stage_progress_bar(stage: str) -> Callback:
+    """The progress bar Lightning would pick (Rich when installed, else tqdm), with the training
+    bar reading ``<stage> epoch <e>``.
+
+    Why: the stages run by ``max_steps``, which leaves ``max_epochs`` at -1, and Lightning 2.6's Rich
+    bar prints ``max_epochs - 1`` after the epoch (``Epoch 6/-2``). The tqdm bar gets the stage
+    name only through its own description, which Lightning sets per epoch, so it is left as is.
+    """
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+    from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+
+    if not _RICH_AVAILABLE:
+        return TQDMProgressBar()
+
+    class StageProgressBar(RichProgressBar):
+        def _get_train_description(self, current_epoch: int) -> str:
+            text = f"{stage} epoch {current_epoch}"
+            max_epochs = self.trainer.max_epochs
+            if max_epochs is not None and max_epochs > 0:
+                text += f"/{max_epochs - 1}"
+            return f"{text:{len(self.validation_description)}}"  # as wide as the validation label
+
+    return StageProgressBar()

@@ -137,3 +137,20 @@ def test_write_json_atomic(tmp_path):
         write_json_atomic(path, {"a": object()})
     assert json.loads(path.read_text()) == {"a": 1.5, "b": None}, "a failed write keeps the old file"
     assert sorted(p.name for p in path.parent.iterdir()) == ["metrics.json"]
+
+
+def test_stage_progress_bar_names_the_stage_and_no_negative_epoch_count():
+    """Under max_steps Lightning leaves max_epochs at -1; its Rich bar printed 'Epoch 6/-2'."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    from exittrain.lit import stage_progress_bar
+
+    bar = stage_progress_bar("pretrain")
+    if not isinstance(bar, RichProgressBar):
+        pytest.skip("rich is not installed: Lightning's tqdm bar is used as is")
+    bar._trainer = SimpleNamespace(max_epochs=-1)
+    assert bar._get_train_description(6).strip() == "pretrain epoch 6"
+    bar._trainer = SimpleNamespace(max_epochs=3)
+    assert bar._get_train_description(1).strip() == "pretrain epoch 1/2"
