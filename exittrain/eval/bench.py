@@ -1,4 +1,4 @@
-"""`python -m exittrain bench {core,decode,train,ablation,memory,regen} [args]`: dispatch to one benchmark."""
+"""`python -m exittrain bench {core,decode,train,ablation,memory,regen,heldout} [args]`: dispatch to one benchmark."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ BENCHES = {
     "ablation": "exittrain.eval.bench_ablation",
     "memory": "exittrain.eval.bench_memory",
     "regen": "exittrain.eval.bench_regen",
+    "heldout": "exittrain.eval.bench_heldout",
 }
 
 
