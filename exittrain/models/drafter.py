@@ -38,6 +38,7 @@ touch them and a checkpoint holds only the drafter's own weights. The config rec
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -49,7 +50,9 @@ from transformers import initialization as hf_init
 
 from exittrain.models.target import as_dtype
 
-__all__ = ["BlockDrafter", "DrafterConfig", "check_pairing", "load_drafter", "new_drafter"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["BlockDrafter", "DrafterConfig", "check_pairing", "layer_copy_problem", "load_drafter", "new_drafter"]
 
 
 class DrafterConfig(PreTrainedConfig):
@@ -78,6 +81,7 @@ class DrafterConfig(PreTrainedConfig):
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     context_window: int | None = None
+    root_context: bool = False
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
 
@@ -323,6 +327,70 @@ class BlockDrafter(PreTrainedModel):
             else:
                 self.mask_embedding.zero_()
 
+    def init_from_target_layers(self, target, source_layers: Sequence[int]) -> None:
+        """Copy target decoder layers into the drafter layers (drafter layer i <- ``source_layers[i]``).
+
+        Why: on a few hundred self-distilled answers a randomly initialised drafter learns slowly;
+        the target's own top layer already maps its residual stream to next-token logits, a prior
+        the block only has to adapt (BENCHMARKS.md §4 measures it). Copied per layer: the two
+        RMSNorms, Q and O, the MLP, and K/V with each key/value head repeated for the query heads
+        that share it (grouped-query attention, the ``repeat_kv`` order). The final norm is the
+        target's. When the target layer just below ``source_layers[0]`` is one of the feature
+        layers, the context projection starts as the identity on that layer's slice of the
+        features, and the context norm as that source layer's input norm: the first drafter layer
+        then reads the context exactly as the target layer reads its input. Needs a Llama-style
+        target (:func:`layer_copy_problem`) and a drafter of the target's width, heads and MLP size
+        (``new_drafter(init_from_layers=...)`` sets them); else ValueError.
+        """
+        cfg, tcfg = self.config, target.config
+        decoder = target.model.get_decoder()
+        sources = [int(x) for x in source_layers]
+        problem = layer_copy_problem(target)
+        if problem:
+            raise ValueError(f"init_from_layers: {problem}; set drafter.init_from_layers=null for a random start")
+        if len(sources) != cfg.num_layers or any(not 0 <= x < target.num_layers for x in sources):
+            raise ValueError(
+                f"init_from_layers={sources}: need {cfg.num_layers} target layer ids (one per drafter layer) "
+                f"in [0, {target.num_layers})"
+            )
+        heads = int(tcfg.num_attention_heads)
+        kv_heads = int(getattr(tcfg, "num_key_value_heads", None) or heads)
+        want = {
+            "hidden_size": int(tcfg.hidden_size),
+            "num_heads": heads,
+            "intermediate_size": int(tcfg.intermediate_size),
+        }
+        got = {k: getattr(cfg, k) for k in want}
+        if got != want:
+            raise ValueError(
+                f"init_from_layers needs a drafter shaped like the target's layers {want}, got {got}; leave "
+                "drafter.hidden_size, num_heads and intermediate_size null to take the target's"
+            )
+        hd = cfg.head_dim
+
+        def expand_kv(weight: torch.Tensor) -> torch.Tensor:  # (kv_heads*hd, H) -> (heads*hd, H)
+            return weight.view(kv_heads, hd, -1).repeat_interleave(heads // kv_heads, dim=0).reshape(heads * hd, -1)
+
+        with torch.no_grad():
+            for mine, source in zip(self.layers, sources):
+                theirs = decoder.layers[source]
+                attn, mlp = theirs.self_attn, theirs.mlp
+                mine.attn_norm.weight.copy_(theirs.input_layernorm.weight)
+                mine.mlp_norm.weight.copy_(theirs.post_attention_layernorm.weight)
+                mine.attn.q_proj.weight.copy_(attn.q_proj.weight)
+                mine.attn.k_proj.weight.copy_(expand_kv(attn.k_proj.weight))
+                mine.attn.v_proj.weight.copy_(expand_kv(attn.v_proj.weight))
+                mine.attn.o_proj.weight.copy_(attn.o_proj.weight)
+                for name in ("gate_proj", "up_proj", "down_proj"):
+                    getattr(mine.mlp, name).weight.copy_(getattr(mlp, name).weight)
+            self.norm.weight.copy_(decoder.norm.weight)
+            below = sources[0] - 1
+            if below in cfg.target_layer_ids:
+                H, slot = cfg.target_hidden_size, cfg.target_layer_ids.index(below)
+                self.context_proj.weight.zero_()
+                self.context_proj.weight[:, slot * H : (slot + 1) * H].copy_(torch.eye(H))
+                self.context_norm.weight.copy_(decoder.layers[sources[0]].input_layernorm.weight)
+
     # -- core -------------------------------------------------------------------------------------
 
     @property
@@ -402,6 +470,8 @@ class BlockDrafter(PreTrainedModel):
         S = self.config.block_size
         x = self._block_input(root_tokens.to(device))  # (N, S, D)
         ctx = self._context(context_features)  # (N, C, D)
+        if self.config.root_context:  # column C-1 is the position just before the root
+            x = x + (ctx[:, -1] * context_mask[:, -1:].to(ctx.dtype)).unsqueeze(1)
         pos_ctx = torch.arange(C, device=device).expand(N, C)
         pos_x = torch.arange(C, C + S, device=device).expand(N, S)
         allowed = torch.cat(
@@ -450,6 +520,11 @@ class BlockDrafter(PreTrainedModel):
         roots_LA = input_ids_LT.to(device).gather(1, anchors_LA)
         x = self._block_input(roots_LA).reshape(L, A * S, -1)  # (L, A*S, D)
         ctx = self._context(features_LTF)  # (L, T, D)
+        if self.config.root_context:  # the position just before each root (none for a root at 0)
+            D = ctx.shape[-1]
+            before_LAD = ctx.gather(1, (anchors_LA - 1).clamp_min(0).unsqueeze(-1).expand(L, A, D))
+            before_LAD = before_LAD * (anchors_LA > 0).unsqueeze(-1).to(ctx.dtype)
+            x = (x.view(L, A, S, D) + before_LAD.unsqueeze(2)).reshape(L, A * S, D)
         pos_ctx = torch.arange(T, device=device).expand(L, T)
         anchor_rows = anchors_LA.repeat_interleave(S, dim=1)  # (L, A*S)
         pos_x = anchor_rows + torch.arange(S, device=device).repeat(A)
@@ -500,6 +575,33 @@ class BlockDrafter(PreTrainedModel):
 # constructors
 
 
+def layer_copy_problem(target) -> str | None:
+    """Why the drafter layers cannot start as copies of ``target``'s decoder layers, or None.
+
+    A drafter layer is a pre-norm Llama layer: RMSNorm, attention with Q/K/V/O projections and
+    rotary positions, RMSNorm, SiLU-gated MLP, no biases. Targets whose layers add anything it
+    lacks (attention biases as in Qwen2, per-head Q/K norms as in Qwen3, another activation)
+    would be copied into a different function, so they are refused.
+    """
+    cfg = target.config
+    decoder = target.model.get_decoder()
+    layer = decoder.layers[0]
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    parts = [(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
+        (mlp, n) for n in ("gate_proj", "up_proj", "down_proj")
+    ] + [(layer, "input_layernorm"), (layer, "post_attention_layernorm"), (decoder, "norm")]
+    missing = [n for owner, n in parts if owner is None or not hasattr(owner, n)]
+    if missing:
+        return f"target {target.name!r} layers are not Llama-style (no {missing})"
+    if any(getattr(getattr(attn, n), "bias", None) is not None for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return f"target {target.name!r} has attention biases, which drafter layers lack"
+    if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+        return f"target {target.name!r} normalises queries and keys per head, which drafter layers do not"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"target {target.name!r} uses activation {cfg.hidden_act!r}; drafter layers use silu"
+    return None
+
+
 def default_layer_ids(num_layers: int) -> list[int]:
     """About three target layers spread over its depth: [2, L // 2, L - 2], deduplicated."""
     if num_layers < 1:
@@ -525,7 +627,9 @@ def new_drafter(
     layer_ids: Sequence[int] | None = None,
     mask_token_id: int | None = None,
     context_window: int | None = None,
-    rope_theta: float = 10000.0,
+    root_context: bool = False,
+    rope_theta: float | None = None,
+    init_from_layers: Sequence[int] | str | None = None,
     device: str | torch.device | None = None,
     dtype: torch.dtype | str = torch.float32,
     seed: int | None = None,
@@ -534,9 +638,47 @@ def new_drafter(
 
     ``hidden_size`` defaults to the target's (then no input/output projections); ``layer_ids``
     to :func:`default_layer_ids`; ``num_heads`` to hidden_size / 64 (or the largest even head
-    size that divides it). ``seed`` makes the initialisation reproducible.
+    size that divides it); ``rope_theta`` to 10000. ``init_from_layers`` (one target layer id per
+    drafter layer) starts the drafter layers as copies of those target layers
+    (:meth:`BlockDrafter.init_from_target_layers`); the heads, MLP size and rope theta then
+    default to the target's. ``"auto"`` copies the target's last layer into every drafter layer
+    when :func:`layer_copy_problem` finds none and the shape settings left to the target allow
+    it, and otherwise starts at random, logging why. ``seed`` makes the initialisation
+    reproducible.
     """
+    if isinstance(init_from_layers, str):
+        if init_from_layers != "auto":
+            raise ValueError(
+                f"init_from_layers={init_from_layers!r}: use null (random start), 'auto', or a list of target "
+                "layer ids, one per drafter layer"
+            )
+        problem = layer_copy_problem(target)
+        tcfg = target.config
+        fixed = {"hidden_size": hidden_size, "num_heads": num_heads, "intermediate_size": intermediate_size}
+        wanted = {
+            "hidden_size": target.hidden_size,
+            "num_heads": int(getattr(tcfg, "num_attention_heads", 0) or 0),
+            "intermediate_size": int(getattr(tcfg, "intermediate_size", 0) or 0),
+        }
+        clash = {k: v for k, v in fixed.items() if v is not None and v != wanted[k]}
+        if clash and not problem:
+            problem = f"the drafter sets {clash}, unlike the target's layers {wanted}"
+        if problem:
+            logger.info("drafter layers start at random (init_from_layers=auto): %s", problem)
+            init_from_layers = None
+        else:
+            init_from_layers = [target.num_layers - 1] * num_layers
     hidden_size = hidden_size or target.hidden_size
+    if init_from_layers is not None:
+        tcfg = target.config
+        num_heads = num_heads or int(tcfg.num_attention_heads)
+        intermediate_size = intermediate_size or int(tcfg.intermediate_size)
+        rope = getattr(tcfg, "rope_parameters", None) or {}
+        rope_theta = rope_theta or rope.get("rope_theta") or getattr(tcfg, "rope_theta", None)
+        norm_eps = float(getattr(tcfg, "rms_norm_eps", None) or DrafterConfig.rms_norm_eps)
+    else:
+        norm_eps = DrafterConfig.rms_norm_eps
+    rope_theta = float(rope_theta or 10000.0)
     layer_ids = (
         target.check_layers(layer_ids, "layer_ids") if layer_ids is not None else default_layer_ids(target.num_layers)
     )
@@ -553,12 +695,16 @@ def new_drafter(
         intermediate_size=intermediate_size,
         mask_token_id=mask_token_id,
         context_window=context_window,
+        root_context=root_context,
         rope_theta=rope_theta,
+        rms_norm_eps=norm_eps,
     )
     if seed is not None:
         torch.manual_seed(seed)
     drafter = BlockDrafter(config).attach_target(target)
     drafter.init_mask_embedding()
+    if init_from_layers is not None:
+        drafter.init_from_target_layers(target, init_from_layers)
     return drafter.to(device=device or target.device, dtype=as_dtype(dtype))
 
 

@@ -20,9 +20,11 @@ def target():
     return tiny_target("llama")
 
 
-@pytest.fixture()
-def drafter(target):
-    d = new_drafter(target, block_size=S, num_layers=2, num_heads=4, seed=0, layer_ids=[0, 2])
+@pytest.fixture(params=[False, True], ids=["plain", "root_context"])
+def drafter(target, request):
+    d = new_drafter(
+        target, block_size=S, num_layers=2, num_heads=4, seed=0, layer_ids=[0, 2], root_context=request.param
+    )
     # make the layers matter: the default init leaves the residual stream near the root embedding
     with torch.no_grad():
         for p in d.parameters():
@@ -221,3 +223,80 @@ def test_drafter_feeds_tree_building_and_scoring(target, drafter):
     trees = build_tree(logq, 5)
     scores = target.score_trees(seqs, anchors, trees)
     assert scores.logits.shape == (4, 6, VOCAB) and torch.isfinite(scores.logits).all()
+
+
+def test_init_from_target_layers_reproduces_the_target_layer(target):
+    """A drafter layer copied from target layer 2, fed target layer 1's output as its context (the
+    identity context projection) and as its query row, computes target layer 2's output there."""
+    d = new_drafter(target, block_size=S, num_layers=1, layer_ids=[1], init_from_layers=[2], seed=0)
+    assert d.config.num_heads == 4 and d.config.intermediate_size == 64  # the target's, not 3 * D
+    assert d.config.rope_theta == target.config.rope_parameters["rope_theta"]
+    ids = _ids(2, 9, seed=3)
+    captured = {}
+    from exittrain.models.target import layer_output_hooks
+
+    with torch.no_grad(), layer_output_hooks(target.model, [1, 2], captured.__setitem__):
+        target.model(input_ids=ids)
+    h1, h2 = captured[1], captured[2]  # (L, T, H)
+    L, T, _ = h1.shape
+    with torch.no_grad():
+        ctx = d._context(h1[:, :-1])  # (L, T-1, H)
+        pos_ctx = torch.arange(T - 1).expand(L, T - 1)
+        pos_x = torch.full((L, 1), T - 1)
+        allowed = torch.ones(L, 1, T, dtype=torch.bool)
+        out = d.layers[0](h1[:, -1:], ctx, pos_x, pos_ctx, allowed)
+    torch.testing.assert_close(out, h2[:, -1:], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(d.norm.weight, target.model.get_decoder().norm.weight)
+    # a random start does not: the check can fail
+    r = new_drafter(target, block_size=S, num_layers=1, layer_ids=[1], num_heads=4, intermediate_size=64, seed=0)
+    with torch.no_grad():
+        other = r.layers[0](h1[:, -1:], r._context(h1[:, :-1]), pos_x, pos_ctx, allowed)
+    assert (other - h2[:, -1:]).abs().max() > 1e-2
+
+
+def test_init_from_target_layers_rejects_bad_shapes(target):
+    with pytest.raises(ValueError, match="one per drafter layer"):
+        new_drafter(target, block_size=S, num_layers=2, init_from_layers=[2])
+    with pytest.raises(ValueError, match="num_heads"):
+        new_drafter(target, block_size=S, num_layers=1, num_heads=2, init_from_layers=[2])
+
+
+def test_root_context_feeds_the_position_before_the_root_into_the_block(target):
+    plain = new_drafter(target, block_size=S, num_layers=1, num_heads=4, seed=0, layer_ids=[1])
+    fused = new_drafter(target, block_size=S, num_layers=1, num_heads=4, seed=0, layer_ids=[1], root_context=True)
+    fused.load_state_dict(plain.state_dict())
+    L, T = 1, 6
+    feats, ids = _features(L, T, fused.config.feature_size, seed=2), _ids(L, T, seed=2)
+    with torch.no_grad():
+        at0 = [d.forward_anchors(feats, ids, torch.tensor([[0]])) for d in (plain, fused)]
+        at4 = [d.forward_anchors(feats, ids, torch.tensor([[4]])) for d in (plain, fused)]
+    torch.testing.assert_close(at0[0], at0[1])  # nothing precedes a root at position 0
+    assert (at4[0] - at4[1]).abs().max() > 1e-3
+
+
+def test_init_from_layers_auto_copies_the_last_layer_of_a_llama_target(target):
+    auto = new_drafter(target, block_size=S, num_layers=2, layer_ids=[1], init_from_layers="auto", seed=0)
+    last = new_drafter(target, block_size=S, num_layers=2, layer_ids=[1], init_from_layers=[2, 2], seed=0)
+    for (name, a), b in zip(auto.state_dict().items(), last.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+    top = target.model.get_decoder().layers[2]
+    torch.testing.assert_close(auto.layers[1].attn.q_proj.weight, top.self_attn.q_proj.weight)
+
+
+@pytest.mark.parametrize("kind, reason", [("qwen2", "attention biases"), ("qwen3", "queries and keys per head")])
+def test_init_from_layers_refuses_layers_it_cannot_copy(kind, reason, caplog):
+    other = tiny_target(kind)
+    with pytest.raises(ValueError, match=reason):
+        new_drafter(other, block_size=S, num_layers=1, init_from_layers=[2])
+    with caplog.at_level("INFO", logger="exittrain.models.drafter"):
+        d = new_drafter(other, block_size=S, num_layers=1, init_from_layers="auto", seed=0)
+    assert reason in caplog.text and "start at random" in caplog.text
+    assert d.config.intermediate_size == 3 * d.config.hidden_size  # the random-start shape
+
+
+def test_init_from_layers_auto_respects_an_explicit_shape(target, caplog):
+    with caplog.at_level("INFO", logger="exittrain.models.drafter"):
+        d = new_drafter(target, block_size=S, num_layers=1, num_heads=2, init_from_layers="auto", seed=0)
+    assert d.config.num_heads == 2 and "num_heads" in caplog.text
+    with pytest.raises(ValueError, match="init_from_layers='last'"):
+        new_drafter(target, block_size=S, num_layers=1, init_from_layers="last")
