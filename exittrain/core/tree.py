@@ -398,7 +398,7 @@ def followed_depth(trees: DraftTree, labels_NK: torch.Tensor) -> torch.Tensor:
     a recorded answer, without a target forward. Siblings carry distinct tokens, so at most one
     child matches. Batched over trees, a loop over the K depths only.
     """
-    N, B = trees.tokens.shape
+    N = trees.tokens.shape[0]
     if labels_NK.dim() != 2 or labels_NK.shape[0] != N:
         raise ValueError(f"labels must be (N={N}, K) token ids, got {tuple(labels_NK.shape)}")
     K = min(labels_NK.shape[1], trees.max_depth)

@@ -12,7 +12,8 @@ tokens, V vocabulary, L sequences, T sequence length, A anchors per sequence, W 
 2. The block input is ``[emb(r), m, ..., m]`` (S rows): the frozen target embedding of the root
    followed by K copies of a learned mask embedding ``m`` (initialised from the target
    embedding of ``mask_token_id`` when given, else zero), mapped to the drafter width by
-   ``Linear(H -> D)`` when D != H.
+   ``Linear(H -> D)`` when D != H. With ``root_context`` the projected context of the position
+   just before the root is added to every block row.
 3. ``num_layers`` pre-norm transformer layers. In each, the block queries attend to the keys and
    values of ``[ctx; block]`` (the context enters every layer through that layer's own K/V
    projections and is not itself updated); attention is bidirectional inside the block.
@@ -27,6 +28,10 @@ before the root) and the training path (absolute positions) compute the same fun
 **Context window.** ``context_window`` W (config default, overridable per call; None = the whole
 prefix) limits the context to the last W positions before the root. Training with a window is
 cheaper and matches decoding only if decoding uses the same window: both read the config.
+
+**Initialisation.** Random, or (``new_drafter(init_from_layers=...)``) with each drafter layer a
+copy of a target decoder layer: see :meth:`BlockDrafter.init_from_target_layers`. The layers are
+then the drafter's own parameters, trained like the rest.
 
 **Sharing the target.** :meth:`BlockDrafter.attach_target` stores the target's embedding and LM
 head in a plain dict, outside the module tree: they are not in ``parameters()``,
@@ -353,13 +358,9 @@ class BlockDrafter(PreTrainedModel):
                 f"init_from_layers={sources}: need {cfg.num_layers} target layer ids (one per drafter layer) "
                 f"in [0, {target.num_layers})"
             )
-        heads = int(tcfg.num_attention_heads)
+        want = target_layer_shape(target)
+        heads = want["num_heads"]
         kv_heads = int(getattr(tcfg, "num_key_value_heads", None) or heads)
-        want = {
-            "hidden_size": int(tcfg.hidden_size),
-            "num_heads": heads,
-            "intermediate_size": int(tcfg.intermediate_size),
-        }
         got = {k: getattr(cfg, k) for k in want}
         if got != want:
             raise ValueError(
@@ -575,6 +576,16 @@ class BlockDrafter(PreTrainedModel):
 # constructors
 
 
+def target_layer_shape(target) -> dict[str, int]:
+    """The drafter settings a copy of ``target``'s layers needs: hidden size, heads, MLP size."""
+    cfg = target.config
+    return {
+        "hidden_size": int(cfg.hidden_size),
+        "num_heads": int(cfg.num_attention_heads),
+        "intermediate_size": int(cfg.intermediate_size),
+    }
+
+
 def layer_copy_problem(target) -> str | None:
     """Why the drafter layers cannot start as copies of ``target``'s decoder layers, or None.
 
@@ -653,16 +664,12 @@ def new_drafter(
                 "layer ids, one per drafter layer"
             )
         problem = layer_copy_problem(target)
-        tcfg = target.config
-        fixed = {"hidden_size": hidden_size, "num_heads": num_heads, "intermediate_size": intermediate_size}
-        wanted = {
-            "hidden_size": target.hidden_size,
-            "num_heads": int(getattr(tcfg, "num_attention_heads", 0) or 0),
-            "intermediate_size": int(getattr(tcfg, "intermediate_size", 0) or 0),
-        }
-        clash = {k: v for k, v in fixed.items() if v is not None and v != wanted[k]}
-        if clash and not problem:
-            problem = f"the drafter sets {clash}, unlike the target's layers {wanted}"
+        if not problem:
+            wanted = target_layer_shape(target)
+            fixed = {"hidden_size": hidden_size, "num_heads": num_heads, "intermediate_size": intermediate_size}
+            clash = {k: v for k, v in fixed.items() if v is not None and v != wanted[k]}
+            if clash:
+                problem = f"the drafter sets {clash}, unlike the target's layers {wanted}"
         if problem:
             logger.info("drafter layers start at random (init_from_layers=auto): %s", problem)
             init_from_layers = None
@@ -670,9 +677,9 @@ def new_drafter(
             init_from_layers = [target.num_layers - 1] * num_layers
     hidden_size = hidden_size or target.hidden_size
     if init_from_layers is not None:
-        tcfg = target.config
-        num_heads = num_heads or int(tcfg.num_attention_heads)
-        intermediate_size = intermediate_size or int(tcfg.intermediate_size)
+        tcfg, shape = target.config, target_layer_shape(target)
+        num_heads = num_heads or shape["num_heads"]
+        intermediate_size = intermediate_size or shape["intermediate_size"]
         rope = getattr(tcfg, "rope_parameters", None) or {}
         rope_theta = rope_theta or rope.get("rope_theta") or getattr(tcfg, "rope_theta", None)
         norm_eps = float(getattr(tcfg, "rms_norm_eps", None) or DrafterConfig.rms_norm_eps)
