@@ -12,8 +12,7 @@ tokens, V vocabulary, L sequences, T sequence length, A anchors per sequence, W 
 2. The block input is ``[emb(r), m, ..., m]`` (S rows): the frozen target embedding of the root
    followed by K copies of a learned mask embedding ``m`` (initialised from the target
    embedding of ``mask_token_id`` when given, else zero), mapped to the drafter width by
-   ``Linear(H -> D)`` when D != H. With ``root_context`` the projected context of the position
-   just before the root is added to every block row.
+   ``Linear(H -> D)`` when D != H.
 3. ``num_layers`` pre-norm transformer layers. In each, the block queries attend to the keys and
    values of ``[ctx; block]`` (the context enters every layer through that layer's own K/V
    projections and is not itself updated); attention is bidirectional inside the block.
@@ -86,7 +85,6 @@ class DrafterConfig(PreTrainedConfig):
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     context_window: int | None = None
-    root_context: bool = False
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
 
@@ -471,8 +469,6 @@ class BlockDrafter(PreTrainedModel):
         S = self.config.block_size
         x = self._block_input(root_tokens.to(device))  # (N, S, D)
         ctx = self._context(context_features)  # (N, C, D)
-        if self.config.root_context:  # column C-1 is the position just before the root
-            x = x + (ctx[:, -1] * context_mask[:, -1:].to(ctx.dtype)).unsqueeze(1)
         pos_ctx = torch.arange(C, device=device).expand(N, C)
         pos_x = torch.arange(C, C + S, device=device).expand(N, S)
         allowed = torch.cat(
@@ -521,11 +517,6 @@ class BlockDrafter(PreTrainedModel):
         roots_LA = input_ids_LT.to(device).gather(1, anchors_LA)
         x = self._block_input(roots_LA).reshape(L, A * S, -1)  # (L, A*S, D)
         ctx = self._context(features_LTF)  # (L, T, D)
-        if self.config.root_context:  # the position just before each root (none for a root at 0)
-            D = ctx.shape[-1]
-            before_LAD = ctx.gather(1, (anchors_LA - 1).clamp_min(0).unsqueeze(-1).expand(L, A, D))
-            before_LAD = before_LAD * (anchors_LA > 0).unsqueeze(-1).to(ctx.dtype)
-            x = (x.view(L, A, S, D) + before_LAD.unsqueeze(2)).reshape(L, A * S, D)
         pos_ctx = torch.arange(T, device=device).expand(L, T)
         anchor_rows = anchors_LA.repeat_interleave(S, dim=1)  # (L, A*S)
         pos_x = anchor_rows + torch.arange(S, device=device).repeat(A)
@@ -638,7 +629,6 @@ def new_drafter(
     layer_ids: Sequence[int] | None = None,
     mask_token_id: int | None = None,
     context_window: int | None = None,
-    root_context: bool = False,
     rope_theta: float | None = None,
     init_from_layers: Sequence[int] | str | None = None,
     device: str | torch.device | None = None,
@@ -702,7 +692,6 @@ def new_drafter(
         intermediate_size=intermediate_size,
         mask_token_id=mask_token_id,
         context_window=context_window,
-        root_context=root_context,
         rope_theta=rope_theta,
         rms_norm_eps=norm_eps,
     )

@@ -20,11 +20,9 @@ def target():
     return tiny_target("llama")
 
 
-@pytest.fixture(params=[False, True], ids=["plain", "root_context"])
-def drafter(target, request):
-    d = new_drafter(
-        target, block_size=S, num_layers=2, num_heads=4, seed=0, layer_ids=[0, 2], root_context=request.param
-    )
+@pytest.fixture()
+def drafter(target):
+    d = new_drafter(target, block_size=S, num_layers=2, num_heads=4, seed=0, layer_ids=[0, 2])
     # make the layers matter: the default init leaves the residual stream near the root embedding
     with torch.no_grad():
         for p in d.parameters():
@@ -259,19 +257,6 @@ def test_init_from_target_layers_rejects_bad_shapes(target):
         new_drafter(target, block_size=S, num_layers=2, init_from_layers=[2])
     with pytest.raises(ValueError, match="num_heads"):
         new_drafter(target, block_size=S, num_layers=1, num_heads=2, init_from_layers=[2])
-
-
-def test_root_context_feeds_the_position_before_the_root_into_the_block(target):
-    plain = new_drafter(target, block_size=S, num_layers=1, num_heads=4, seed=0, layer_ids=[1])
-    fused = new_drafter(target, block_size=S, num_layers=1, num_heads=4, seed=0, layer_ids=[1], root_context=True)
-    fused.load_state_dict(plain.state_dict())
-    L, T = 1, 6
-    feats, ids = _features(L, T, fused.config.feature_size, seed=2), _ids(L, T, seed=2)
-    with torch.no_grad():
-        at0 = [d.forward_anchors(feats, ids, torch.tensor([[0]])) for d in (plain, fused)]
-        at4 = [d.forward_anchors(feats, ids, torch.tensor([[4]])) for d in (plain, fused)]
-    torch.testing.assert_close(at0[0], at0[1])  # nothing precedes a root at position 0
-    assert (at4[0] - at4[1]).abs().max() > 1e-3
 
 
 def test_init_from_layers_auto_copies_the_last_layer_of_a_llama_target(target):
