@@ -171,12 +171,9 @@ def _check_objective(cfg: DictConfig, stages: list[str]) -> None:
     """
     from exittrain.lit.module import check_module_args
 
-    objective = OmegaConf.to_container(cfg.objective, resolve=True)
-    base = {k: v for k, v in objective.items() if not k.startswith("_")}  # drop _target_ / _partial_
     for stage in stages:
-        overrides = module_overrides(cfg, stage)
         try:
-            check_module_args(**{**base, **overrides, "stage": stage})
+            check_module_args(**stage_module_args(cfg, stage))
         except ValueError as e:
             raise ValueError(f"stage {stage!r} (objective.* with stages.{stage}.* overrides): {e}") from e
 
@@ -184,6 +181,13 @@ def _check_objective(cfg: DictConfig, stages: list[str]) -> None:
 def module_overrides(cfg: DictConfig, stage: str) -> dict:
     """``stages.<stage>`` minus the keys of the stage itself: what overrides the objective there."""
     return {k: v for k, v in cfg.stages[stage].items() if k not in STAGE_KEYS}
+
+
+def stage_module_args(cfg: DictConfig, stage: str) -> dict:
+    """The module arguments of ``stage`` as set in the config: ``objective.*`` with the stage's overrides."""
+    objective = OmegaConf.to_container(cfg.objective, resolve=True)
+    base = {k: v for k, v in objective.items() if not k.startswith("_")}  # drop _target_ / _partial_
+    return {**base, **module_overrides(cfg, stage), "stage": stage}
 
 
 def _build_callbacks(
@@ -274,11 +278,15 @@ def run_fit(cfg: DictConfig) -> dict:
     # with the feature cache on, the regeneration keeps the drafter's target features as it answers:
     # no training row then needs a target forward of its own
     feature_layers = drafter.config.target_layer_ids if cfg.objective.feature_cache else None
+    # and, when a stage trains on soft labels, the target's top-k next-token log-probabilities
+    soft = [stage_module_args(cfg, stage) for stage in stages]
+    top_k = max((a.get("soft_label_top_k", 0) for a in soft if a.get("soft_label_weight", 0) > 0), default=0)
     datamodule = instantiate(cfg.data)(
         target=lambda: (target.model, target.tokenizer),
         tokenizer=target.tokenizer,
         target_name=target.name,
         feature_layers=feature_layers,
+        top_logprobs=top_k,
     )
     _prepare_data(datamodule, wait_s=cfg.data_wait_s)
     eval_prompts = datamodule.eval_prompts(max(cfg.eval.num_prompts, cfg.callbacks.decode_eval.num_prompts))

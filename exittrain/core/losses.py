@@ -3,7 +3,12 @@
 Shape legend: N anchors (trees), K drafter positions, V vocabulary, B budget.
 
 **Block cross-entropy** ``L_tok``: the mean over anchors and positions of ``-log q_k(x_{a+k})``,
-optionally weighted by ``gamma^(k-1)`` (a weighted mean: ``sum w ce / sum w``).
+optionally weighted by ``gamma^(k-1)`` (a weighted mean: ``sum w ce / sum w``). With soft labels
+each position carries a sparse distribution instead of one token: S label ids ``y_s`` with
+probabilities ``pi_s`` (summing to 1), and the term is ``-sum_s pi_s log q_k(y_s)``.
+:func:`mix_soft_labels` builds them from the answer token and the target's top-S next-token
+log-probabilities: ``(1 - beta) onehot(x_{a+k}) + beta softmax(top-S log-probs)``, the target's
+distribution renormalised over its S most likely tokens.
 
 **ExitTrain node loss** ``L_exit = (1 / N_nodes) sum_v w(v) (-log q_{d(v)}(x_v))`` over the valid
 nodes of all trees, with ``w`` one of:
@@ -39,7 +44,9 @@ __all__ = [
     "WEIGHT_TYPES",
     "block_cross_entropy",
     "exit_node_loss",
+    "block_cross_entropy_reference",
     "exit_node_loss_reference",
+    "mix_soft_labels",
     "sample_vocabulary",
     "sampled_block_cross_entropy",
     "sampled_block_cross_entropy_reference",
@@ -55,22 +62,105 @@ def block_cross_entropy(
     *,
     gamma: float | None = None,
     label_mask: torch.Tensor | None = None,
+    label_probs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weighted mean of ``-log q_k(labels[:, k])`` over (N, K); ``logits`` (N, K, V).
 
     ``gamma`` weights position k (1-based) by ``gamma^(k-1)``; ``label_mask`` (N, K) bool excludes
-    positions (e.g. past the end of a sequence). Returns a scalar.
+    positions (e.g. past the end of a sequence). Soft labels: ``labels`` (N, K, S) ids with
+    ``label_probs`` (N, K, S) (each row a distribution over its S ids; repeats add up), and the
+    term of (n, k) is ``-sum_s label_probs[n, k, s] log q_k(labels[n, k, s])``. Returns a scalar.
     """
-    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
-        raise ValueError(
-            f"logits must be (N, K, V) and labels (N, K); got {tuple(logits.shape)}, {tuple(labels.shape)}"
-        )
+    _check_labels(logits, labels, label_probs, "logits")
     N, K, V = logits.shape
     weight_NK = _position_weights(N, K, gamma, label_mask, at_least_float32(logits).dtype, logits.device)
-    ce_NK = torch.nn.functional.cross_entropy(
-        at_least_float32(logits.reshape(N * K, V)), labels.reshape(N * K), reduction="none"
-    ).view(N, K)
+    if label_probs is None:
+        ce_NK = torch.nn.functional.cross_entropy(
+            at_least_float32(logits.reshape(N * K, V)), labels.reshape(N * K), reduction="none"
+        ).view(N, K)
+    else:
+        logq_NKV = torch.log_softmax(at_least_float32(logits), dim=-1)
+        ce_NK = _soft_cross_entropy(logq_NKV, labels, label_probs)
     return (ce_NK * weight_NK).sum() / weight_NK.sum().clamp_min(1e-12)
+
+
+def block_cross_entropy_reference(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    gamma: float | None = None,
+    label_mask: torch.Tensor | None = None,
+    label_probs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Loop twin of :func:`block_cross_entropy`: one term per (n, k) and label id."""
+    N, K, _ = logits.shape
+    total = logits.new_zeros((), dtype=at_least_float32(logits).dtype)
+    weight_sum = 0.0
+    for n in range(N):
+        for k in range(K):
+            if label_mask is not None and not bool(label_mask[n, k]):
+                continue
+            w = 1.0 if gamma is None else gamma**k
+            logq = torch.log_softmax(at_least_float32(logits[n, k]), dim=-1)
+            if label_probs is None:
+                term = -logq[int(labels[n, k])]
+            else:
+                term = sum(-float(p) * logq[int(y)] for y, p in zip(labels[n, k], label_probs[n, k]) if float(p) > 0)
+            total = total + w * term
+            weight_sum += w
+    return total / max(weight_sum, 1e-12)
+
+
+def _check_labels(scores: torch.Tensor, labels: torch.Tensor, label_probs: torch.Tensor | None, name: str) -> None:
+    """Hard labels (N, K) for ``scores`` (N, K, *), or soft ones: ids and probabilities (N, K, S)."""
+    N_K = tuple(scores.shape[:2])
+    hard = label_probs is None and tuple(labels.shape) == N_K
+    soft = (
+        label_probs is not None
+        and labels.dim() == 3
+        and tuple(labels.shape[:2]) == N_K
+        and label_probs.shape == labels.shape
+    )
+    if scores.dim() != 3 or not (hard or soft):
+        raise ValueError(
+            f"{name} must be (N, K, *) with labels (N, K), or with labels and label_probs both (N, K, S); got "
+            f"{name} {tuple(scores.shape)}, labels {tuple(labels.shape)}, label_probs "
+            f"{None if label_probs is None else tuple(label_probs.shape)}"
+        )
+
+
+def _soft_cross_entropy(logq_NKC: torch.Tensor, index_NKS: torch.Tensor, probs_NKS: torch.Tensor) -> torch.Tensor:
+    """(N, K) ``-sum_s probs log q(index_s)``; zero-probability entries contribute nothing (even at -inf)."""
+    picked = logq_NKC.gather(2, index_NKS)
+    probs = probs_NKS.to(picked.dtype)
+    return -torch.where(probs > 0, probs * picked, torch.zeros_like(picked)).sum(-1)
+
+
+def mix_soft_labels(
+    labels: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor, weight: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Soft labels ``(1 - weight) onehot(labels) + weight softmax(top_logprobs)`` as sparse ids and probabilities.
+
+    ``labels`` (N, K) the answer tokens; ``top_ids`` and ``top_logprobs`` (N, K, S): the target's S
+    most likely next tokens at each label position and their log-probabilities (``-inf`` marks an
+    empty slot). The top-S mass is renormalised to 1. Returns ``(ids (N, K, 1 + S) long, probs
+    (N, K, 1 + S) float32)``, the answer token first. ``weight`` in [0, 1]; a position whose S slots
+    are all empty keeps the answer token alone.
+    """
+    if not 0.0 <= weight <= 1.0:
+        raise ValueError(f"soft label weight must be in [0, 1], got {weight!r}")
+    if top_ids.dim() != 3 or top_ids.shape[:2] != labels.shape or top_logprobs.shape != top_ids.shape:
+        raise ValueError(
+            f"top_ids and top_logprobs must be (N, K, S) over labels (N, K) = {tuple(labels.shape)}; got "
+            f"{tuple(top_ids.shape)} and {tuple(top_logprobs.shape)}"
+        )
+    logp = top_logprobs.float()
+    empty = torch.isneginf(logp).all(-1, keepdim=True)  # (N, K, 1)
+    soft = torch.softmax(torch.where(empty, torch.zeros_like(logp), logp), dim=-1)  # (N, K, S)
+    beta = torch.where(empty, torch.zeros_like(empty, dtype=soft.dtype), torch.full_like(soft[..., :1], weight))
+    probs = torch.cat([1.0 - beta, beta * soft], dim=-1)
+    ids = torch.cat([labels.unsqueeze(-1), top_ids.to(labels.dtype)], dim=-1)
+    return ids, probs
 
 
 def _position_weights(
@@ -131,18 +221,17 @@ def sampled_block_cross_entropy(
     gamma: float | None = None,
     label_mask: torch.Tensor | None = None,
     lm_head_bias: torch.Tensor | None = None,
+    label_probs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`block_cross_entropy` over a sampled vocabulary (see the module docstring).
 
     ``hidden`` (N, K, H): the pre-head states of ``q_1..q_K``; ``lm_head_weight`` (V, H) (and the
     optional bias (V,)): the LM head, ``logits = hidden @ W.T + b``; ``labels`` (N, K);
-    ``num_negatives`` m; ``gamma`` and ``label_mask`` as in :func:`block_cross_entropy`.
+    ``num_negatives`` m; ``gamma``, ``label_mask`` and soft labels (``labels`` (N, K, S) with
+    ``label_probs``) as in :func:`block_cross_entropy`; every soft label id is a candidate.
     Equals :func:`block_cross_entropy` of the full logits when ``m >= V - U``. Returns a scalar.
     """
-    if hidden.dim() != 3 or labels.shape != hidden.shape[:2]:
-        raise ValueError(
-            f"hidden must be (N, K, H) and labels (N, K); got {tuple(hidden.shape)}, {tuple(labels.shape)}"
-        )
+    _check_labels(hidden, labels, label_probs, "hidden")
     if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[2]:
         raise ValueError(f"lm_head_weight must be (V, H={hidden.shape[2]}), got {tuple(lm_head_weight.shape)}")
     N, K, _ = hidden.shape
@@ -153,9 +242,12 @@ def sampled_block_cross_entropy(
     if lm_head_bias is not None:
         logits = logits + lm_head_bias[candidates].to(logits.dtype)
     logits = at_least_float32(logits) + correction.to(at_least_float32(logits).dtype)
-    ce_NK = torch.nn.functional.cross_entropy(
-        logits.reshape(N * K, -1), label_index.reshape(N * K), reduction="none"
-    ).view(N, K)
+    if label_probs is None:
+        ce_NK = torch.nn.functional.cross_entropy(
+            logits.reshape(N * K, -1), label_index.reshape(N * K), reduction="none"
+        ).view(N, K)
+    else:
+        ce_NK = _soft_cross_entropy(torch.log_softmax(logits, dim=-1), label_index, label_probs)
     weight_NK = _position_weights(N, K, gamma, label_mask, ce_NK.dtype, ce_NK.device)
     return (ce_NK * weight_NK).sum() / weight_NK.sum().clamp_min(1e-12)
 
@@ -169,8 +261,9 @@ def sampled_block_cross_entropy_reference(
     *,
     gamma: float | None = None,
     label_mask: torch.Tensor | None = None,
+    label_probs: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Loop twin of :func:`sampled_block_cross_entropy` on a given candidate set: one term per (n, k)."""
+    """Loop twin of :func:`sampled_block_cross_entropy` on a given candidate set: one term per (n, k) and label id."""
     N, K, _ = hidden.shape
     total = hidden.new_zeros((), dtype=at_least_float32(hidden).dtype)
     weight_sum = 0.0
@@ -183,8 +276,12 @@ def sampled_block_cross_entropy_reference(
             h = at_least_float32(hidden[n, k])
             terms = [h @ at_least_float32(lm_head_weight[c]) + float(log_correction[i]) for i, c in enumerate(cand)]
             log_z = torch.logsumexp(torch.stack(terms), 0)
-            y = int(labels[n, k])
-            total = total + w * (log_z - h @ at_least_float32(lm_head_weight[y]))
+            if label_probs is None:
+                pairs = [(int(labels[n, k]), 1.0)]
+            else:
+                pairs = [(int(y), float(p)) for y, p in zip(labels[n, k], label_probs[n, k]) if float(p) > 0]
+            for y, p in pairs:
+                total = total + w * p * (log_z - h @ at_least_float32(lm_head_weight[y]))
             weight_sum += w
     return total / max(weight_sum, 1e-12)
 

@@ -40,8 +40,10 @@ from exittrain.data.regenerate import (
     chat_prompt_ids,
     features_file,
     load_features,
+    load_top_logprobs,
     read_meta,
     regenerate,
+    top_logprobs_file,
 )
 from exittrain.data.sampler import ResumableSampler
 from exittrain.data.sources import DEFAULT_MAX_CHARS, DomainPrompts, PromptSource, load_domain
@@ -95,6 +97,9 @@ class ExitTrainDataModule(pl.LightningDataModule):
             (:func:`~exittrain.data.regenerate.regenerate`); :meth:`captured_features` serves them
             to the training module, which then never runs the target over a training row. Not part
             of the cache key: an entry already cached without them is used as it is.
+        top_logprobs: S > 0 keeps the answering model's top-S next-token log-probabilities at every
+            response position during regeneration; :meth:`captured_top_logprobs` serves them as the
+            soft labels of the block cross-entropy. Not part of the cache key either.
     """
 
     def __init__(
@@ -117,6 +122,7 @@ class ExitTrainDataModule(pl.LightningDataModule):
         max_prompt_chars: int | None = DEFAULT_MAX_CHARS,
         progress: bool = True,
         feature_layers: Sequence[int] | None = None,
+        top_logprobs: int = 0,
     ) -> None:
         super().__init__()
         if max_length < 2:
@@ -145,7 +151,11 @@ class ExitTrainDataModule(pl.LightningDataModule):
         self.max_prompt_chars = max_prompt_chars
         self.progress = progress
         self.feature_layers = list(feature_layers) if feature_layers is not None else None
+        if not isinstance(top_logprobs, int) or top_logprobs < 0:
+            raise ValueError(f"top_logprobs={top_logprobs!r} must be an int >= 0 (0 keeps none)")
+        self.top_logprobs = top_logprobs
         self._captured: tuple[list[int], dict[int, tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self._captured_top: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
         self._prompts: DomainPrompts | None = None
         self.train_set: datasets.Dataset | None = None
@@ -203,6 +213,7 @@ class ExitTrainDataModule(pl.LightningDataModule):
             prompt_set=self._prompt_set_description(),
             progress=self.progress,
             feature_layers=self.feature_layers,
+            top_logprobs=self.top_logprobs,
         )
 
     def setup(self, stage: str | None = None) -> None:
@@ -296,6 +307,45 @@ class ExitTrainDataModule(pl.LightningDataModule):
         self._captured = (layers, rows)
         if rows:
             logger.info("target features of layers %s: %d rows kept by the regeneration (%s)", layers, len(rows), path)
+        return rows
+
+    def captured_top_logprobs(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The target's top-S next-token log-probabilities kept by the regeneration, aligned with each row's tokens.
+
+        Returns ``row_id -> (ids (n, S) int32, log-probabilities (n, S) float32)`` for every train
+        and val row, n the row's length after the collator's ``max_length`` cut: entry t is the
+        target's distribution of token t, filled on the response and ``-inf`` on the prompt
+        (never a label). Empty when ``top_logprobs`` is 0 or the cache entry holds none for this
+        S. A stored row whose length differs from its response raises ValueError naming the row.
+        """
+        if self.train_set is None:
+            raise ValueError("the DataModule is not set up; call setup() first")
+        if self._captured_top is not None:
+            return self._captured_top
+        path = self.cache_path
+        stored = load_top_logprobs(path, self.top_logprobs) if self.top_logprobs else None
+        rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for split in (self.train_set, self.val_set) if stored is not None else ():
+            if split is None:
+                continue
+            for row_id, ids, n_prompt in zip(split["prompt_index"], split["input_ids"], split["n_prompt_tokens"]):
+                top, n_response = stored.get(int(row_id)), len(ids) - n_prompt
+                if top is None or top[0].shape[0] != n_response:
+                    raise ValueError(
+                        f"{path}: stored top-{self.top_logprobs} log-probabilities of row {row_id} cover "
+                        f"{None if top is None else top[0].shape[0]} positions for {n_response} response tokens; "
+                        f"delete {top_logprobs_file(self.top_logprobs)} from the entry (training then asks the "
+                        "target for them) or the entry itself to regenerate it"
+                    )
+                n = min(len(ids), self.max_length)
+                top_ids = torch.zeros(n, self.top_logprobs, dtype=torch.int32)
+                top_logp = torch.full((n, self.top_logprobs), -torch.inf)
+                kept = max(0, n - n_prompt)
+                top_ids[n_prompt:n], top_logp[n_prompt:n] = top[0][:kept], top[1][:kept]
+                rows[int(row_id)] = (top_ids, top_logp)
+        self._captured_top = rows
+        if rows:
+            logger.info("top-%d log-probabilities: %d rows kept by the regeneration", self.top_logprobs, len(rows))
         return rows
 
     def _collator(self) -> Collator:

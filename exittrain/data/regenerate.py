@@ -17,6 +17,11 @@ and an approximation of the fp32 target's answers). With ``feature_layers`` the 
 target layers at every position of every row are kept while the target answers, and saved beside
 the dataset as ``features-<layers>.safetensors`` (``prompt_index -> (n, F)`` bf16, n the row's
 length; :func:`load_features`): the drafter's training then needs no target forward over the rows.
+With ``top_logprobs`` S the answering model's S most likely next tokens and their log-probabilities
+are kept at every response position (the distribution each response token was drawn from, before
+any sampling warp), in ``top-logprobs-<S>.safetensors`` (``prompt_index -> (r, S)`` ids and
+log-probabilities, r the row's response length; :func:`load_top_logprobs`): the soft labels of
+the drafter's block cross-entropy, at no extra target work.
 
 Cache layout under ``cache_dir`` (a ``datasets`` Arrow dataset written with ``save_to_disk``)::
 
@@ -51,7 +56,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import datasets
 import torch
@@ -81,6 +86,22 @@ FEATURES = datasets.Features(
 )
 
 GENERATION_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class Answer(NamedTuple):
+    """One answered prompt (:func:`generate_batch`).
+
+    ``response`` ids (r,), up to and including the first EOS; ``finished``: it ended with EOS;
+    ``features`` (n_prompt + r, F) bf16 or None; ``top_ids`` (r, S) int32 and ``top_logprobs``
+    (r, S) float32 (row j: the distribution response token j was drawn from), or None.
+    """
+
+    response: list[int]
+    finished: bool
+    features: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
 
 TargetProvider = Callable[[], tuple[Any, Any]]
 """A zero-argument callable returning ``(model, tokenizer)``: a Hugging Face causal LM and its tokenizer."""
@@ -242,16 +263,20 @@ def generate_batch(
     pad_token_id: int,
     eos_ids: Sequence[int],
     feature_layers: Sequence[int] | None = None,
-) -> list[tuple[list[int], bool, torch.Tensor | None]]:
-    """Answer one batch of templated prompts; returns ``(response ids, finished, features)`` per prompt.
+    top_logprobs: int = 0,
+) -> list[Answer]:
+    """Answer one batch of templated prompts; returns one :class:`Answer` per prompt.
 
     Prompts are left-padded to a common length ``P`` on the model's device. With ``feature_layers``
     (target layer ids, the convention of :mod:`exittrain.models.target`) ``features`` is the
     concatenated output of those decoder layers at every position of prompt + response,
     ``(n_prompt + n_response, F)`` bf16 on the CPU, captured by hooks while the model generates:
     the prefill gives the prompt's, each decode step the token it was fed. ``generate`` never
-    feeds its last token back, so one more forward step (with its cache) gives that one. Without
-    ``feature_layers`` it is None.
+    feeds its last token back, so one more forward step (with its cache) gives that one.
+
+    With ``top_logprobs`` S > 0 a hook on the output embeddings (the LM head) keeps, at every
+    generation step, the S largest log-softmax values of the last position's raw logits (before
+    temperature or top-p) and their ids: ``top_ids`` / ``top_logprobs`` (n_response, S) on the CPU.
     """
     device = next(model.parameters()).device
     layers = list(feature_layers or [])
@@ -265,40 +290,69 @@ def generate_batch(
     if gen.do_sample:
         kwargs.update(temperature=gen.temperature, top_p=gen.top_p, top_k=0)
     steps: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}  # per layer: (N, Q, H) per forward
+    tops: list[tuple[torch.Tensor, torch.Tensor]] = []  # per forward: (N, S) log-probs, (N, S) ids
 
     def keep(layer_id: int, output: torch.Tensor) -> None:
         steps[layer_id].append(output.to("cpu", torch.bfloat16))
 
-    with layer_output_hooks(model, layers, keep):
-        out = model.generate(
-            input_ids=input_ids_NP.to(device),
-            attention_mask=attention_mask_NP.to(device),
-            max_new_tokens=gen.max_new_tokens,
-            pad_token_id=pad_token_id,
-            eos_token_id=list(eos_ids),
-            return_dict_in_generate=True,
-            **kwargs,
-        )
-        sequences_NS = out.sequences  # (N, P + G)
-        G = sequences_NS.shape[1] - width
-        if layers and G > 0:
-            # HF positions are cumsum(mask) - 1, so the last column sits at (real tokens so far) - 1
-            mask_NS = torch.cat([attention_mask_NP, torch.ones(N, G, dtype=torch.long)], dim=1).to(device)
-            model(
-                input_ids=sequences_NS[:, -1:],
-                attention_mask=mask_NS,
-                position_ids=mask_NS.sum(1, keepdim=True) - 1,
-                cache=out.cache,
-                use_cache=True,
+    def keep_top(_module, _args, logits_NQV: torch.Tensor) -> None:
+        values, ids = torch.log_softmax(logits_NQV[:, -1].float(), dim=-1).topk(top_logprobs, dim=-1)
+        tops.append((values.cpu(), ids.to("cpu", torch.int32)))
+
+    head_hook = model.get_output_embeddings().register_forward_hook(keep_top) if top_logprobs > 0 else None
+    try:
+        with layer_output_hooks(model, layers, keep):
+            out = model.generate(
+                input_ids=input_ids_NP.to(device),
+                attention_mask=attention_mask_NP.to(device),
+                max_new_tokens=gen.max_new_tokens,
+                pad_token_id=pad_token_id,
+                eos_token_id=list(eos_ids),
+                return_dict_in_generate=True,
+                **kwargs,
             )
+            sequences_NS = out.sequences  # (N, P + G)
+            G = sequences_NS.shape[1] - width
+            if head_hook is not None:
+                head_hook.remove()
+                head_hook = None
+            if layers and G > 0:
+                # HF positions are cumsum(mask) - 1, so the last column sits at (real tokens so far) - 1
+                mask_NS = torch.cat([attention_mask_NP, torch.ones(N, G, dtype=torch.long)], dim=1).to(device)
+                model(
+                    input_ids=sequences_NS[:, -1:],
+                    attention_mask=mask_NS,
+                    position_ids=mask_NS.sum(1, keepdim=True) - 1,
+                    cache=out.cache,
+                    use_cache=True,
+                )
+    finally:
+        if head_hook is not None:
+            head_hook.remove()
     answers = [split_response(row, eos_ids) for row in sequences_NS[:, width:].tolist()]
-    if not layers:
-        return [(resp, fin, None) for resp, fin in answers]
-    features_NSF = torch.cat([torch.cat(steps[layer], dim=1) for layer in layers], dim=-1)  # (N, P + G, F)
-    return [
-        (resp, fin, features_NSF[i, width - len(ids) : width + len(resp)].clone())
-        for i, (ids, (resp, fin)) in enumerate(zip(prompt_ids, answers))
-    ]
+    features_NSF = (
+        torch.cat([torch.cat(steps[layer], dim=1) for layer in layers], dim=-1) if layers else None
+    )  # (N, P + G, F)
+    if top_logprobs > 0:
+        if len(tops) != G:
+            raise RuntimeError(f"the LM head ran {len(tops)} times for {G} generated tokens; cannot align log-probs")
+        top_logp_NGS = torch.stack([v for v, _ in tops], dim=1) if G else torch.zeros(N, 0, top_logprobs)
+        top_ids_NGS = (
+            torch.stack([i for _, i in tops], dim=1) if G else torch.zeros(N, 0, top_logprobs, dtype=torch.int32)
+        )
+    result = []
+    for i, (ids, (resp, fin)) in enumerate(zip(prompt_ids, answers)):
+        r = len(resp)
+        result.append(
+            Answer(
+                resp,
+                fin,
+                None if features_NSF is None else features_NSF[i, width - len(ids) : width + r].clone(),
+                None if top_logprobs <= 0 else top_ids_NGS[i, :r].clone(),
+                None if top_logprobs <= 0 else top_logp_NGS[i, :r].clone(),
+            )
+        )
+    return result
 
 
 # ----------------------------------------------------------------------------------------------
@@ -371,16 +425,56 @@ def load_features(path: str | os.PathLike, layers: Sequence[int]) -> dict[int, t
     return {int(k): v for k, v in load_file(str(file)).items()}
 
 
+def top_logprobs_file(k: int) -> str:
+    """File name of the top-``k`` next-token log-probabilities inside a cache entry (or a shard of one)."""
+    return f"top-logprobs-{int(k)}.safetensors"
+
+
+def load_top_logprobs(path: str | os.PathLike, k: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
+    """The top-``k`` log-probabilities saved beside the dataset at ``path``: ``prompt_index ->
+    (ids (r, k) int32, log-probabilities (r, k) float32)``, r the row's response length (row j: the
+    distribution of response token j); None when the entry has none for this ``k``."""
+    from safetensors.torch import load_file
+
+    file = Path(path) / top_logprobs_file(k)
+    if not file.is_file():
+        return None
+    tensors = load_file(str(file))
+    return {
+        int(key[: -len(".ids")]): (t, tensors[key[: -len(".ids")] + ".logp"])
+        for key, t in tensors.items()
+        if key.endswith(".ids")
+    }
+
+
+def _tensor_files(
+    features: Mapping[int, torch.Tensor] | None,
+    layers: Sequence[int],
+    top: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None,
+    k: int,
+) -> dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]]:
+    """The safetensors files of a cache entry or shard: ``file name -> (tensors, metadata)``."""
+    files = {}
+    if features:
+        tensors = {str(i): t.contiguous() for i, t in features.items()}
+        files[features_file(layers)] = (tensors, {"layers": ",".join(map(str, layers))})
+    if top:
+        tensors = {}
+        for i, (ids, logp) in top.items():
+            tensors[f"{i}.ids"], tensors[f"{i}.logp"] = ids.contiguous(), logp.contiguous()
+        files[top_logprobs_file(k)] = (tensors, {"k": str(k)})
+    return files
+
+
 def _save_atomic(
     ds: datasets.Dataset,
     final: Path,
     meta: dict[str, Any] | None = None,
     *,
-    features: Mapping[int, torch.Tensor] | None = None,
-    layers: Sequence[int] = (),
+    tensor_files: Mapping[str, tuple[dict[str, torch.Tensor], dict[str, str]]] | None = None,
 ) -> None:
-    """Write ``ds`` (and ``meta``, and ``features`` of ``layers`` as :func:`features_file`) to a
-    temporary sibling folder, then rename it to ``final``.
+    """Write ``ds`` (and ``meta``, and every safetensors file of ``tensor_files``: name -> (tensors,
+    metadata)) to a temporary sibling folder, then rename it to ``final``.
 
     A folder named ``final`` is therefore always complete: readers test ``final.is_dir()``, and a
     write that fails or is killed leaves only ``<final>.tmp-*``, which no reader opens (a failed
@@ -395,11 +489,11 @@ def _save_atomic(
         if meta is not None:
             with open(tmp / META_FILE, "w") as f:
                 json.dump(meta, f, indent=2, sort_keys=True)
-        if features:
+        if tensor_files:
             from safetensors.torch import save_file
 
-            tensors = {str(i): t.contiguous() for i, t in features.items()}
-            save_file(tensors, str(tmp / features_file(layers)), metadata={"layers": ",".join(map(str, layers))})
+            for name, (tensors, metadata) in tensor_files.items():
+                save_file(tensors, str(tmp / name), metadata=metadata)
         fsync_tree(tmp)
         try:
             os.rename(tmp, final)
@@ -433,6 +527,7 @@ def regenerate(
     prompt_set: str = "",
     progress: bool = True,
     feature_layers: Sequence[int] | None = None,
+    top_logprobs: int = 0,
 ) -> datasets.Dataset:
     """The target's own answers to ``prompts``, from the cache or generated now.
 
@@ -450,6 +545,9 @@ def regenerate(
             :func:`generate_batch`); they are saved beside the dataset (:func:`load_features`), so
             training need not run the target over every row again. A cache hit never adds them: an
             entry written without them (or for other layers) is returned as it is.
+        top_logprobs: keep the answering model's top-S next-token log-probabilities at every
+            response position (:func:`generate_batch`; :func:`load_top_logprobs`), S > 0. Like the
+            features, a cache hit never adds them.
 
     Returns:
         A ``datasets.Dataset`` with :data:`FEATURES`, rows sorted by ``prompt_index``. Prompts
@@ -461,6 +559,8 @@ def regenerate(
     layers = [int(x) for x in feature_layers or []]
     if len(set(layers)) != len(layers):
         raise ValueError(f"feature_layers={layers} repeats a layer id; give each target layer once")
+    if not isinstance(top_logprobs, int) or top_logprobs < 0:
+        raise ValueError(f"top_logprobs={top_logprobs!r} must be an int >= 0 (0 keeps none)")
     final = cache_path(cache_dir, target_name, prompt_set, prompts, gen)
     if final.is_dir():
         logger.info("regenerated data found in cache: %s", final)
@@ -524,13 +624,16 @@ def regenerate(
             if gen.do_sample:
                 torch.manual_seed(gen.seed + b)
             answers = generate_batch(
-                answerer, tokenizer, [templated[i] for i in idx], gen, pad_token_id, eos_ids, layers
+                answerer, tokenizer, [templated[i] for i in idx], gen, pad_token_id, eos_ids, layers, top_logprobs
             )
-            rows = [make_row(i, prompts[i], templated[i], r, fin, tokenizer) for i, (r, fin, _) in zip(idx, answers)]
-            features = {i: f for i, (_, _, f) in zip(idx, answers) if f is not None}
+            rows = [
+                make_row(i, prompts[i], templated[i], a.response, a.finished, tokenizer) for i, a in zip(idx, answers)
+            ]
+            features = {i: a.features for i, a in zip(idx, answers) if a.features is not None}
+            top = {i: (a.top_ids, a.top_logprobs) for i, a in zip(idx, answers) if a.top_ids is not None}
             shard = datasets.Dataset.from_list(rows, features=FEATURES)
-            _save_atomic(shard, shard_dir(b), features=features, layers=layers)
-            new_tokens += sum(len(resp) for resp, _, _ in answers)
+            _save_atomic(shard, shard_dir(b), tensor_files=_tensor_files(features, layers, top, top_logprobs))
+            new_tokens += sum(len(a.response) for a in answers)
             bar.update(1)
             bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
     finally:
@@ -552,6 +655,19 @@ def regenerate(
             feature_rows = None
             break
         feature_rows.update(part)
+    top_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {} if top_logprobs else None
+    for b in range(len(batches)) if top_logprobs else ():
+        part = load_top_logprobs(shard_dir(b), top_logprobs)
+        if part is None:  # a shard of an interrupted run that kept none (or another S)
+            logger.warning(
+                "batch %d in %s kept no top-%d log-probabilities; the entry is saved without them",
+                b,
+                partial,
+                top_logprobs,
+            )
+            top_rows = None
+            break
+        top_rows.update(part)
     index = ds["prompt_index"]
     ds = ds.select(sorted(range(len(ds)), key=index.__getitem__))
     meta = {
@@ -567,10 +683,11 @@ def regenerate(
         "pad_token_id": int(pad_token_id),
         "eos_token_ids": eos_ids,
         "feature_layers": layers if feature_rows else [],
+        "top_logprobs": top_logprobs if top_rows else 0,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": {"datasets": datasets.__version__, "torch": torch.__version__},
     }
-    _save_atomic(ds, final, meta, features=feature_rows, layers=layers)
+    _save_atomic(ds, final, meta, tensor_files=_tensor_files(feature_rows, layers, top_rows, top_logprobs))
     shutil.rmtree(partial, ignore_errors=True)
     logger.info(
         "regenerated %d responses (%d hit max_new_tokens=%d, %d prompts too long) -> %s",

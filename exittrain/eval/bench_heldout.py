@@ -38,8 +38,8 @@ def answer_with_features(target, prompts: list[list[int]], layers: list[int], ma
     rows = []
     for start in range(0, len(prompts), batch):
         chunk = prompts[start : start + batch]
-        for prompt, (response, _, features) in zip(chunk, generate_batch(model, tok, chunk, gen, pad, eos, layers)):
-            rows.append((torch.tensor(prompt + response), len(prompt), features))
+        for prompt, answer in zip(chunk, generate_batch(model, tok, chunk, gen, pad, eos, layers)):
+            rows.append((torch.tensor(prompt + answer.response), len(prompt), answer.features))
     return rows
 
 
@@ -68,8 +68,9 @@ def greedy_block_lengths(drafter, rows, layers: list[int], budget: int) -> tuple
     return per_row, hits / max(anchors_seen, 1)
 
 
-def run(drafters: list[str], prompts: int, skip: int, max_new_tokens: int, budget: int, domain: str,
-        batch: int = 32) -> dict:
+def run(
+    drafters: list[str], prompts: int, skip: int, max_new_tokens: int, budget: int, domain: str, batch: int = 32
+) -> dict:
     from exittrain.data import ExitTrainDataModule
     from exittrain.eval.decode_eval import bootstrap_ci
     from exittrain.models import load_drafter, load_target
@@ -92,11 +93,22 @@ def run(drafters: list[str], prompts: int, skip: int, max_new_tokens: int, budge
         # bootstrap over prompts: anchors of one answer are not independent
         low, high = bootstrap_ci([r.tolist() for r in per_row])
         results.append(
-            {"drafter": path, "greedy_block_length": float(flat.mean()), "ci95": [low, high],
-             "anchors": int(flat.numel()), "accuracy_by_depth": accuracy.tolist()}
+            {
+                "drafter": path,
+                "greedy_block_length": float(flat.mean()),
+                "ci95": [low, high],
+                "anchors": int(flat.numel()),
+                "accuracy_by_depth": accuracy.tolist(),
+            }
         )
-    return {"domain": domain, "prompts": len(rows), "skip": skip, "max_new_tokens": max_new_tokens,
-            "budget": budget, "rows": results}
+    return {
+        "domain": domain,
+        "prompts": len(rows),
+        "skip": skip,
+        "max_new_tokens": max_new_tokens,
+        "budget": budget,
+        "rows": results,
+    }
 
 
 def to_markdown(result: dict) -> str:

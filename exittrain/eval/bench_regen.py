@@ -56,7 +56,7 @@ def run(prompts: int, max_new_tokens: int, batch: int, domain: str) -> dict:
 
     def answer(m, keep: list[int] | None) -> tuple[float, list[list[int]]]:
         t0 = time.perf_counter()
-        out = [resp for b in batches for resp, _, _ in generate_batch(m, tok, b, gen, pad, eos, keep)]
+        out = [a.response for b in batches for a in generate_batch(m, tok, b, gen, pad, eos, keep)]
         return time.perf_counter() - t0, out
 
     arms = [("float32", model, None), ("bfloat16", bf16, None), ("bfloat16 + features", bf16, layers)]

@@ -13,7 +13,13 @@ One training step (ALGORITHM.md sections 6-8):
    be the last prompt token). Seeded by ``(seed, global_step, rank)``: reproducible and
    resume-consistent. Sequences with fewer candidates repeat some and mask the repeats out.
 3. ``logits`` (N, K, V) = ``drafter.forward_anchors``; ``L_tok`` = block cross-entropy on the
-   valid anchors (optionally decayed by ``gamma``).
+   valid anchors (optionally decayed by ``gamma``). With ``soft_label_weight`` beta > 0 each
+   training label is the soft label ``(1 - beta) onehot(x_{a+k}) + beta pi``, pi the target's
+   next-token distribution at that position renormalised over its top ``soft_label_top_k``
+   tokens (:func:`exittrain.core.mix_soft_labels`). Those come from the regeneration
+   (:meth:`exittrain.data.ExitTrainDataModule.captured_top_logprobs`), or else from one target
+   forward per row on its first visit (:meth:`TargetModel.token_top_logprobs`), and are kept per
+   row. Validation's ``val/loss_tok`` stays the hard-label CE, comparable across settings.
 4. ``stage="exittrain"``: trees from the detached logits, target scores of every tree row, the
    exit law (edges floored at ``alpha`` for the weights) and the node loss of ``weight_type`` on
    the valid anchors; ``loss = lambda_tok * L_tok + lambda_exit * L_exit``.
@@ -72,6 +78,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import math
 import time
 from collections.abc import Mapping
@@ -89,11 +96,14 @@ from exittrain.core import (
     exit_law,
     exit_node_loss,
     followed_depth,
+    mix_soft_labels,
     sampled_block_cross_entropy,
 )
 from exittrain.core.exit_law import ExitLaw
 from exittrain.lit.sharding import shard_drafter
 from exittrain.models import BlockDrafter, DrafterConfig, TargetModel
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "STAGES",
@@ -300,6 +310,12 @@ def _check_args(a: Mapping[str, Any]) -> None:
         "need None (full softmax) or an int >= 1 (random negatives per step)",
     )
     need(isinstance(a["feature_cache"], bool), "feature_cache", "need a bool (True caches the target features)")
+    need(
+        _is_number(a["soft_label_weight"]) and 0 <= a["soft_label_weight"] <= 1,
+        "soft_label_weight",
+        "need a float in [0, 1] (0 = the answer tokens, 1 = the target's top-k distributions)",
+    )
+    need(_is_int(a["soft_label_top_k"]) and a["soft_label_top_k"] >= 1, "soft_label_top_k", "need an int >= 1")
     if a["stage"] == "exittrain":
         need(a["lambda_tok"] + a["lambda_exit"] > 0, "lambda_exit", "lambda_tok and lambda_exit are both 0: no loss")
     else:
@@ -363,6 +379,10 @@ class ExitTrainModule(pl.LightningModule):
             ``train/acc_d{k}`` and the tree metrics are logged only on the ``analytic_every`` steps
             (they need the full logits). ``exittrain`` steps need the full logits with gradients for
             the node loss, so their block CE stays exact; validation always uses the full vocabulary.
+        soft_label_weight: beta in [0, 1]: training labels ``(1 - beta) onehot(answer token) + beta
+            pi`` (see the module docstring); 0 trains on the answer tokens alone.
+        soft_label_top_k: S, the target tokens per position in pi (the regeneration must keep
+            the same S for its log-probabilities to be used).
 
     Every argument is validated; a bad value raises ``ValueError`` naming the key.
     """
@@ -392,6 +412,8 @@ class ExitTrainModule(pl.LightningModule):
         seed: int = 0,
         vocab_sample: int | None = None,
         feature_cache: bool = False,
+        soft_label_weight: float = 0.0,
+        soft_label_top_k: int = 16,
     ) -> None:
         super().__init__()
         args = dict(locals())
@@ -414,6 +436,9 @@ class ExitTrainModule(pl.LightningModule):
         # feature_cache: row_id -> (input ids (n,) int32, features (n, F) bf16), both on the CPU; never saved
         self._feature_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._feature_rows_computed = 0  # rows of the latest compute_losses whose features the target computed
+        # soft labels: row_id -> (top ids (n, S) int32, log-probs (n, S) float32), aligned with the tokens; never saved
+        self._top_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._warned_top_forward = False
 
     # -- properties -----------------------------------------------------------------------------
 
@@ -452,6 +477,22 @@ class ExitTrainModule(pl.LightningModule):
                 )
             self._feature_cache.setdefault(int(row_id), (ids.to(torch.int32), feats.to(torch.bfloat16)))
 
+    def preload_top_logprobs(self, rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep the target's top-S log-probabilities of rows computed elsewhere (the regeneration):
+        ``row_id -> (ids (n, S) int32, log-probabilities (n, S) float32)`` aligned with the row's
+        tokens (:meth:`exittrain.data.ExitTrainDataModule.captured_top_logprobs`). S must equal
+        ``soft_label_top_k``; another width raises ValueError. Rows already kept are kept.
+        """
+        k = self.hparams.soft_label_top_k
+        for row_id, (ids, logp) in rows.items():
+            if ids.dim() != 2 or ids.shape != logp.shape or ids.shape[1] != k:
+                raise ValueError(
+                    f"preloaded top log-probabilities of row {row_id} have shapes {tuple(ids.shape)} and "
+                    f"{tuple(logp.shape)}; need (n, soft_label_top_k={k}) for both: regenerate with "
+                    f"top_logprobs={k} or set soft_label_top_k to the stored width"
+                )
+            self._top_cache.setdefault(int(row_id), (ids.to(torch.int32), logp.float()))
+
     def share_feature_cache(self, other: ExitTrainModule) -> None:
         """Read and fill ``other``'s feature cache from now on (same target, layers and data).
 
@@ -465,6 +506,8 @@ class ExitTrainModule(pl.LightningModule):
                 "(or different targets); give each module its own cache"
             )
         self._feature_cache = other._feature_cache
+        if self.hparams.soft_label_top_k == other.hparams.soft_label_top_k:
+            self._top_cache = other._top_cache  # the same rows' soft labels
 
     # -- checkpoint -----------------------------------------------------------------------------
 
@@ -511,7 +554,9 @@ class ExitTrainModule(pl.LightningModule):
         """Refuse Lightning's ``FSDPStrategy`` (FSDP1): the callbacks and ``fit`` gather FSDP2 shards only.
 
         With ``feature_cache``, fill the cache with the features the regeneration kept when the
-        trainer's datamodule offers them (``captured_features``, :class:`~exittrain.data.ExitTrainDataModule`).
+        trainer's datamodule offers them (``captured_features``, :class:`~exittrain.data.ExitTrainDataModule`);
+        with ``soft_label_weight > 0``, likewise the top log-probabilities (``captured_top_logprobs``)
+        when the datamodule kept ``soft_label_top_k`` of them.
         """
         from lightning.pytorch.strategies import FSDPStrategy
 
@@ -524,6 +569,9 @@ class ExitTrainModule(pl.LightningModule):
         datamodule = getattr(self._trainer, "datamodule", None)
         if self.hparams.feature_cache and hasattr(datamodule, "captured_features"):
             self.preload_features(datamodule.captured_features(self.drafter.config.target_layer_ids))
+        if self.hparams.soft_label_weight > 0 and hasattr(datamodule, "captured_top_logprobs"):
+            if getattr(datamodule, "top_logprobs", None) == self.hparams.soft_label_top_k:
+                self.preload_top_logprobs(datamodule.captured_top_logprobs())
 
     def configure_model(self) -> None:
         """Shard the drafter (FSDP2) over the strategy's data-parallel mesh; a no-op without a mesh.
@@ -637,6 +685,54 @@ class ExitTrainModule(pl.LightningModule):
             out[i, : lens[i]] = cache[r][1]
         return out.to(self.target.device).float()
 
+    @torch.no_grad()
+    def top_logprobs(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's top-S tokens and log-probabilities (L, T, S) at every position of ``batch``, on its device.
+
+        Entry (l, t) describes token t given the tokens before it (``-inf`` where unknown: padding,
+        and prompt positions of preloaded rows). Rows kept by ``row_id`` come from the per-row
+        store; the others take one target forward each (:meth:`TargetModel.token_top_logprobs`)
+        and are kept when the batch has ``row_id``. A kept row whose length differs from the
+        batch's raises ValueError.
+        """
+        input_ids = batch["input_ids"]  # (L, T)
+        L, T = input_ids.shape
+        k = self.hparams.soft_label_top_k
+        lengths = self._lengths(batch)
+        lens = [T] * L if lengths is None else [int(n) for n in lengths.tolist()]
+        row_id = batch.get("row_id")
+        ids = [int(r) for r in row_id.tolist()] if row_id is not None else [None] * L
+        missing = [i for i, r in enumerate(ids) if r not in self._top_cache]
+        fresh: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if missing:
+            if not self._warned_top_forward:
+                log.warning(
+                    "soft labels: the target runs a forward over %d rows that the regeneration kept no top-%d "
+                    "log-probabilities for (an entry cached without them); delete the cache entry to regenerate "
+                    "it with them, or set soft_label_weight=0",
+                    len(missing),
+                    k,
+                )
+                self._warned_top_forward = True
+            width = max(lens[i] for i in missing)
+            top_ids, top_logp = self.target.token_top_logprobs(input_ids[missing, :width], k)
+            for j, i in enumerate(missing):
+                fresh[i] = (top_ids[j, : lens[i]].clone(), top_logp[j, : lens[i]].clone())
+                if ids[i] is not None:
+                    self._top_cache[ids[i]] = fresh[i]
+        out_ids = torch.zeros(L, T, k, dtype=torch.int32)
+        out_logp = torch.full((L, T, k), -torch.inf)
+        for i, r in enumerate(ids):
+            row_ids, row_logp = fresh[i] if i in fresh else self._top_cache[r]
+            if row_ids.shape[0] != lens[i]:
+                raise ValueError(
+                    f"row_id {r}: its kept top log-probabilities cover {row_ids.shape[0]} positions for "
+                    f"{lens[i]} tokens; row ids must be stable and unique across the train and validation data"
+                )
+            out_ids[i, : lens[i]], out_logp[i, : lens[i]] = row_ids, row_logp
+        device = input_ids.device
+        return out_ids.to(device, torch.long), out_logp.to(device)
+
     def compute_losses(
         self,
         batch: Mapping[str, torch.Tensor],
@@ -645,6 +741,7 @@ class ExitTrainModule(pl.LightningModule):
         exit_loss: bool,
         metrics: bool,
         vocab_sample: int | None = None,
+        soft_labels: bool = False,
     ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """Losses and metrics of one batch; returns ``(values, times_ms)``.
 
@@ -653,7 +750,9 @@ class ExitTrainModule(pl.LightningModule):
         anchor) also the :func:`tree_metrics` of the raw law. Gradients flow into ``loss`` from the
         drafter logits only. ``vocab_sample`` m (ignored with ``exit_loss``): the block CE over the
         labels plus m random negatives; the full logits are then computed (without gradients)
-        only when ``metrics`` asks, and ``acc_d{k}`` is reported only then.
+        only when ``metrics`` asks, and ``acc_d{k}`` is reported only then. ``soft_labels``: the
+        block CE takes the soft labels of ``soft_label_weight`` (when it is > 0; accuracies and tree
+        metrics keep the answer tokens).
         """
         hp = self.hparams
         timer = _StageTimer(self.device, ("features", "draft", "tree", "score", "exit"))
@@ -674,17 +773,26 @@ class ExitTrainModule(pl.LightningModule):
         labels = input_ids.gather(1, label_pos.reshape(L, A * K)).reshape(L * A, K)  # (N, K)
         valid_N = valid_LA.reshape(-1)
         label_mask = valid_N.unsqueeze(1).expand(-1, K)
+        loss_labels, label_probs = labels, None
+        if soft_labels and hp.soft_label_weight > 0:
+            top_ids_LTS, top_logp_LTS = self.top_logprobs(batch)
+            S = top_ids_LTS.shape[-1]
+            at = label_pos.reshape(L, A * K, 1).expand(-1, -1, S)
+            top_ids = top_ids_LTS.gather(1, at).reshape(L * A, K, S)
+            top_logp = top_logp_LTS.gather(1, at).reshape(L * A, K, S)
+            loss_labels, label_probs = mix_soft_labels(labels, top_ids, top_logp, hp.soft_label_weight)
         if sampled:
             head = self.target.lm_head
             loss_tok = sampled_block_cross_entropy(
                 out,
                 head.weight,
-                labels,
+                loss_labels,
                 vocab_sample,
                 generator,
                 gamma=hp.gamma,
                 label_mask=label_mask,
                 lm_head_bias=getattr(head, "bias", None),
+                label_probs=label_probs,
             )
             logits = None
             if metrics:
@@ -692,7 +800,9 @@ class ExitTrainModule(pl.LightningModule):
                     logits = head(out.detach().to(head.weight.dtype))
         else:
             logits = out
-            loss_tok = block_cross_entropy(logits, labels, gamma=hp.gamma, label_mask=label_mask)
+            loss_tok = block_cross_entropy(
+                logits, loss_labels, gamma=hp.gamma, label_mask=label_mask, label_probs=label_probs
+            )
         values: dict[str, torch.Tensor] = {"loss_tok": loss_tok}
         index = valid_N.nonzero().squeeze(1)  # (n,)
         n_valid = int(index.numel())
@@ -750,6 +860,7 @@ class ExitTrainModule(pl.LightningModule):
             exit_loss=hp.stage == "exittrain",
             metrics=want_metrics or hp.stage == "exittrain",
             vocab_sample=hp.vocab_sample,
+            soft_labels=True,
         )
         loss = values["loss"]
         if not bool(torch.isfinite(loss)):

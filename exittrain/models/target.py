@@ -390,6 +390,27 @@ class TargetModel:
         return self._features(captured, layers)
 
     @torch.no_grad()
+    def token_top_logprobs(self, input_ids_LT: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's k most likely tokens at every position of each sequence, aligned with the tokens.
+
+        Returns ``(ids (L, T, k) int32, log-probabilities (L, T, k) float32)`` on the CPU: entry
+        (l, t) is the top-k of the target's distribution of token t given tokens ``< t`` (one
+        causal forward); position 0 has no prefix and holds ``-inf``. Right padding never reaches
+        real positions. Runs one sequence at a time to keep the (T, V) logits small.
+        """
+        self._check_ids(input_ids_LT, "input_ids_LT", 2)
+        if not isinstance(k, int) or not 1 <= k <= self.vocab_size:
+            raise ValueError(f"k={k!r} must be an int in [1, vocab_size={self.vocab_size}]")
+        L, T = input_ids_LT.shape
+        ids = torch.zeros(L, T, k, dtype=torch.int32)
+        logp = torch.full((L, T, k), -torch.inf)
+        for row in range(L):
+            logits_TV = self.model(input_ids=input_ids_LT[row : row + 1], use_cache=False).logits[0, :-1]
+            values, index = torch.log_softmax(logits_TV.float(), dim=-1).topk(k, dim=-1)
+            logp[row, 1:], ids[row, 1:] = values.cpu(), index.to("cpu", torch.int32)
+        return ids, logp
+
+    @torch.no_grad()
     def score_trees(
         self,
         input_ids_LT: torch.Tensor,

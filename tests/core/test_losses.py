@@ -6,10 +6,12 @@ import torch
 from exittrain.core import (
     WEIGHT_TYPES,
     block_cross_entropy,
+    block_cross_entropy_reference,
     build_tree,
     exit_law,
     exit_node_loss,
     exit_node_loss_reference,
+    mix_soft_labels,
 )
 
 
@@ -150,3 +152,84 @@ def test_sampled_block_ce_rejects_bad_shapes():
         sampled_block_cross_entropy(hidden, weight, labels[:, :2], 5)
     with pytest.raises(ValueError, match="num_negatives"):
         sampled_block_cross_entropy(hidden, weight, labels, -1)
+
+
+def _soft_case(seed, N=3, K=4, V=30, S=5):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(N, K, V, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, V, (N, K), generator=g)
+    top_ids = torch.randint(0, V, (N, K, S), generator=g)
+    top_logp = torch.log_softmax(torch.randn(N, K, S, generator=g), -1) - 0.1  # a top-S mass below 1
+    top_logp[0, 1, 2:] = -torch.inf  # empty slots
+    top_logp[1, 0] = -torch.inf  # a position without any
+    return logits, labels, top_ids, top_logp
+
+
+def test_mix_soft_labels_are_distributions_with_the_answer_first():
+    _, labels, top_ids, top_logp = _soft_case(0)
+    ids, probs = mix_soft_labels(labels, top_ids, top_logp, 0.75)
+    assert ids.shape == probs.shape == (3, 4, 6)
+    assert torch.equal(ids[..., 0], labels) and torch.equal(ids[..., 1:], top_ids)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3, 4))
+    torch.testing.assert_close(probs[..., 0][probs[..., 1:].sum(-1) > 0], torch.full((11,), 0.25))
+    assert float(probs[1, 0, 0]) == 1.0 and float(probs[1, 0, 1:].abs().sum()) == 0.0  # no top-S: the answer alone
+    assert float(probs[0, 1, 3:].abs().sum()) == 0.0  # empty slots get nothing
+    # renormalised target mass: proportional to exp(logp) over the filled slots
+    torch.testing.assert_close(probs[2, 3, 1:] / 0.75, torch.softmax(top_logp[2, 3].float(), -1))
+    hard_ids, hard_probs = mix_soft_labels(labels, top_ids, top_logp, 0.0)
+    torch.testing.assert_close(hard_probs[..., 0], torch.ones(3, 4))
+    with pytest.raises(ValueError, match="weight"):
+        mix_soft_labels(labels, top_ids, top_logp, 1.5)
+    with pytest.raises(ValueError, match="top_ids"):
+        mix_soft_labels(labels, top_ids[:, :2], top_logp, 0.5)
+
+
+@pytest.mark.parametrize("gamma", [None, 0.6])
+def test_soft_block_ce_matches_its_loop_twin_and_the_hard_loss(gamma):
+    logits, labels, top_ids, top_logp = _soft_case(1)
+    mask = torch.ones_like(labels, dtype=torch.bool)
+    mask[2, 1:] = False
+    ids, probs = mix_soft_labels(labels, top_ids, top_logp, 0.6)
+    fast = block_cross_entropy(logits, ids, gamma=gamma, label_mask=mask, label_probs=probs)
+    slow = block_cross_entropy_reference(logits, ids, gamma=gamma, label_mask=mask, label_probs=probs)
+    (g_fast,) = torch.autograd.grad(fast, logits)
+    (g_slow,) = torch.autograd.grad(slow, logits)
+    torch.testing.assert_close(fast, slow)
+    torch.testing.assert_close(g_fast, g_slow)
+    # weight 0 is the hard loss; the loop twin also matches it without soft labels
+    ids0, probs0 = mix_soft_labels(labels, top_ids, top_logp, 0.0)
+    hard = block_cross_entropy(logits, labels, gamma=gamma, label_mask=mask)
+    torch.testing.assert_close(
+        block_cross_entropy(logits, ids0, gamma=gamma, label_mask=mask, label_probs=probs0), hard
+    )
+    torch.testing.assert_close(block_cross_entropy_reference(logits, labels, gamma=gamma, label_mask=mask), hard)
+    # soft labels move the optimum: the gradient of a position is q - pi
+    q = torch.softmax(logits.detach()[0, 0], -1)
+    pi = torch.zeros(30, dtype=torch.float64).index_add_(0, ids[0, 0], probs[0, 0].double())
+    (g_one,) = torch.autograd.grad(block_cross_entropy(logits[:1, :1], ids[:1, :1], label_probs=probs[:1, :1]), logits)
+    torch.testing.assert_close(g_one[0, 0], q - pi)
+
+
+def test_soft_sampled_block_ce_matches_its_loop_twin_and_the_full_soft_loss():
+    from exittrain.core import sample_vocabulary, sampled_block_cross_entropy, sampled_block_cross_entropy_reference
+
+    hidden, weight, labels = _sampled_case(5)
+    _, _, top_ids, top_logp = _soft_case(6, N=3, K=4, V=40, S=5)
+    ids, probs = mix_soft_labels(labels, top_ids, top_logp, 0.8)
+    fast = sampled_block_cross_entropy(
+        hidden, weight, ids, 6, torch.Generator().manual_seed(2), gamma=0.8, label_probs=probs
+    )
+    cand, corr, index = sample_vocabulary(ids, weight.shape[0], 6, torch.Generator().manual_seed(2))
+    assert torch.equal(cand[index], ids)  # every soft label id is a candidate
+    slow = sampled_block_cross_entropy_reference(hidden, weight, ids, cand, corr, gamma=0.8, label_probs=probs)
+    (g_fast,) = torch.autograd.grad(fast, hidden)
+    (g_slow,) = torch.autograd.grad(slow, hidden)
+    torch.testing.assert_close(fast, slow)
+    torch.testing.assert_close(g_fast, g_slow)
+    everything = sampled_block_cross_entropy(hidden, weight, ids, 10_000, label_probs=probs)
+    full = block_cross_entropy(hidden @ weight.T, ids, label_probs=probs)
+    torch.testing.assert_close(everything, full)
+    with pytest.raises(ValueError, match="label_probs"):
+        sampled_block_cross_entropy(hidden, weight, ids, 6, label_probs=probs[..., :2])
+    with pytest.raises(ValueError, match="label_probs"):
+        block_cross_entropy(hidden @ weight.T, ids)

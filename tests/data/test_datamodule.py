@@ -219,3 +219,72 @@ def test_kept_features_fill_the_training_modules_cache(tmp_path, sources, smollm
     fresh.setup("fit")
     with pytest.raises(ValueError, match=f"features of row {first} cover .* delete features-1_0.safetensors"):
         fresh.captured_features([1, 0])
+
+
+def test_kept_top_logprobs_are_aligned_with_the_rows_and_fill_the_modules_soft_labels(
+    tmp_path, sources, smollm2_tokenizer, monkeypatch
+):
+    import lightning.pytorch as pl
+    from safetensors.torch import load_file, save_file
+
+    from exittrain.data.regenerate import load_top_logprobs, top_logprobs_file
+    from exittrain.lit import ExitTrainModule
+    from exittrain.models import TargetModel, new_drafter
+
+    tok = smollm2_tokenizer
+    model = tiny_llama(tok, seed=0)
+    prompt_len = max(len(chat_prompt_ids(tok, p)) for p in TRAIN)
+    max_length = prompt_len + 2  # every row is cut: the log-probabilities must be cut with it
+    dm = _datamodule(tmp_path, sources, CountingTarget(model, tok), max_length=max_length, top_logprobs=3)
+    dm.prepare_data()
+    dm.setup("fit")
+    rows = dm.captured_top_logprobs()
+    stored = load_top_logprobs(dm.cache_path, 3)
+    splits = [*dm.train_set, *dm.val_set]
+    assert sorted(rows) == sorted(r["prompt_index"] for r in splits) and len(rows) == 10
+    for r in splits:
+        top_ids, top_logp = rows[r["prompt_index"]]
+        n, n_p = min(len(r["input_ids"]), max_length), r["n_prompt_tokens"]
+        assert top_ids.shape == top_logp.shape == (n, 3)
+        assert bool(torch.isneginf(top_logp[:n_p]).all())  # the prompt is never a label
+        kept_ids, kept_logp = stored[r["prompt_index"]]
+        assert torch.equal(top_ids[n_p:], kept_ids[: n - n_p]) and torch.equal(top_logp[n_p:], kept_logp[: n - n_p])
+        assert top_ids[n_p:, 0].tolist() == r["input_ids"][n_p:n]  # greedy answers: the top-1 is the token
+
+    # the module takes them at setup and never asks the target for them
+    target = TargetModel(model, tok, name="tiny")
+    drafter = new_drafter(target, block_size=3, num_layers=1, hidden_size=32, num_heads=4, seed=0)
+    module = ExitTrainModule(
+        drafter, target, stage="pretrain", anchors_per_seq=2, seed=0, soft_label_weight=1.0, soft_label_top_k=3
+    )
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("the target ran over a row whose top log-probabilities the regeneration kept")
+
+    monkeypatch.setattr(target, "token_top_logprobs", no_forward)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=1,
+    )
+    trainer.fit(module, datamodule=dm)
+    assert len(module._top_cache) == 10 and trainer.global_step == 2
+
+    # a stored row that does not cover its response is refused, naming the row and the file
+    file = dm.cache_path / top_logprobs_file(3)
+    tensors = load_file(str(file))
+    first = sorted(k for k in tensors if k.endswith(".ids"))[0]
+    tensors[first] = tensors[first][:-1].contiguous()
+    tensors[first.replace(".ids", ".logp")] = tensors[first.replace(".ids", ".logp")][:-1].contiguous()
+    save_file(tensors, str(file))
+    fresh = _datamodule(tmp_path, sources, CountingTarget(model, tok), max_length=max_length, top_logprobs=3)
+    fresh.setup("fit")
+    with pytest.raises(ValueError, match=f"row {first[:-4]} cover .* delete top-logprobs-3.safetensors"):
+        fresh.captured_top_logprobs()
+    with pytest.raises(ValueError, match="top_logprobs"):
+        _datamodule(tmp_path, sources, CountingTarget(model, tok), top_logprobs=-2)

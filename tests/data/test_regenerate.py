@@ -14,9 +14,11 @@ from exittrain.data.regenerate import (
     chat_prompt_ids,
     features_file,
     load_features,
+    load_top_logprobs,
     read_meta,
     regenerate,
     split_response,
+    top_logprobs_file,
 )
 from exittrain.models import TargetModel
 from tests.data.helpers import CountingTarget, tiny_llama
@@ -171,6 +173,44 @@ def test_kept_features_equal_a_separate_forward_over_each_row(tmp_path, smollm2_
     plain = regenerate(PROMPTS, _target(tok), target_name="tiny", cache_dir=tmp_path / "plain", gen=GEN, progress=False)
     assert _rows(plain) == _rows(ds)
     assert load_features(cache_path(tmp_path / "plain", "tiny", "", PROMPTS, GEN), layers) is None
+
+
+def test_kept_top_logprobs_are_the_distributions_the_answers_were_drawn_from(tmp_path, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    target = _target(tok)
+    ds = regenerate(
+        PROMPTS,
+        target,
+        target_name="tiny",
+        cache_dir=tmp_path,
+        gen=GEN,
+        progress=False,
+        feature_layers=[0],
+        top_logprobs=4,
+    )
+    path = cache_path(tmp_path, "tiny", "", PROMPTS, GEN)
+    assert read_meta(path)["top_logprobs"] == 4 and load_top_logprobs(path, 3) is None
+    stored = load_top_logprobs(path, 4)
+    assert sorted(stored) == list(range(len(PROMPTS)))
+    for row in ds:
+        ids, logp = stored[row["prompt_index"]]
+        n_p, n_r = row["n_prompt_tokens"], row["n_response_tokens"]
+        assert ids.dtype == torch.int32 and logp.dtype == torch.float32 and ids.shape == logp.shape == (n_r, 4)
+        response = torch.tensor(row["input_ids"][n_p:])
+        assert torch.equal(ids[:, 0].long(), response)  # greedy: each response token is its row's top-1
+        assert bool((logp[:, :-1] >= logp[:, 1:]).all()) and float(logp.exp().sum(-1).max()) <= 1 + 1e-5
+        # a separate unpadded forward gives the same distributions at positions n_p - 1 .. n - 2
+        with torch.no_grad():
+            logits = target.model(input_ids=torch.tensor([row["input_ids"]])).logits[0, n_p - 1 : -1]
+        expected, expected_ids = torch.log_softmax(logits.float(), -1).topk(4, -1)
+        torch.testing.assert_close(logp, expected, atol=1e-4, rtol=1e-4)
+        assert torch.equal(ids.long(), expected_ids)
+    assert load_features(path, [0]) is not None  # both kinds of tensors live beside the dataset
+    plain = regenerate(PROMPTS, _target(tok), target_name="tiny", cache_dir=tmp_path / "plain", gen=GEN, progress=False)
+    assert _rows(plain) == _rows(ds)  # keeping them changes no answer
+    assert not (cache_path(tmp_path / "plain", "tiny", "", PROMPTS, GEN) / top_logprobs_file(4)).exists()
+    with pytest.raises(ValueError, match="top_logprobs"):
+        regenerate(PROMPTS, target, target_name="tiny", cache_dir=tmp_path / "bad", gen=GEN, top_logprobs=-1)
 
 
 def test_a_resumed_run_whose_first_batches_kept_no_features_saves_none(tmp_path, smollm2_tokenizer, caplog):

@@ -318,3 +318,98 @@ def test_nan_drafter_logits_in_exittrain_raise_at_step_zero(target, monkeypatch)
     monkeypatch.setattr(module.drafter, "forward_anchors", lambda *a, **k: real(*a, **k) * math.nan)
     with pytest.raises(RuntimeError, match=r"global step 0, batch index 0"):
         trainer(2).fit(module, loader(4))
+
+
+# soft labels
+
+
+def reference_soft_block_ce(module, batch, generator, weight):
+    """The block CE with soft labels, from a plain forward's distributions and the loop twin of core."""
+    from exittrain.core import block_cross_entropy_reference, mix_soft_labels
+
+    hp = module.hparams
+    ids = batch["input_ids"]
+    features = module.target.sequence_features(ids, module.drafter.config.target_layer_ids).float()
+    anchors, valid = sample_anchors(batch["loss_mask"], batch["lengths"], hp.anchors_per_seq, K, generator)
+    logits = module.drafter.forward_anchors(features, ids, anchors)
+    L, A = anchors.shape
+    labels = torch.zeros(L * A, K, dtype=torch.long)
+    top_ids = torch.zeros(L * A, K, hp.soft_label_top_k, dtype=torch.long)
+    top_logp = torch.zeros(L * A, K, hp.soft_label_top_k)
+    for l in range(L):
+        n = int(batch["lengths"][l])
+        with torch.no_grad():
+            logp = module.target.model(input_ids=ids[l : l + 1, :n]).logits[0].float().log_softmax(-1)  # (n, V)
+        for a in range(A):
+            for k in range(K):
+                p = min(int(anchors[l, a]) + 1 + k, ids.shape[1] - 1)  # label position (clamped like the module)
+                labels[l * A + a, k] = ids[l, p]
+                if p - 1 < n - 1:
+                    top_logp[l * A + a, k], top_ids[l * A + a, k] = logp[p - 1].topk(hp.soft_label_top_k)
+    soft_ids, probs = mix_soft_labels(labels, top_ids, top_logp, weight)
+    mask = valid.reshape(-1, 1).expand(-1, K)
+    ce = block_cross_entropy_reference(logits, soft_ids, label_mask=mask, label_probs=probs, gamma=hp.gamma)
+    return float(ce.detach())
+
+
+def soft_block_ce(module, batch) -> float:
+    values, _ = module.compute_losses(batch, anchor_generator(0, 0), exit_loss=False, metrics=False, soft_labels=True)
+    return float(values["loss_tok"])
+
+
+@pytest.mark.parametrize("vocab_sample", [None, 10_000])
+def test_soft_labels_match_the_reference_from_a_plain_forward(target, vocab_sample):
+    module = make_module(target, stage="pretrain", soft_label_weight=0.7, soft_label_top_k=5, gamma=0.8)
+    batch = batch_of(3, seed=6)
+    with torch.no_grad():
+        values, _ = module.compute_losses(
+            batch, anchor_generator(0, 0), exit_loss=False, metrics=False, vocab_sample=vocab_sample, soft_labels=True
+        )
+        hard, _ = module.compute_losses(
+            batch, anchor_generator(0, 0), exit_loss=False, metrics=False, vocab_sample=vocab_sample
+        )
+    ref = reference_soft_block_ce(module, batch, anchor_generator(0, 0), 0.7)
+    assert float(values["loss_tok"]) == pytest.approx(ref, rel=1e-5)
+    assert abs(float(hard["loss_tok"]) - ref) > 1e-3  # the soft labels changed the loss
+
+
+def test_soft_labels_are_kept_per_row_and_preloaded_rows_need_no_forward(target, monkeypatch):
+    module = make_module(target, stage="pretrain", soft_label_weight=1.0, soft_label_top_k=4)
+    batch = {**batch_of(2, seed=7), "row_id": torch.tensor([11, 12])}
+    with torch.no_grad():
+        first = soft_block_ce(module, batch)
+    assert sorted(module._top_cache) == [11, 12]
+    lengths = batch["lengths"].tolist()
+    assert [module._top_cache[r][0].shape for r in (11, 12)] == [(n, 4) for n in lengths]
+    kept = dict(module._top_cache)
+
+    # a second module given those rows (as the regeneration's) never asks the target, and agrees
+    other = make_module(target, stage="pretrain", soft_label_weight=1.0, soft_label_top_k=4)
+    other.preload_top_logprobs(kept)
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("the target ran over a row whose top log-probabilities were kept")
+
+    monkeypatch.setattr(target, "token_top_logprobs", no_forward)
+    with torch.no_grad():
+        again, module_again = soft_block_ce(other, batch), soft_block_ce(module, batch)
+    assert again == pytest.approx(first, rel=1e-6) and module_again == pytest.approx(first, rel=1e-6)
+    with pytest.raises(ValueError, match="soft_label_top_k=4"):
+        other.preload_top_logprobs({13: (torch.zeros(5, 3, dtype=torch.int32), torch.zeros(5, 3))})
+    short = {**batch, "row_id": torch.tensor([12, 11])}  # row ids swapped: lengths no longer match
+    assert lengths[0] != lengths[1]
+    with pytest.raises(ValueError, match="row_id"):
+        soft_block_ce(other, short)
+
+
+def test_token_top_logprobs_are_the_shifted_distributions(target):
+    ids = batch_of(2, seed=8)["input_ids"]
+    top_ids, top_logp = target.token_top_logprobs(ids, 3)
+    assert top_ids.shape == top_logp.shape == (*ids.shape, 3) and bool(torch.isneginf(top_logp[:, 0]).all())
+    with torch.no_grad():
+        logp = target.model(input_ids=ids).logits.float().log_softmax(-1)
+    values, index = logp[:, :-1].topk(3, -1)
+    torch.testing.assert_close(top_logp[:, 1:], values, atol=1e-5, rtol=1e-5)
+    assert torch.equal(top_ids[:, 1:].long(), index)
+    with pytest.raises(ValueError, match="k="):
+        target.token_top_logprobs(ids, 0)
