@@ -265,13 +265,16 @@ def test_exittrain_stage_reuses_the_pretrain_features(rank, tmp_path, monkeypatc
 
 
 def test_fit_trains_on_the_features_kept_by_the_regeneration(rank, tmp_path, monkeypatch):
-    """A fresh regeneration keeps the drafter's target features: no stage runs the target over a row."""
+    """A fresh regeneration keeps the drafter's target features and the soft labels' top-k
+    log-probabilities: no stage runs the target over a row."""
     cfg, target = _tiny_fit(tmp_path, monkeypatch)
+    assert cfg.objective.soft_label_weight > 0  # the defaults train on soft labels
 
     def no_forward(*args, **kwargs):
         raise AssertionError("the target ran over a training row whose features the regeneration kept")
 
     monkeypatch.setattr(target, "sequence_features", no_forward)
+    monkeypatch.setattr(target, "token_top_logprobs", no_forward)
     rank(0)
     summary = cli.run_fit(cfg)
     assert summary["pretrain_metrics"]["train/feature_cache_rows"] > 0
