@@ -190,6 +190,24 @@ def stage_module_args(cfg: DictConfig, stage: str) -> dict:
     return {**base, **module_overrides(cfg, stage), "stage": stage}
 
 
+def fit_datamodule(cfg: DictConfig, target, drafter_layers: list[int], stages: list[str]):
+    """The run's DataModule (``cfg.data``), asking the regeneration to keep what training reads.
+
+    With the feature cache on, the regeneration keeps the target features of ``drafter_layers``
+    as it answers (no training row then needs a target forward of its own); when one of
+    ``stages`` trains on soft labels, also the target's top-k next-token log-probabilities.
+    """
+    args = [stage_module_args(cfg, stage) for stage in stages]
+    top_k = max((a.get("soft_label_top_k", 0) for a in args if a.get("soft_label_weight", 0) > 0), default=0)
+    return instantiate(cfg.data)(
+        target=lambda: (target.model, target.tokenizer),
+        tokenizer=target.tokenizer,
+        target_name=target.name,
+        feature_layers=list(drafter_layers) if cfg.objective.feature_cache else None,
+        top_logprobs=top_k,
+    )
+
+
 def _build_callbacks(
     cfg: DictConfig, stage: str, eval_prompts: list[list[int]], out: Path, eval_every: int | None = None
 ) -> list:
@@ -275,19 +293,7 @@ def run_fit(cfg: DictConfig) -> dict:
         drafter = load_drafter(cfg.warm_start, target)
     else:
         drafter = instantiate(cfg.drafter)(target)
-    # with the feature cache on, the regeneration keeps the drafter's target features as it answers:
-    # no training row then needs a target forward of its own
-    feature_layers = drafter.config.target_layer_ids if cfg.objective.feature_cache else None
-    # and, when a stage trains on soft labels, the target's top-k next-token log-probabilities
-    soft = [stage_module_args(cfg, stage) for stage in stages]
-    top_k = max((a.get("soft_label_top_k", 0) for a in soft if a.get("soft_label_weight", 0) > 0), default=0)
-    datamodule = instantiate(cfg.data)(
-        target=lambda: (target.model, target.tokenizer),
-        tokenizer=target.tokenizer,
-        target_name=target.name,
-        feature_layers=feature_layers,
-        top_logprobs=top_k,
-    )
+    datamodule = fit_datamodule(cfg, target, drafter.config.target_layer_ids, stages)
     _prepare_data(datamodule, wait_s=cfg.data_wait_s)
     eval_prompts = datamodule.eval_prompts(max(cfg.eval.num_prompts, cfg.callbacks.decode_eval.num_prompts))
 

@@ -282,18 +282,19 @@ def run_domain(domain: str, settings: Settings, out: Path, target=None) -> tuple
     """
     from hydra.utils import instantiate
 
+    from exittrain.cli import fit_datamodule
     from exittrain.eval.decode_eval import evaluate_prompts, summarize
     from exittrain.lit import save_drafter
     from exittrain.models import load_drafter
+    from exittrain.models.drafter import default_layer_ids
 
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     cfg = compose_fit_config(domain, out / domain, settings.overrides)
     cfg.seed = settings.seed
     target = target if target is not None else instantiate(cfg.target)
-    dm = instantiate(cfg.data)(
-        target=lambda: (target.model, target.tokenizer), tokenizer=target.tokenizer, target_name=target.name
-    )
+    layers = cfg.drafter.layer_ids or default_layer_ids(target.num_layers)  # those of the drafters trained below
+    dm = fit_datamodule(cfg, target, layers, ["pretrain", "exittrain"])
     dm.prepare_data()
     dm.setup("fit")
     prompts = dm.eval_prompts(max(settings.eval_prompts, settings.verifier_prompts))

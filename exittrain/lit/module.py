@@ -627,6 +627,17 @@ class ExitTrainModule(pl.LightningModule):
             lengths = batch["attention_mask"].sum(1)
         return lengths
 
+    def _row_layout(self, batch: Mapping[str, torch.Tensor]) -> tuple[list[int | None], list[int]]:
+        """Per batch row: its ``row_id`` (None without the entry) and its real length (T without lengths)."""
+        L, T = batch["input_ids"].shape
+        lengths = self._lengths(batch)
+        lens = [T] * L if lengths is None else [int(n) for n in lengths.tolist()]
+        row_id = batch.get("row_id")
+        ids = [int(r) for r in row_id.tolist()] if row_id is not None else [None] * L
+        if len(ids) != L:
+            raise ValueError(f"row_id has {len(ids)} entries for a batch of {L} rows")
+        return ids, lens
+
     def _anchors(self, batch: Mapping[str, torch.Tensor], generator: torch.Generator):
         lengths = self._lengths(batch)
         return sample_anchors(batch["loss_mask"], lengths, self.hparams.anchors_per_seq, self.horizon, generator)
@@ -646,18 +657,13 @@ class ExitTrainModule(pl.LightningModule):
         if not self.hparams.feature_cache:
             self._feature_rows_computed = int(input_ids.shape[0])
             return self.target.sequence_features(input_ids, layers).float()
-        row_id = batch.get("row_id")
-        if row_id is None:
+        if batch.get("row_id") is None:
             raise ValueError(
                 "feature_cache=True needs a 'row_id' (L,) entry in every batch (exittrain.data.collate.Collator "
                 "gives it from the rows' prompt_index); add one or set feature_cache=False"
             )
         L, T = input_ids.shape
-        ids = [int(r) for r in row_id.tolist()]
-        if len(ids) != L:
-            raise ValueError(f"row_id has {len(ids)} entries for a batch of {L} rows")
-        lengths = self._lengths(batch)
-        lens = [T] * L if lengths is None else [int(n) for n in lengths.tolist()]
+        ids, lens = self._row_layout(batch)
         tokens = input_ids.detach().to("cpu", torch.int32)
         cache = self._feature_cache
         missing: dict[int, int] = {}  # row_id -> first batch row holding it
@@ -698,10 +704,7 @@ class ExitTrainModule(pl.LightningModule):
         input_ids = batch["input_ids"]  # (L, T)
         L, T = input_ids.shape
         k = self.hparams.soft_label_top_k
-        lengths = self._lengths(batch)
-        lens = [T] * L if lengths is None else [int(n) for n in lengths.tolist()]
-        row_id = batch.get("row_id")
-        ids = [int(r) for r in row_id.tolist()] if row_id is not None else [None] * L
+        ids, lens = self._row_layout(batch)
         missing = [i for i, r in enumerate(ids) if r not in self._top_cache]
         fresh: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if missing:
