@@ -155,7 +155,7 @@ class ExitTrainDataModule(pl.LightningDataModule):
             raise ValueError(f"top_logprobs={top_logprobs!r} must be an int >= 0 (0 keeps none)")
         self.top_logprobs = top_logprobs
         self._captured: tuple[list[int], dict[int, tuple[torch.Tensor, torch.Tensor]]] | None = None
-        self._captured_top: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._captured_top: dict[int, tuple[int, torch.Tensor, torch.Tensor]] | None = None
 
         self._prompts: DomainPrompts | None = None
         self.train_set: datasets.Dataset | None = None
@@ -309,14 +309,15 @@ class ExitTrainDataModule(pl.LightningDataModule):
             logger.info("target features of layers %s: %d rows kept by the regeneration (%s)", layers, len(rows), path)
         return rows
 
-    def captured_top_logprobs(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """The target's top-S next-token log-probabilities kept by the regeneration, aligned with each row's tokens.
+    def captured_top_logprobs(self) -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:
+        """The target's top-S next-token log-probabilities kept by the regeneration, for every train and val row.
 
-        Returns ``row_id -> (ids (n, S) int32, log-probabilities (n, S) float32)`` for every train
-        and val row, n the row's length after the collator's ``max_length`` cut: entry t is the
-        target's distribution of token t, filled on the response and ``-inf`` on the prompt
-        (never a label). Empty when ``top_logprobs`` is 0 or the cache entry holds none for this
-        S. A stored row whose length differs from its response raises ValueError naming the row.
+        Returns ``row_id -> (start, ids (r, S) int32, log-probabilities (r, S) float32)``: entry j
+        is the target's distribution of token ``start + j`` of the row, ``start`` is where its
+        response begins and ``start + r`` its length after the collator's ``max_length`` cut (the
+        prompt is never a label, so it holds nothing). Empty when ``top_logprobs`` is 0 or the
+        cache entry holds none for this S. A stored row whose length differs from its response
+        raises ValueError naming the row.
         """
         if self.train_set is None:
             raise ValueError("the DataModule is not set up; call setup() first")
@@ -324,7 +325,7 @@ class ExitTrainDataModule(pl.LightningDataModule):
             return self._captured_top
         path = self.cache_path
         stored = load_top_logprobs(path, self.top_logprobs) if self.top_logprobs else None
-        rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        rows: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
         for split in (self.train_set, self.val_set) if stored is not None else ():
             if split is None:
                 continue
@@ -337,12 +338,8 @@ class ExitTrainDataModule(pl.LightningDataModule):
                         f"delete {top_logprobs_file(self.top_logprobs)} from the entry (training then asks the "
                         "target for them) or the entry itself to regenerate it"
                     )
-                n = min(len(ids), self.max_length)
-                top_ids = torch.zeros(n, self.top_logprobs, dtype=torch.int32)
-                top_logp = torch.full((n, self.top_logprobs), -torch.inf)
-                kept = max(0, n - n_prompt)
-                top_ids[n_prompt:n], top_logp[n_prompt:n] = top[0][:kept], top[1][:kept]
-                rows[int(row_id)] = (top_ids, top_logp)
+                kept = max(0, min(len(ids), self.max_length) - n_prompt)
+                rows[int(row_id)] = (int(n_prompt), top[0][:kept], top[1][:kept])
         self._captured_top = rows
         if rows:
             logger.info("top-%d log-probabilities: %d rows kept by the regeneration", self.top_logprobs, len(rows))

@@ -436,8 +436,9 @@ class ExitTrainModule(pl.LightningModule):
         # feature_cache: row_id -> (input ids (n,) int32, features (n, F) bf16), both on the CPU; never saved
         self._feature_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._feature_rows_computed = 0  # rows of the latest compute_losses whose features the target computed
-        # soft labels: row_id -> (top ids (n, S) int32, log-probs (n, S) float32), aligned with the tokens; never saved
-        self._top_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # soft labels: row_id -> (start, top ids (r, S) int32, log-probs (r, S) float32) of tokens start..start+r-1
+        # (the response only when the regeneration kept them: prompts are never labels); never saved
+        self._top_cache: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
         self._warned_top_forward = False
 
     # -- properties -----------------------------------------------------------------------------
@@ -477,21 +478,22 @@ class ExitTrainModule(pl.LightningModule):
                 )
             self._feature_cache.setdefault(int(row_id), (ids.to(torch.int32), feats.to(torch.bfloat16)))
 
-    def preload_top_logprobs(self, rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def preload_top_logprobs(self, rows: Mapping[int, tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         """Keep the target's top-S log-probabilities of rows computed elsewhere (the regeneration):
-        ``row_id -> (ids (n, S) int32, log-probabilities (n, S) float32)`` aligned with the row's
-        tokens (:meth:`exittrain.data.ExitTrainDataModule.captured_top_logprobs`). S must equal
+        ``row_id -> (start, ids (r, S) int32, log-probabilities (r, S) float32)``, entry j for token
+        ``start + j`` of the row, ``start + r`` its length
+        (:meth:`exittrain.data.ExitTrainDataModule.captured_top_logprobs`). S must equal
         ``soft_label_top_k``; another width raises ValueError. Rows already kept are kept.
         """
         k = self.hparams.soft_label_top_k
-        for row_id, (ids, logp) in rows.items():
-            if ids.dim() != 2 or ids.shape != logp.shape or ids.shape[1] != k:
+        for row_id, (start, ids, logp) in rows.items():
+            if ids.dim() != 2 or ids.shape != logp.shape or ids.shape[1] != k or start < 0:
                 raise ValueError(
                     f"preloaded top log-probabilities of row {row_id} have shapes {tuple(ids.shape)} and "
-                    f"{tuple(logp.shape)}; need (n, soft_label_top_k={k}) for both: regenerate with "
-                    f"top_logprobs={k} or set soft_label_top_k to the stored width"
+                    f"{tuple(logp.shape)} from token {start}; need (r, soft_label_top_k={k}) for both from a token "
+                    f">= 0: regenerate with top_logprobs={k} or set soft_label_top_k to the stored width"
                 )
-            self._top_cache.setdefault(int(row_id), (ids.to(torch.int32), logp.float()))
+            self._top_cache.setdefault(int(row_id), (int(start), ids.to(torch.int32), logp.float()))
 
     def share_feature_cache(self, other: ExitTrainModule) -> None:
         """Read and fill ``other``'s feature cache from now on (same target, layers and data).
@@ -696,7 +698,7 @@ class ExitTrainModule(pl.LightningModule):
         """The target's top-S tokens and log-probabilities (L, T, S) at every position of ``batch``, on its device.
 
         Entry (l, t) describes token t given the tokens before it (``-inf`` where unknown: padding,
-        and prompt positions of preloaded rows). Rows kept by ``row_id`` come from the per-row
+        and the prompt of a row the regeneration kept them for). Rows kept by ``row_id`` come from the per-row
         store; the others take one target forward each (:meth:`TargetModel.token_top_logprobs`)
         and are kept when the batch has ``row_id``. A kept row whose length differs from the
         batch's raises ValueError.
@@ -720,19 +722,20 @@ class ExitTrainModule(pl.LightningModule):
             width = max(lens[i] for i in missing)
             top_ids, top_logp = self.target.token_top_logprobs(input_ids[missing, :width], k)
             for j, i in enumerate(missing):
-                fresh[i] = (top_ids[j, : lens[i]].clone(), top_logp[j, : lens[i]].clone())
+                fresh[i] = (0, top_ids[j, : lens[i]].clone(), top_logp[j, : lens[i]].clone())
                 if ids[i] is not None:
                     self._top_cache[ids[i]] = fresh[i]
         out_ids = torch.zeros(L, T, k, dtype=torch.int32)
         out_logp = torch.full((L, T, k), -torch.inf)
         for i, r in enumerate(ids):
-            row_ids, row_logp = fresh[i] if i in fresh else self._top_cache[r]
-            if row_ids.shape[0] != lens[i]:
+            start, row_ids, row_logp = fresh[i] if i in fresh else self._top_cache[r]
+            end = start + row_ids.shape[0]
+            if end != lens[i]:
                 raise ValueError(
-                    f"row_id {r}: its kept top log-probabilities cover {row_ids.shape[0]} positions for "
-                    f"{lens[i]} tokens; row ids must be stable and unique across the train and validation data"
+                    f"row_id {r}: its kept top log-probabilities end at token {end} of a row of {lens[i]} tokens; "
+                    "row ids must be stable and unique across the train and validation data"
                 )
-            out_ids[i, : lens[i]], out_logp[i, : lens[i]] = row_ids, row_logp
+            out_ids[i, start:end], out_logp[i, start:end] = row_ids, row_logp
         device = input_ids.device
         return out_ids.to(device, torch.long), out_logp.to(device)
 

@@ -243,13 +243,12 @@ def test_kept_top_logprobs_are_aligned_with_the_rows_and_fill_the_modules_soft_l
     splits = [*dm.train_set, *dm.val_set]
     assert sorted(rows) == sorted(r["prompt_index"] for r in splits) and len(rows) == 10
     for r in splits:
-        top_ids, top_logp = rows[r["prompt_index"]]
+        start, top_ids, top_logp = rows[r["prompt_index"]]
         n, n_p = min(len(r["input_ids"]), max_length), r["n_prompt_tokens"]
-        assert top_ids.shape == top_logp.shape == (n, 3)
-        assert bool(torch.isneginf(top_logp[:n_p]).all())  # the prompt is never a label
+        assert start == n_p and top_ids.shape == top_logp.shape == (n - n_p, 3)  # the response, cut with the row
         kept_ids, kept_logp = stored[r["prompt_index"]]
-        assert torch.equal(top_ids[n_p:], kept_ids[: n - n_p]) and torch.equal(top_logp[n_p:], kept_logp[: n - n_p])
-        assert top_ids[n_p:, 0].tolist() == r["input_ids"][n_p:n]  # greedy answers: the top-1 is the token
+        assert torch.equal(top_ids, kept_ids[: n - n_p]) and torch.equal(top_logp, kept_logp[: n - n_p])
+        assert top_ids[:, 0].tolist() == r["input_ids"][n_p:n]  # greedy answers: the top-1 is the token
 
     # the module takes them at setup and never asks the target for them
     target = TargetModel(model, tok, name="tiny")

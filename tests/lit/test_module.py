@@ -380,7 +380,8 @@ def test_soft_labels_are_kept_per_row_and_preloaded_rows_need_no_forward(target,
         first = soft_block_ce(module, batch)
     assert sorted(module._top_cache) == [11, 12]
     lengths = batch["lengths"].tolist()
-    assert [module._top_cache[r][0].shape for r in (11, 12)] == [(n, 4) for n in lengths]
+    kept_layout = [(module._top_cache[r][0], module._top_cache[r][1].shape) for r in (11, 12)]
+    assert kept_layout == [(0, (n, 4)) for n in lengths]
     kept = dict(module._top_cache)
 
     # a second module given those rows (as the regeneration's) never asks the target, and agrees
@@ -395,7 +396,14 @@ def test_soft_labels_are_kept_per_row_and_preloaded_rows_need_no_forward(target,
         again, module_again = soft_block_ce(other, batch), soft_block_ce(module, batch)
     assert again == pytest.approx(first, rel=1e-6) and module_again == pytest.approx(first, rel=1e-6)
     with pytest.raises(ValueError, match="soft_label_top_k=4"):
-        other.preload_top_logprobs({13: (torch.zeros(5, 3, dtype=torch.int32), torch.zeros(5, 3))})
+        other.preload_top_logprobs({13: (0, torch.zeros(5, 3, dtype=torch.int32), torch.zeros(5, 3))})
+    # a row kept from its response on (as the regeneration keeps them) gives the same loss: prompts are never labels
+    n_prompt = [int(m.nonzero()[0]) for m in batch["loss_mask"]]
+    responses = {r: (p, kept[r][1][p:], kept[r][2][p:]) for r, p in zip((11, 12), n_prompt)}
+    third = make_module(target, stage="pretrain", soft_label_weight=1.0, soft_label_top_k=4)
+    third.preload_top_logprobs(responses)
+    with torch.no_grad():
+        assert soft_block_ce(third, batch) == pytest.approx(first, rel=1e-6)
     short = {**batch, "row_id": torch.tensor([12, 11])}  # row ids swapped: lengths no longer match
     assert lengths[0] != lengths[1]
     with pytest.raises(ValueError, match="row_id"):
