@@ -213,6 +213,23 @@ def test_kept_top_logprobs_are_the_distributions_the_answers_were_drawn_from(tmp
         regenerate(PROMPTS, target, target_name="tiny", cache_dir=tmp_path / "bad", gen=GEN, top_logprobs=-1)
 
 
+def test_kept_top_logprobs_of_a_sampled_answer_are_the_raw_distributions(tmp_path, smollm2_tokenizer):
+    """With sampling, the kept log-probabilities are the model's own, before temperature and top-p."""
+    tok = smollm2_tokenizer
+    target = _target(tok)
+    gen = GenerationConfig(max_new_tokens=6, batch_size=2, do_sample=True, temperature=0.5, top_p=0.9, seed=3)
+    ds = regenerate(
+        PROMPTS[:2], target, target_name="tiny", cache_dir=tmp_path, gen=gen, progress=False, top_logprobs=5
+    )
+    stored = load_top_logprobs(cache_path(tmp_path, "tiny", "", PROMPTS[:2], gen), 5)
+    for row in ds:
+        n_p = row["n_prompt_tokens"]
+        with torch.no_grad():
+            logits = target.model(input_ids=torch.tensor([row["input_ids"]])).logits[0, n_p - 1 : -1]
+        expected, _ = torch.log_softmax(logits.float(), -1).topk(5, -1)  # temperature 1, nothing cut
+        torch.testing.assert_close(stored[row["prompt_index"]][1], expected, atol=1e-4, rtol=1e-4)
+
+
 def test_a_resumed_run_whose_first_batches_kept_no_features_saves_none(tmp_path, smollm2_tokenizer, caplog):
     tok = smollm2_tokenizer
     with pytest.raises(RuntimeError, match="simulated interruption"):
