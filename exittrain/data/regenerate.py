@@ -254,6 +254,17 @@ def make_row(
     }
 
 
+@contextlib.contextmanager
+def _forward_hook(module: torch.nn.Module | None, hook: Callable) -> Any:
+    """``hook`` registered as a forward hook of ``module`` while the context is open (nothing for None)."""
+    handle = module.register_forward_hook(hook) if module is not None else None
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
 @torch.inference_mode()
 def generate_batch(
     model: Any,
@@ -299,9 +310,9 @@ def generate_batch(
         values, ids = torch.log_softmax(logits_NQV[:, -1].float(), dim=-1).topk(top_logprobs, dim=-1)
         tops.append((values.cpu(), ids.to("cpu", torch.int32)))
 
-    head_hook = model.get_output_embeddings().register_forward_hook(keep_top) if top_logprobs > 0 else None
-    try:
-        with layer_output_hooks(model, layers, keep):
+    head = model.get_output_embeddings() if top_logprobs > 0 else None
+    with layer_output_hooks(model, layers, keep):
+        with _forward_hook(head, keep_top):  # generation steps only: not the extra step below
             out = model.generate(
                 input_ids=input_ids_NP.to(device),
                 attention_mask=attention_mask_NP.to(device),
@@ -311,24 +322,18 @@ def generate_batch(
                 return_dict_in_generate=True,
                 **kwargs,
             )
-            sequences_NS = out.sequences  # (N, P + G)
-            G = sequences_NS.shape[1] - width
-            if head_hook is not None:
-                head_hook.remove()
-                head_hook = None
-            if layers and G > 0:
-                # HF positions are cumsum(mask) - 1, so the last column sits at (real tokens so far) - 1
-                mask_NS = torch.cat([attention_mask_NP, torch.ones(N, G, dtype=torch.long)], dim=1).to(device)
-                model(
-                    input_ids=sequences_NS[:, -1:],
-                    attention_mask=mask_NS,
-                    position_ids=mask_NS.sum(1, keepdim=True) - 1,
-                    cache=out.cache,
-                    use_cache=True,
-                )
-    finally:
-        if head_hook is not None:
-            head_hook.remove()
+        sequences_NS = out.sequences  # (N, P + G)
+        G = sequences_NS.shape[1] - width
+        if layers and G > 0:
+            # HF positions are cumsum(mask) - 1, so the last column sits at (real tokens so far) - 1
+            mask_NS = torch.cat([attention_mask_NP, torch.ones(N, G, dtype=torch.long)], dim=1).to(device)
+            model(
+                input_ids=sequences_NS[:, -1:],
+                attention_mask=mask_NS,
+                position_ids=mask_NS.sum(1, keepdim=True) - 1,
+                cache=out.cache,
+                use_cache=True,
+            )
     answers = [split_response(row, eos_ids) for row in sequences_NS[:, width:].tolist()]
     features_NSF = (
         torch.cat([torch.cat(steps[layer], dim=1) for layer in layers], dim=-1) if layers else None
