@@ -14,6 +14,9 @@ Lifecycle (Lightning calls these; see ``lightning.pytorch.core.datamodule``):
   The training order of epoch e is a function of ``seed`` and e only, and a fit resumed from a
   checkpoint continues it where the checkpoint left off (``state_dict`` / ``load_state_dict``,
   :class:`~exittrain.data.sampler.ResumableSampler`).
+- :meth:`ExitTrainDataModule.captured_features` / :meth:`ExitTrainDataModule.captured_top_logprobs`:
+  what the regeneration kept beside the answers (target features; the target's top-k next-token
+  log-probabilities, the soft labels), read once by the training module at its setup.
 - :meth:`ExitTrainDataModule.eval_prompts`: the held-out evaluation prompts, chat-templated, for
   decoding benchmarks. They never overlap the training prompts (:func:`exittrain.data.sources.load_domain`).
 """
