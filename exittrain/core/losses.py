@@ -34,6 +34,7 @@ The weights and soft labels are detached: gradients reach the drafter logits onl
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -93,20 +94,37 @@ def block_cross_entropy_reference(
     label_probs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Loop twin of :func:`block_cross_entropy`: one term per (n, k) and label id."""
-    N, K, _ = logits.shape
-    total = logits.new_zeros((), dtype=at_least_float32(logits).dtype)
+
+    def term(n: int, k: int) -> torch.Tensor:
+        logq = torch.log_softmax(at_least_float32(logits[n, k]), dim=-1)
+        return sum(-p * logq[y] for y, p in _label_pairs(labels, label_probs, n, k))
+
+    return _weighted_loop_mean(logits, gamma, label_mask, term)
+
+
+def _label_pairs(labels: torch.Tensor, label_probs: torch.Tensor | None, n: int, k: int) -> list[tuple[int, float]]:
+    """The (label id, probability) pairs of position (n, k): the hard label with 1, or the soft ones above 0."""
+    if label_probs is None:
+        return [(int(labels[n, k]), 1.0)]
+    return [(int(y), float(p)) for y, p in zip(labels[n, k], label_probs[n, k]) if float(p) > 0]
+
+
+def _weighted_loop_mean(
+    scores: torch.Tensor,
+    gamma: float | None,
+    label_mask: torch.Tensor | None,
+    term: Callable[[int, int], torch.Tensor],
+) -> torch.Tensor:
+    """The loop twins' ``sum w term(n, k) / sum w`` over the unmasked (n, k) of ``scores`` (N, K, *), w = gamma^k."""
+    N, K = scores.shape[:2]
+    total = scores.new_zeros((), dtype=at_least_float32(scores).dtype)
     weight_sum = 0.0
     for n in range(N):
         for k in range(K):
             if label_mask is not None and not bool(label_mask[n, k]):
                 continue
             w = 1.0 if gamma is None else gamma**k
-            logq = torch.log_softmax(at_least_float32(logits[n, k]), dim=-1)
-            if label_probs is None:
-                term = -logq[int(labels[n, k])]
-            else:
-                term = sum(-float(p) * logq[int(y)] for y, p in zip(labels[n, k], label_probs[n, k]) if float(p) > 0)
-            total = total + w * term
+            total = total + w * term(n, k)
             weight_sum += w
     return total / max(weight_sum, 1e-12)
 
@@ -264,26 +282,17 @@ def sampled_block_cross_entropy_reference(
     label_probs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Loop twin of :func:`sampled_block_cross_entropy` on a given candidate set: one term per (n, k) and label id."""
-    N, K, _ = hidden.shape
-    total = hidden.new_zeros((), dtype=at_least_float32(hidden).dtype)
-    weight_sum = 0.0
     cand = [int(c) for c in candidates]
-    for n in range(N):
-        for k in range(K):
-            w = 1.0 if gamma is None else gamma**k
-            if label_mask is not None and not bool(label_mask[n, k]):
-                continue
-            h = at_least_float32(hidden[n, k])
-            terms = [h @ at_least_float32(lm_head_weight[c]) + float(log_correction[i]) for i, c in enumerate(cand)]
-            log_z = torch.logsumexp(torch.stack(terms), 0)
-            if label_probs is None:
-                pairs = [(int(labels[n, k]), 1.0)]
-            else:
-                pairs = [(int(y), float(p)) for y, p in zip(labels[n, k], label_probs[n, k]) if float(p) > 0]
-            for y, p in pairs:
-                total = total + w * p * (log_z - h @ at_least_float32(lm_head_weight[y]))
-            weight_sum += w
-    return total / max(weight_sum, 1e-12)
+
+    def term(n: int, k: int) -> torch.Tensor:
+        h = at_least_float32(hidden[n, k])
+        logits = [h @ at_least_float32(lm_head_weight[c]) + float(log_correction[i]) for i, c in enumerate(cand)]
+        log_z = torch.logsumexp(torch.stack(logits), 0)
+        return sum(
+            p * (log_z - h @ at_least_float32(lm_head_weight[y])) for y, p in _label_pairs(labels, label_probs, n, k)
+        )
+
+    return _weighted_loop_mean(hidden, gamma, label_mask, term)
 
 
 def _node_weights(tree: DraftTree, law: ExitLaw, weight_type: str) -> torch.Tensor:

@@ -276,6 +276,12 @@ class ExitTrainDataModule(pl.LightningDataModule):
             "data: %d train rows, %d val rows, %d eval prompts (%s)", len(self.train_set), n_val, len(dp.eval), path
         )
 
+    def _split_rows(self, *columns: str):
+        """The zipped ``columns`` of every training row, then of every validation row."""
+        for split in (self.train_set, self.val_set):
+            if split is not None:
+                yield from zip(*(split[c] for c in columns))
+
     def captured_features(self, layers: Sequence[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Target features of ``layers`` kept by the regeneration, for every train and val row.
 
@@ -294,19 +300,16 @@ class ExitTrainDataModule(pl.LightningDataModule):
         path = self.cache_path
         stored = load_features(path, layers)
         rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for split in (self.train_set, self.val_set) if stored is not None else ():
-            if split is None:
-                continue
-            for row_id, ids in zip(split["prompt_index"], split["input_ids"]):
-                feats = stored.get(int(row_id))
-                if feats is None or feats.shape[0] != len(ids):
-                    raise ValueError(
-                        f"{path}: stored features of row {row_id} cover {None if feats is None else feats.shape[0]} "
-                        f"positions for {len(ids)} tokens; delete {features_file(layers)} from the entry to "
-                        "recompute them"
-                    )
-                n = min(len(ids), self.max_length)
-                rows[int(row_id)] = (torch.tensor(ids[:n], dtype=torch.int32), feats[:n])
+        for row_id, ids in self._split_rows("prompt_index", "input_ids") if stored is not None else ():
+            feats = stored.get(int(row_id))
+            if feats is None or feats.shape[0] != len(ids):
+                raise ValueError(
+                    f"{path}: stored features of row {row_id} cover {None if feats is None else feats.shape[0]} "
+                    f"positions for {len(ids)} tokens; delete {features_file(layers)} from the entry to "
+                    "recompute them"
+                )
+            n = min(len(ids), self.max_length)
+            rows[int(row_id)] = (torch.tensor(ids[:n], dtype=torch.int32), feats[:n])
         self._captured = (layers, rows)
         if rows:
             logger.info("target features of layers %s: %d rows kept by the regeneration (%s)", layers, len(rows), path)
@@ -329,20 +332,18 @@ class ExitTrainDataModule(pl.LightningDataModule):
         path = self.cache_path
         stored = load_top_logprobs(path, self.top_logprobs) if self.top_logprobs else None
         rows: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
-        for split in (self.train_set, self.val_set) if stored is not None else ():
-            if split is None:
-                continue
-            for row_id, ids, n_prompt in zip(split["prompt_index"], split["input_ids"], split["n_prompt_tokens"]):
-                top, n_response = stored.get(int(row_id)), len(ids) - n_prompt
-                if top is None or top[0].shape[0] != n_response:
-                    raise ValueError(
-                        f"{path}: stored top-{self.top_logprobs} log-probabilities of row {row_id} cover "
-                        f"{None if top is None else top[0].shape[0]} positions for {n_response} response tokens; "
-                        f"delete {top_logprobs_file(self.top_logprobs)} from the entry (training then asks the "
-                        "target for them) or the entry itself to regenerate it"
-                    )
-                kept = max(0, min(len(ids), self.max_length) - n_prompt)
-                rows[int(row_id)] = (int(n_prompt), top[0][:kept], top[1][:kept])
+        columns = ("prompt_index", "input_ids", "n_prompt_tokens")
+        for row_id, ids, n_prompt in self._split_rows(*columns) if stored is not None else ():
+            top, n_response = stored.get(int(row_id)), len(ids) - n_prompt
+            if top is None or top[0].shape[0] != n_response:
+                raise ValueError(
+                    f"{path}: stored top-{self.top_logprobs} log-probabilities of row {row_id} cover "
+                    f"{None if top is None else top[0].shape[0]} positions for {n_response} response tokens; "
+                    f"delete {top_logprobs_file(self.top_logprobs)} from the entry (training then asks the "
+                    "target for them) or the entry itself to regenerate it"
+                )
+            kept = max(0, min(len(ids), self.max_length) - n_prompt)
+            rows[int(row_id)] = (int(n_prompt), top[0][:kept], top[1][:kept])
         self._captured_top = rows
         if rows:
             logger.info("top-%d log-probabilities: %d rows kept by the regeneration", self.top_logprobs, len(rows))

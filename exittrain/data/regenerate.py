@@ -512,6 +512,19 @@ def _save_atomic(
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _merge_shards(shards: Sequence[Path], load: Callable[[Path], dict | None], what: str, short: str) -> dict | None:
+    """The union of ``load(shard)`` over the shards of one entry; None, with a warning, when a shard kept
+    none (a shard of an interrupted run that kept no ``what``, or kept it for other settings)."""
+    rows: dict = {}
+    for b, shard in enumerate(shards):
+        part = load(shard)
+        if part is None:
+            logger.warning("batch %d in %s kept no %s; the entry is saved without %s", b, shard.parent, what, short)
+            return None
+        rows.update(part)
+    return rows
+
+
 def _resolve(target: tuple[Any, Any] | TargetProvider) -> tuple[Any, Any]:
     model, tokenizer = target() if callable(target) else target
     return model, tokenizer
@@ -650,29 +663,19 @@ def regenerate(
     for b, shard in enumerate(shards):
         assert shard["prompt_index"] == batches[b], f"shard {b} in {partial} does not match its batch"
     ds = datasets.concatenate_datasets(shards)
-    feature_rows: dict[int, torch.Tensor] | None = {} if layers else None
-    for b in range(len(batches)) if layers else ():
-        part = load_features(shard_dir(b), layers)
-        if part is None:  # a shard of an interrupted run that kept no features (or other layers)
-            logger.warning(
-                "batch %d in %s kept no features of layers %s; the entry is saved without features", b, partial, layers
-            )
-            feature_rows = None
-            break
-        feature_rows.update(part)
-    top_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {} if top_logprobs else None
-    for b in range(len(batches)) if top_logprobs else ():
-        part = load_top_logprobs(shard_dir(b), top_logprobs)
-        if part is None:  # a shard of an interrupted run that kept none (or another S)
-            logger.warning(
-                "batch %d in %s kept no top-%d log-probabilities; the entry is saved without them",
-                b,
-                partial,
-                top_logprobs,
-            )
-            top_rows = None
-            break
-        top_rows.update(part)
+    shard_dirs = [shard_dir(b) for b in range(len(batches))]
+    feature_rows = (
+        _merge_shards(shard_dirs, lambda d: load_features(d, layers), f"features of layers {layers}", "features")
+        if layers
+        else None
+    )
+    top_rows = (
+        _merge_shards(
+            shard_dirs, lambda d: load_top_logprobs(d, top_logprobs), f"top-{top_logprobs} log-probabilities", "them"
+        )
+        if top_logprobs
+        else None
+    )
     index = ds["prompt_index"]
     ds = ds.select(sorted(range(len(ds)), key=index.__getitem__))
     meta = {
