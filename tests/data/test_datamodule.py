@@ -12,6 +12,7 @@ from exittrain.data.datamodule import ExitTrainDataModule
 from exittrain.data.regenerate import chat_prompt_ids
 from exittrain.data.sources import normalize_prompt
 from tests.data.helpers import CountingTarget, tiny_llama
+from tests.lit.helpers import trainer as lit_trainer
 
 TRAIN = [f"Question number {i}: what is {i} plus {i}?" for i in range(10)] + ["Shared prompt"]
 EVAL = ["shared   PROMPT", "Tell me a story.", "What is a prime number?"]
@@ -165,7 +166,6 @@ def test_embedded_target_answers_math_prompts(tmp_path):
 
 
 def test_kept_features_fill_the_training_modules_cache(tmp_path, sources, smollm2_tokenizer, monkeypatch):
-    import lightning.pytorch as pl
     from safetensors.torch import load_file, save_file
 
     from exittrain.data.regenerate import features_file
@@ -196,16 +196,7 @@ def test_kept_features_fill_the_training_modules_cache(tmp_path, sources, smollm
         raise AssertionError("the target ran over a row whose features the regeneration kept")
 
     monkeypatch.setattr(target, "sequence_features", no_forward)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=1,
-    )
+    trainer = lit_trainer(2, limit_val_batches=1)
     trainer.fit(module, datamodule=dm)
     assert module.feature_cache_rows == 10 and trainer.global_step == 2
 
@@ -224,7 +215,6 @@ def test_kept_features_fill_the_training_modules_cache(tmp_path, sources, smollm
 def test_kept_top_logprobs_are_aligned_with_the_rows_and_fill_the_modules_soft_labels(
     tmp_path, sources, smollm2_tokenizer, monkeypatch
 ):
-    import lightning.pytorch as pl
     from safetensors.torch import load_file, save_file
 
     from exittrain.data.regenerate import load_top_logprobs, top_logprobs_file
@@ -261,16 +251,7 @@ def test_kept_top_logprobs_are_aligned_with_the_rows_and_fill_the_modules_soft_l
         raise AssertionError("the target ran over a row whose top log-probabilities the regeneration kept")
 
     monkeypatch.setattr(target, "token_top_logprobs", no_forward)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=1,
-    )
+    trainer = lit_trainer(2, limit_val_batches=1)
     trainer.fit(module, datamodule=dm)
     assert len(module._top_cache) == 10 and trainer.global_step == 2
 
