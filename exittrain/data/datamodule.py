@@ -7,7 +7,8 @@ Lifecycle (Lightning calls these; see ``lightning.pytorch.core.datamodule``):
   by the ``target`` callable only when the cache entry is missing.
 - ``setup`` (every process): reloads the prompt lists (deterministic, cheap), opens the cached
   dataset, drops rows whose prompt alone fills ``max_length`` and holds out ``val_fraction`` of the
-  training rows for a validation loss. Everything is counted in :attr:`ExitTrainDataModule.stats`.
+  training rows for a validation loss, whole tasks at a time (:func:`split_by_task`). Everything
+  is counted in :attr:`ExitTrainDataModule.stats`.
 - ``train_dataloader`` / ``val_dataloader``: right-padded batches from :class:`~exittrain.data.collate.Collator`
   (input_ids (L, T) long, loss_mask (L, T) bool, attention_mask (L, T) long, n_prompt_tokens (L,),
   lengths (L,), row_id (L,) = the row's ``prompt_index``: stable across epochs, unique across both splits).
@@ -26,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -69,6 +71,30 @@ def default_target_provider(target_name: str | None) -> TargetProvider:
     return provide
 
 
+def split_by_task(order: Sequence[int], tasks: Sequence[str], n_val: int) -> tuple[list[int], list[int]]:
+    """Hold out about ``n_val`` rows, whole tasks at a time: returns ``(val rows, train rows)``.
+
+    ``order`` is the shuffled row list and ``tasks[i]`` the task key of row i
+    (:meth:`DomainPrompts.train_tasks`). Tasks are taken in the order their first row appears in
+    ``order`` until ``n_val`` rows are held out, so the last task may add a row or two more; no task
+    has rows on both sides (the description and the stub of one CodeI/O task answer alike, and a
+    validation row whose twin is trained on reads optimistic). With every task a single row this is
+    ``order[:n_val]``, ``order[n_val:]``. Both lists keep the order of ``order``.
+    """
+    held: set[str] = set()
+    count = Counter(tasks[i] for i in order)
+    n = 0
+    for i in order:
+        if n >= n_val:
+            break
+        if tasks[i] not in held:
+            held.add(tasks[i])
+            n += count[tasks[i]]
+    val = [i for i in order if tasks[i] in held]
+    train = [i for i in order if tasks[i] not in held]
+    return val, train
+
+
 SourceSpecs = Sequence[str | PromptSource | Mapping[str, Any]]
 
 
@@ -92,7 +118,8 @@ class ExitTrainDataModule(pl.LightningDataModule):
         max_train_prompts: keep a seeded random sample of at most this many training prompts
             (regeneration costs about 0.5-1 s per answer on a CPU).
         val_fraction: fraction of the regenerated training rows held out for validation loss
-            (0 disables validation; otherwise at least one row).
+            (0 disables validation; otherwise at least one row), whole tasks at a time: both
+            prompt forms of one CodeI/O task land on the same side (:func:`split_by_task`).
         seed: seed of the prompt sample, the validation split and the shuffling.
         max_prompt_chars: prompts longer than this are rejected (counted) when sources are read.
         progress: show the regeneration progress bar.
@@ -250,19 +277,23 @@ class ExitTrainDataModule(pl.LightningDataModule):
             )
         order = list(usable)
         random.Random(self.seed).shuffle(order)
-        n_val = 0
+        dp = self.prompts()
+        tasks = dp.train_tasks()
+        row_tasks = [tasks[i] for i in ds["prompt_index"]]
+        val_rows, train_rows = [], order
         if self.val_fraction > 0:
             n_val = max(1, round(self.val_fraction * len(order)))
-            if n_val >= len(order):
+            val_rows, train_rows = split_by_task(order, row_tasks, n_val)
+            if not train_rows:
                 raise ValueError(
                     f"{len(order)} usable rows cannot give {n_val} validation rows and some training rows; "
                     "lower val_fraction or add prompts"
                 )
+        n_val = len(val_rows)
         columns = ["input_ids", "loss_mask", "n_prompt_tokens", "prompt_index"]  # prompt_index -> row_id
         ds = ds.select_columns(columns)
-        self.val_set = ds.select(sorted(order[:n_val]), keep_in_memory=True) if n_val else None
-        self.train_set = ds.select(sorted(order[n_val:]), keep_in_memory=True)
-        dp = self.prompts()
+        self.val_set = ds.select(sorted(val_rows), keep_in_memory=True) if n_val else None
+        self.train_set = ds.select(sorted(train_rows), keep_in_memory=True)
         self.stats = {
             "prompts": dp.to_dict(),
             "regeneration": {k: meta[k] for k in ("rows", "rejected_too_long", "unfinished", "n_prompts")},

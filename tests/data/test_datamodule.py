@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from exittrain.data.collate import Collator, truncation_stats
-from exittrain.data.datamodule import ExitTrainDataModule
+from exittrain.data.datamodule import ExitTrainDataModule, split_by_task
 from exittrain.data.regenerate import chat_prompt_ids
 from exittrain.data.sources import normalize_prompt
 from tests.data.helpers import CountingTarget, tiny_llama
@@ -268,3 +268,33 @@ def test_kept_top_logprobs_are_aligned_with_the_rows_and_fill_the_modules_soft_l
         fresh.captured_top_logprobs()
     with pytest.raises(ValueError, match="top_logprobs"):
         _datamodule(tmp_path, sources, CountingTarget(model, tok), top_logprobs=-2)
+
+
+def test_split_by_task_keeps_each_task_on_one_side():
+    order = [5, 0, 3, 1, 4, 2, 6]
+    singles = [str(i) for i in range(7)]
+    assert split_by_task(order, singles, 3) == ([5, 0, 3], [1, 4, 2, 6])  # the plain row split
+    tasks = ["a", "b", "a", "c", "d", "b", "e"]  # rows 0 and 2 share task a, rows 1 and 5 task b
+    val, train = split_by_task(order, tasks, 3)
+    assert val == [5, 0, 1, 2] and train == [3, 4, 6]  # b (rows 5, 1) then a (rows 0, 2): 4 rows
+    assert not {tasks[i] for i in val} & {tasks[i] for i in train}
+    assert split_by_task(order, tasks, 0) == ([], order)
+
+
+def test_both_forms_of_a_codeio_task_land_on_one_side_of_the_split(tmp_path, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    # the same seed and limit over the same 3,000 rows pick the same 6 tasks in both forms
+    train = ["pkg:codeio?limit=6&seed=3", "pkg:codeio_stub?limit=6&seed=3"]
+    target = CountingTarget(tiny_llama(tok, seed=0), tok)
+    dm = _datamodule(tmp_path, (train, ["pkg:humaneval"]), target, max_length=640, val_fraction=0.25)
+    dm.prepare_data()
+    dm.setup("fit")
+    tasks = dm.prompts().train_tasks()
+    assert len(set(tasks)) == 6 and all(t.startswith("codeio:") for t in tasks)
+    side = {}
+    for name, split in (("val", dm.val_set), ("train", dm.train_set)):
+        for i in split["prompt_index"]:
+            assert side.setdefault(tasks[i], name) == name, f"task {tasks[i]} sits in both splits"
+    val_tasks = [tasks[i] for i in dm.val_set["prompt_index"]]
+    assert len(val_tasks) >= 3  # round(0.25 * 12) rows asked, whole tasks given
+    assert any(val_tasks.count(t) == 2 for t in val_tasks)  # a description and its stub, together

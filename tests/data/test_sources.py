@@ -93,6 +93,20 @@ def test_codeio_stubs_are_the_tasks_as_functions_to_complete():
         compile(stub.removeprefix(header).removesuffix("```"), "<stub>", "exec")  # a valid Python stub
 
 
+def test_the_two_forms_of_a_codeio_task_share_one_task_key():
+    code, math = load_domain("code"), load_domain("math")
+    tasks = code.train_tasks()
+    assert len(tasks) == len(code.train) == 6000 and len(set(tasks)) == 3000
+    by_task: dict[str, list[str]] = {}
+    for prompt, task in zip(code.train, tasks):
+        by_task.setdefault(task, []).append(prompt)
+    description, stub = by_task[tasks[0]]
+    assert description.startswith("Write a Python function") and stub.startswith("Complete the following")
+    assert description.split("\n\n")[1].strip() in stub  # the same task description
+    assert math.train_tasks() == math.train  # no task set: every prompt is its own task
+    assert "task_keys" not in code.train_stats[0].to_dict()
+
+
 def test_codeio_stub_keeps_imports_signature_and_the_task_as_docstring():
     from exittrain.data import sources
 
