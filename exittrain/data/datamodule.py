@@ -278,15 +278,14 @@ class ExitTrainDataModule(pl.LightningDataModule):
         order = list(usable)
         random.Random(self.seed).shuffle(order)
         dp = self.prompts()
-        tasks = dp.train_tasks()
-        row_tasks = [tasks[i] for i in ds["prompt_index"]]
         val_rows, train_rows = [], order
         if self.val_fraction > 0:
-            n_val = max(1, round(self.val_fraction * len(order)))
-            val_rows, train_rows = split_by_task(order, row_tasks, n_val)
+            asked = max(1, round(self.val_fraction * len(order)))
+            tasks = dp.train_tasks()  # indexed by prompt_index; only the split needs them
+            val_rows, train_rows = split_by_task(order, [tasks[i] for i in ds["prompt_index"]], asked)
             if not train_rows:
                 raise ValueError(
-                    f"{len(order)} usable rows cannot give {n_val} validation rows and some training rows; "
+                    f"{len(order)} usable rows cannot give {asked} validation rows and some training rows; "
                     "lower val_fraction or add prompts"
                 )
         n_val = len(val_rows)
