@@ -33,6 +33,32 @@ def test_greedy_block_lengths_read_the_drafters_own_layers_from_a_superset():
         assert lengths.min() >= 1 and lengths.max() <= K + 1
 
 
+def test_paired_difference_is_the_mean_anchor_difference_and_needs_the_same_anchors():
+    first = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([2.0, 2.0])]
+    better = [torch.tensor([2.0, 2.0, 3.0]), torch.tensor([2.0, 3.0])]  # +1 at 2 of the 5 anchors
+    pair = bench_heldout.paired_difference(better, first)
+    assert pair["delta"] == pytest.approx(0.4)
+    low, high = pair["ci95"]
+    assert 0.0 <= low <= 0.4 <= high <= 0.5  # each prompt's mean gain lies in [1/3, 1/2]
+    same = bench_heldout.paired_difference(first, first)
+    assert same == {"delta": 0.0, "ci95": [0.0, 0.0]}
+    assert bench_heldout.paired_difference([torch.tensor([1.0, 2.0]), torch.tensor([2.0, 2.0])], first) is None
+    assert bench_heldout.paired_difference(first[:1], first) is None
+
+
+def test_heldout_markdown_shows_the_paired_difference_after_the_first_row():
+    rows = [
+        {"drafter": "a", "anchors": 5, "greedy_block_length": 2.0, "ci95": [1.9, 2.1], "accuracy_by_depth": [0.5],
+         "vs_first": None},
+        {"drafter": "b", "anchors": 5, "greedy_block_length": 2.4, "ci95": [2.2, 2.6], "accuracy_by_depth": [0.6],
+         "vs_first": {"delta": 0.4, "ci95": [0.25, 0.5]}},
+    ]
+    md = bench_heldout.to_markdown({"prompts": 2, "domain": "code", "skip": 8, "max_new_tokens": 9, "budget": 4,
+                                    "rows": rows})
+    assert "| a | 5 | 2.000 | 1.90-2.10 | - | 0.50 |" in md
+    assert "| b | 5 | 2.400 | 2.20-2.60 | +0.400 (+0.250 to +0.500) | 0.60 |" in md
+
+
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_heldout_bench_on_the_embedded_target(tmp_path):
@@ -47,4 +73,4 @@ def test_heldout_bench_on_the_embedded_target(tmp_path):
     assert result["prompts"] == 2 and row["anchors"] == 2 * (12 - 7 + 1)
     # an untrained drafter: the root's own block, rarely more
     assert 1.0 <= row["greedy_block_length"] < 1.5 and row["ci95"][0] <= row["greedy_block_length"] <= row["ci95"][1]
-    assert "| greedy tau |" in bench_heldout.to_markdown(result)
+    assert row["vs_first"] is None and "| greedy tau |" in bench_heldout.to_markdown(result)
