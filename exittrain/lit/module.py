@@ -98,6 +98,7 @@ from exittrain.core import (
     followed_depth,
     mix_soft_labels,
     sampled_block_cross_entropy,
+    warp_probs,
 )
 from exittrain.core.exit_law import ExitLaw
 from exittrain.lit.sharding import shard_drafter
@@ -316,6 +317,11 @@ def _check_args(a: Mapping[str, Any]) -> None:
         "need a float in [0, 1] (0 = the answer tokens, 1 = the target's top-k distributions)",
     )
     need(_is_int(a["soft_label_top_k"]) and a["soft_label_top_k"] >= 1, "soft_label_top_k", "need an int >= 1")
+    need(
+        _is_number(a["law_temperature"]) and a["law_temperature"] >= 0,
+        "law_temperature",
+        "need a float >= 0 (1 = the target's raw law, 0 = its greedy one-hot law)",
+    )
     if a["stage"] == "exittrain":
         need(a["lambda_tok"] + a["lambda_exit"] > 0, "lambda_exit", "lambda_tok and lambda_exit are both 0: no loss")
     else:
@@ -383,6 +389,10 @@ class ExitTrainModule(pl.LightningModule):
             pi`` (see the module docstring); 0 trains on the answer tokens alone.
         soft_label_top_k: S, the target tokens per position in pi (the regeneration must keep
             the same S for its log-probabilities to be used).
+        law_temperature: the temperature of the target distribution that the node loss's weights
+            (and ``missing``'s labels) are computed from: ALGORITHM.md section 4 says the exit law
+            holds for the distribution actually decoded. 1 is the raw law; 0 is the one-hot argmax,
+            the law of a T = 0 decoder. The logged tree metrics always use the raw law.
 
     Every argument is validated; a bad value raises ``ValueError`` naming the key.
     """
@@ -414,6 +424,7 @@ class ExitTrainModule(pl.LightningModule):
         feature_cache: bool = False,
         soft_label_weight: float = 0.0,
         soft_label_top_k: int = 16,
+        law_temperature: float = 1.0,
     ) -> None:
         super().__init__()
         args = dict(locals())
@@ -834,11 +845,14 @@ class ExitTrainModule(pl.LightningModule):
                 values.update(tree_metrics(trees_v, law_raw))
                 values["greedy_block_length"] = 1.0 + followed_depth(trees_v, labels[index]).float().mean()
             if exit_loss:
-                law_w = law_raw
-                if hp.weight_type != "missing" and hp.alpha > 0:
-                    with torch.no_grad():
-                        law_w = exit_law(trees_v, probs, hp.alpha, validate=False)
-                loss_exit = exit_node_loss(logits[index], trees_v, law_w, hp.weight_type, probs)
+                law_probs, law_w = probs, law_raw
+                alpha = hp.alpha if hp.weight_type != "missing" else 0.0
+                with torch.no_grad():
+                    if hp.law_temperature != 1.0:
+                        law_probs = warp_probs(scores.logits[index], hp.law_temperature)
+                    if alpha > 0 or law_probs is not probs:
+                        law_w = exit_law(trees_v, law_probs, alpha, validate=False)
+                loss_exit = exit_node_loss(logits[index], trees_v, law_w, hp.weight_type, law_probs)
                 values["loss_exit"] = loss_exit
                 loss = loss + hp.lambda_exit * loss_exit
             timer.lap("exit")

@@ -103,6 +103,8 @@ def test_sample_anchors_reproducible_per_seed_and_step():
         ("seed", 1.5),
         ("vocab_sample", 0),
         ("vocab_sample", 2.5),
+        ("law_temperature", -1.0),
+        ("law_temperature", float("inf")),
     ],
 )
 def test_bad_config_raises_naming_the_key(target, key, value):
@@ -171,12 +173,16 @@ def reference_losses(module, batch, generator):
                 ce -= sum(float(row[k, ids[l, pos + 1 + k]]) for k in range(K))
                 n += K
     trees = build_tree(logits.detach().log_softmax(-1), hp.budget)
-    probs = module.target.score_trees(ids, anchors, trees).logits.softmax(-1)
+    scores = module.target.score_trees(ids, anchors, trees).logits
+    probs = scores.softmax(-1)
+    T = hp.law_temperature  # the law the node loss reads: one-hot argmax at 0, else softmax(logits / T)
+    law_probs = torch.nn.functional.one_hot(scores.argmax(-1), scores.shape[-1]).float() if T == 0 else (
+        scores / T).softmax(-1)
     index = valid.reshape(-1).nonzero().squeeze(1)
     sub = lit_module.select_trees(trees, index)
     alpha = 0.0 if hp.weight_type == "missing" else hp.alpha
-    law = exit_law(sub, probs[index], alpha)
-    exit_loss = exit_node_loss_reference(logits[index], sub, law, hp.weight_type, probs[index])
+    law = exit_law(sub, law_probs[index], alpha)
+    exit_loss = exit_node_loss_reference(logits[index], sub, law, hp.weight_type, law_probs[index])
     A = anchors.shape[1]
     labels = torch.stack([ids[l, int(anchors[l, a]) + 1 : int(anchors[l, a]) + 1 + K] for l, a in
                           (divmod(int(i), A) for i in index)])  # (n, K) the rows' own next tokens
@@ -204,6 +210,22 @@ def test_losses_match_the_reference_twins(target, weight_type):
     assert exit_mass == pytest.approx(1.0, abs=1e-5)
     assert float(values["coverage"]) == pytest.approx(float(values["analytic_block_length"]) - 1, abs=1e-6)
     assert set(times) == {"features", "draft", "tree", "score", "exit"} and all(t >= 0 for t in times.values())
+
+
+@pytest.mark.parametrize("weight_type, law_temperature", [("flow", 0.0), ("missing", 0.0), ("exit", 0.5)])
+def test_node_loss_reads_the_law_at_law_temperature(target, weight_type, law_temperature):
+    module = make_module(target, weight_type=weight_type, alpha=0.05, anchors_per_seq=6, law_temperature=law_temperature)
+    raw = make_module(target, weight_type=weight_type, alpha=0.05, anchors_per_seq=6)
+    batch = batch_of(3, seed=5)
+    with torch.no_grad():
+        values, _ = module.compute_losses(batch, anchor_generator(0, 0), exit_loss=True, metrics=True)
+        values_raw, _ = raw.compute_losses(batch, anchor_generator(0, 0), exit_loss=True, metrics=True)
+        ref_tok, ref_exit, ref_tau, _ = reference_losses(module, batch, anchor_generator(0, 0))
+    assert float(values["loss_exit"]) == pytest.approx(ref_exit, rel=1e-5)
+    assert float(values["loss_exit"]) != pytest.approx(float(values_raw["loss_exit"]), rel=1e-3)
+    # the block CE and the logged tree metrics keep the raw law
+    assert float(values["loss_tok"]) == pytest.approx(float(values_raw["loss_tok"]), rel=1e-6)
+    assert float(values["analytic_block_length"]) == pytest.approx(float(ref_tau), rel=1e-5)
 
 
 def test_padded_anchors_do_not_change_the_losses(target):
