@@ -184,8 +184,13 @@ def mix_soft_labels(
 def _position_weights(
     N: int, K: int, gamma: float | None, label_mask: torch.Tensor | None, dtype, device
 ) -> torch.Tensor:
-    if gamma is not None and not gamma > 0:
-        raise ValueError(f"gamma must be > 0 (position decay) or None, got {gamma!r}")
+    if gamma is not None and not 0 < gamma <= 1:
+        # A decay written as a length scale L, exp(-(k-1)/L) (the reference recipe's "gamma 7"),
+        # is this base at exp(-1/L); a base above 1 would weight the deep positions most.
+        raise ValueError(
+            f"gamma must be in (0, 1] (the base of gamma^(k-1)) or None, got {gamma!r}; "
+            "a length scale L is gamma = exp(-1/L)"
+        )
     weight = torch.ones(K, dtype=dtype, device=device)
     if gamma is not None:
         weight = gamma ** torch.arange(K, dtype=dtype, device=device)

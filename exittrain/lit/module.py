@@ -286,7 +286,12 @@ def _check_args(a: Mapping[str, Any]) -> None:
     need(_is_number(a["alpha"]) and 0.0 <= a["alpha"] <= 1.0, "alpha", "need a float in [0, 1] (edge floor)")
     need(_is_number(a["lambda_tok"]) and a["lambda_tok"] >= 0, "lambda_tok", "need a float >= 0")
     need(_is_number(a["lambda_exit"]) and a["lambda_exit"] >= 0, "lambda_exit", "need a float >= 0")
-    need(a["gamma"] is None or (_is_number(a["gamma"]) and a["gamma"] > 0), "gamma", "need None or a float > 0")
+    need(
+        a["gamma"] is None or (_is_number(a["gamma"]) and 0 < a["gamma"] <= 1),
+        "gamma",
+        "need None or a float in (0, 1], the base of the decay gamma^(k-1); a decay written as a length "
+        "scale L, exp(-(k-1)/L) (the reference recipe's 'gamma 7'), is gamma = exp(-1/L) (0.867 for L = 7)",
+    )
     need(a["scoring"] in SCORING_MODES, "scoring", f"must be one of {SCORING_MODES}")
     need(_is_int(a["window"]) and a["window"] >= 1, "window", "need an int >= 1 (prefix tokens in windowed scoring)")
     need(
@@ -365,7 +370,7 @@ class ExitTrainModule(pl.LightningModule):
         weight_type: the node weight of ``L_exit``, one of :data:`exittrain.core.WEIGHT_TYPES`.
         alpha: floor of the edge probabilities in the training weights (``flow``, ``exit``).
         lambda_tok, lambda_exit: loss weights.
-        gamma: position decay ``gamma^(k-1)`` of the block CE, or None.
+        gamma: position decay ``gamma^(k-1)`` of the block CE, gamma in (0, 1], or None.
         scoring, window, score_chunk_size: how the target scores the trees
             (:meth:`TargetModel.score_trees` ``mode``, ``window``, ``chunk_size``).
         context_window: drafter context window override (None: the drafter config's).

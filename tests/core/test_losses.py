@@ -64,6 +64,9 @@ def test_block_cross_entropy():
     torch.testing.assert_close(block_cross_entropy(logits, labels, label_mask=mask), ce[mask].mean())
     with pytest.raises(ValueError, match="gamma"):
         block_cross_entropy(logits, labels, gamma=0.0)
+    with pytest.raises(ValueError, match="exp"):  # a length scale passed as the base
+        block_cross_entropy(logits, labels, gamma=7.0)
+    torch.testing.assert_close(block_cross_entropy(logits, labels, gamma=1.0), ce.mean())
     with pytest.raises(ValueError, match="labels"):
         block_cross_entropy(logits, labels[:, :2])
 

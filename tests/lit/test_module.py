@@ -91,6 +91,7 @@ def test_sample_anchors_reproducible_per_seed_and_step():
         ("lambda_exit", -0.1),
         ("lambda_exit", float("nan")),
         ("gamma", 0.0),
+        ("gamma", 7.0),
         ("scoring", "approx"),
         ("window", 0),
         ("score_chunk_size", 0),
