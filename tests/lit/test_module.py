@@ -215,8 +215,9 @@ def test_losses_match_the_reference_twins(target, weight_type):
 
 @pytest.mark.parametrize("weight_type, law_temperature", [("flow", 0.0), ("missing", 0.0), ("exit", 0.5)])
 def test_node_loss_reads_the_law_at_law_temperature(target, weight_type, law_temperature):
-    module = make_module(target, weight_type=weight_type, alpha=0.05, anchors_per_seq=6, law_temperature=law_temperature)
-    raw = make_module(target, weight_type=weight_type, alpha=0.05, anchors_per_seq=6)
+    common = dict(weight_type=weight_type, alpha=0.05, anchors_per_seq=6)
+    module = make_module(target, law_temperature=law_temperature, **common)
+    raw = make_module(target, **common)
     batch = batch_of(3, seed=5)
     with torch.no_grad():
         values, _ = module.compute_losses(batch, anchor_generator(0, 0), exit_loss=True, metrics=True)
