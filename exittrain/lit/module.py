@@ -618,6 +618,9 @@ class ExitTrainModule(pl.LightningModule):
                 f"target is on {self.target.device} but the trainer put the drafter on {self.device}; "
                 "load the target on the trainer's device (load_target(..., device=...))"
             )
+        # A drafter from load_drafter (from_pretrained) comes in eval mode, and Lightning trains
+        # modules in the mode it finds them; the stages train the drafter, dropout included.
+        self.drafter.train()
 
     def configure_optimizers(self):
         """AdamW over the drafter's parameters; warmup + cosine, stepped every optimizer step."""

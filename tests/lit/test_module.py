@@ -290,6 +290,21 @@ def test_fit_with_vocab_sample_logs_the_sampled_loss(target):
     assert len(logger.values("train/acc_d1")) >= 2  # on the analytic steps
 
 
+def test_a_drafter_loaded_in_eval_mode_trains_in_train_mode(target):
+    module = make_module(target, stage="pretrain", analytic_every=0)
+    module.drafter.eval()  # as load_drafter (from_pretrained) returns it
+    modes = []
+    step = module.training_step
+
+    def recording_step(batch, batch_idx):
+        modes.append(all(m.training for m in module.drafter.modules()))
+        return step(batch, batch_idx)
+
+    module.training_step = recording_step
+    trainer(2).fit(module, loader(4))
+    assert modes == [True, True]
+
+
 @pytest.mark.parametrize("weight_type", ["flow", "exit", "missing"])
 def test_exit_loss_alone_trains_every_drafter_parameter_and_nothing_else(target, weight_type):
     module = make_module(target, weight_type=weight_type, lambda_tok=0.0, lambda_exit=1.0)
