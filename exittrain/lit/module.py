@@ -855,10 +855,11 @@ class ExitTrainModule(pl.LightningModule):
             if exit_loss:
                 law_probs, law_w = probs, law_raw
                 alpha = hp.alpha if hp.weight_type != "missing" else 0.0
+                warped = hp.law_temperature != 1.0
                 with torch.no_grad():
-                    if hp.law_temperature != 1.0:
+                    if warped:
                         law_probs = warp_probs(scores.logits[index], hp.law_temperature)
-                    if alpha > 0 or law_probs is not probs:
+                    if alpha > 0 or warped:
                         law_w = exit_law(trees_v, law_probs, alpha, validate=False)
                 loss_exit = exit_node_loss(logits[index], trees_v, law_w, hp.weight_type, law_probs)
                 values["loss_exit"] = loss_exit
