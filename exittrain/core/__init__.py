@@ -4,6 +4,7 @@
 - :mod:`.exit_law` reach, missing probability, exit mass, expected block length
 - :mod:`.verify`   greedy, predraw-and-follow, sequential residual and TEV verifiers
 - :mod:`.losses`   block cross-entropy and the ExitTrain node losses
+- :mod:`.ngram_copy` the drafter's n-gram copy branch: context lookup and mixture
 """
 
 from .exit_law import ExitLaw, exit_law, exit_law_reference
@@ -18,6 +19,7 @@ from .losses import (
     sampled_block_cross_entropy,
     sampled_block_cross_entropy_reference,
 )
+from .ngram_copy import check_ngrams, mix_copy, mix_copy_reference, ngram_lookup, ngram_lookup_reference
 from .tree import DraftTree, build_tree, build_tree_reference, followed_depth, followed_depth_reference
 from .verify import (
     VERIFIERS,
@@ -56,4 +58,9 @@ __all__ = [
     "sample_vocabulary",
     "sampled_block_cross_entropy",
     "sampled_block_cross_entropy_reference",
+    "check_ngrams",
+    "mix_copy",
+    "mix_copy_reference",
+    "ngram_lookup",
+    "ngram_lookup_reference",
 ]

@@ -39,6 +39,7 @@ from collections.abc import Callable
 import torch
 
 from .exit_law import ExitLaw
+from .ngram_copy import mix_copy
 from .tree import DraftTree, at_least_float32
 
 __all__ = [
@@ -147,6 +148,19 @@ def _check_labels(scores: torch.Tensor, labels: torch.Tensor, label_probs: torch
         )
 
 
+def _check_copy(copy_ids: torch.Tensor | None, gate_logits: torch.Tensor | None, N: int, K: int) -> bool:
+    """Whether the copy branch takes part; both (N, K) or both None, else ValueError."""
+    if copy_ids is None and gate_logits is None:
+        return False
+    if copy_ids is None or gate_logits is None or copy_ids.shape != (N, K) or gate_logits.shape != (N, K):
+        raise ValueError(
+            f"copy_ids and copy_gate_logits must both be (N={N}, K={K}) or both None, got "
+            f"{None if copy_ids is None else tuple(copy_ids.shape)} and "
+            f"{None if gate_logits is None else tuple(gate_logits.shape)}"
+        )
+    return True
+
+
 def _soft_cross_entropy(logq_NKC: torch.Tensor, index_NKS: torch.Tensor, probs_NKS: torch.Tensor) -> torch.Tensor:
     """(N, K) ``-sum_s probs log q(index_s)``; zero-probability entries contribute nothing (even at -inf)."""
     picked = logq_NKC.gather(2, index_NKS)
@@ -245,6 +259,8 @@ def sampled_block_cross_entropy(
     label_mask: torch.Tensor | None = None,
     lm_head_bias: torch.Tensor | None = None,
     label_probs: torch.Tensor | None = None,
+    copy_ids: torch.Tensor | None = None,
+    copy_gate_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`block_cross_entropy` over a sampled vocabulary (see the module docstring).
 
@@ -252,20 +268,33 @@ def sampled_block_cross_entropy(
     optional bias (V,)): the LM head, ``logits = hidden @ W.T + b``; ``labels`` (N, K);
     ``num_negatives`` m; ``gamma``, ``label_mask`` and soft labels (``labels`` (N, K, S) with
     ``label_probs``) as in :func:`block_cross_entropy`; every soft label id is a candidate.
-    Equals :func:`block_cross_entropy` of the full logits when ``m >= V - U``. Returns a scalar.
+    ``copy_ids`` and ``copy_gate_logits`` (N, K): the drafter's n-gram copy branch
+    (:mod:`.ngram_copy`; -1 = no copy token), mixed into the sampled ``q_k`` before the loss; the
+    copy tokens join the candidates. Equals :func:`block_cross_entropy` of the full (mixed)
+    log-probabilities when ``m >= V - U``. Returns a scalar.
     """
     _check_labels(hidden, labels, label_probs, "hidden")
     if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[2]:
         raise ValueError(f"lm_head_weight must be (V, H={hidden.shape[2]}), got {tuple(lm_head_weight.shape)}")
     N, K, _ = hidden.shape
     V = lm_head_weight.shape[0]
-    candidates, correction, label_index = sample_vocabulary(labels, V, num_negatives, generator)
+    copying = _check_copy(copy_ids, copy_gate_logits, N, K)
+    wanted = labels if not copying else torch.cat([labels.reshape(-1), copy_ids[copy_ids >= 0].to(labels.dtype)])
+    candidates, correction, wanted_index = sample_vocabulary(wanted, V, num_negatives, generator)
+    label_index = wanted_index.reshape(-1)[: labels.numel()].view(labels.shape)
     weight = lm_head_weight[candidates]  # (C, H)
     logits = hidden @ weight.to(hidden.dtype).T  # (N, K, C); bf16 under autocast
     if lm_head_bias is not None:
         logits = logits + lm_head_bias[candidates].to(logits.dtype)
     logits = at_least_float32(logits) + correction.to(at_least_float32(logits).dtype)
-    if label_probs is None:
+    if copying:
+        copy_index = torch.full_like(copy_ids, -1)
+        copy_index[copy_ids >= 0] = wanted_index.reshape(-1)[labels.numel() :].to(copy_index.dtype)
+        logq = mix_copy(torch.log_softmax(logits, dim=-1), copy_index, copy_gate_logits)
+        hard_index = label_index.unsqueeze(-1) if label_probs is None else label_index
+        probs = torch.ones_like(hard_index, dtype=logq.dtype) if label_probs is None else label_probs
+        ce_NK = _soft_cross_entropy(logq, hard_index, probs)
+    elif label_probs is None:
         ce_NK = torch.nn.functional.cross_entropy(
             logits.reshape(N * K, -1), label_index.reshape(N * K), reduction="none"
         ).view(N, K)
@@ -285,17 +314,25 @@ def sampled_block_cross_entropy_reference(
     gamma: float | None = None,
     label_mask: torch.Tensor | None = None,
     label_probs: torch.Tensor | None = None,
+    copy_ids: torch.Tensor | None = None,
+    copy_gate_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Loop twin of :func:`sampled_block_cross_entropy` on a given candidate set: one term per (n, k) and label id."""
+    """Loop twin of :func:`sampled_block_cross_entropy` on a given candidate set: one term per (n, k)
+    and label id; the copy mixture in probability space, ``(1 - g) p(y) + g [y = c]``."""
     cand = [int(c) for c in candidates]
 
     def term(n: int, k: int) -> torch.Tensor:
         h = at_least_float32(hidden[n, k])
         logits = [h @ at_least_float32(lm_head_weight[c]) + float(log_correction[i]) for i, c in enumerate(cand)]
         log_z = torch.logsumexp(torch.stack(logits), 0)
-        return sum(
-            p * (log_z - h @ at_least_float32(lm_head_weight[y])) for y, p in _label_pairs(labels, label_probs, n, k)
-        )
+        c = -1 if copy_ids is None else int(copy_ids[n, k])
+        g = 0.0 if c < 0 else torch.sigmoid(at_least_float32(copy_gate_logits[n, k]))
+
+        def logq(y: int) -> torch.Tensor:
+            p = torch.exp(h @ at_least_float32(lm_head_weight[y]) - log_z)
+            return torch.log((1 - g) * p + (g if y == c else 0.0))
+
+        return sum(-p * logq(y) for y, p in _label_pairs(labels, label_probs, n, k))
 
     return _weighted_loop_mean(hidden, gamma, label_mask, term)
 

@@ -142,10 +142,10 @@ class SpeculativeDecoder:
             tree, logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, validate=False
         )
 
-    def _draft_tree(self, features_1CF, root_1):
-        """(tree, drafter time, build time) for the current root."""
+    def _draft_tree(self, features_1CF, root_1, context_ids_1C):
+        """(tree, drafter time, build time) for the current root; ``context_ids_1C`` the committed ids before it."""
         clock = _Clock(self.target.device)
-        logits_1KV = self.drafter(features_1CF, root_1)
+        logits_1KV = self.drafter(features_1CF, root_1, context_ids=context_ids_1C)
         logq = torch.log_softmax(logits_1KV.float(), dim=-1)
         clock.lap("draft")
         tree = build_tree(logq, self.budget, validate=False)
@@ -174,7 +174,7 @@ class SpeculativeDecoder:
         tokens: list[int] = []
         result = GenerationResult(tokens)
         while True:
-            tree, times = self._draft_tree(features, root)
+            tree, times = self._draft_tree(features, root, ids[:, :-1])
             clock = _Clock(device)
             C = cache.get_seq_length()
             out = self.target.tree_forward(cache, root, tree, layers=self.layers)
@@ -190,6 +190,7 @@ class SpeculativeDecoder:
                 features = features[:, -window:]
             new = verdict.accepted_tokens[0, :n_accept].tolist() + [int(verdict.bonus[0])]
             root = verdict.bonus
+            ids = torch.cat([ids, verdict.accepted_tokens[:, :n_accept], verdict.bonus.view(1, 1)], dim=1)  # root last
             clock.lap("commit")
             result.rounds.append(RoundStats(n_accept + 1, n_accept, {**times, **clock.times}))
             if _finish(tokens, new, eos, max_new_tokens):

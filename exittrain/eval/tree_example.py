@@ -120,7 +120,7 @@ def tree_example(
     drafter.eval()
     try:
         pre = target.prefill(ids_1T[:, :-1], layers=layers)
-        logits_1KV = drafter(pre.features, root_1)
+        logits_1KV = drafter(pre.features, root_1, context_ids=ids_1T[:, :-1])
     finally:
         drafter.train(was_training)
     tree = build_tree(torch.log_softmax(logits_1KV.float(), dim=-1), budget)

@@ -789,9 +789,16 @@ class ExitTrainModule(pl.LightningModule):
         anchors_LA, valid_LA = self._anchors(batch, generator)
         L, A = anchors_LA.shape
         sampled = vocab_sample is not None and not exit_loss
-        out = self.drafter.forward_anchors(
-            features, input_ids, anchors_LA, context_window=hp.context_window, apply_lm_head=not sampled
-        )  # (N, K, V) logits, or (N, K, H) pre-head states when sampled
+        # (N, K, V) logits (the copy-mixed log-probabilities with the copy branch), or (N, K, H)
+        # pre-head states when sampled; copy: the branch's (copy ids, gate logits), or None
+        out, copy = self.drafter.forward_anchors(
+            features,
+            input_ids,
+            anchors_LA,
+            context_window=hp.context_window,
+            apply_lm_head=not sampled,
+            with_copy_terms=True,
+        )
         label_pos = (anchors_LA.unsqueeze(-1) + torch.arange(1, K + 1, device=anchors_LA.device)).clamp_max(
             input_ids.shape[1] - 1
         )  # (L, A, K); clamped only for invalid anchors
@@ -818,11 +825,13 @@ class ExitTrainModule(pl.LightningModule):
                 label_mask=label_mask,
                 lm_head_bias=getattr(head, "bias", None),
                 label_probs=label_probs,
+                copy_ids=None if copy is None else copy[0],
+                copy_gate_logits=None if copy is None else copy[1],
             )
             logits = None
             if metrics:
                 with torch.no_grad():
-                    logits = head(out.detach().to(head.weight.dtype))
+                    logits = self.drafter.head(out.detach(), None if copy is None else (copy[0], copy[1].detach()))
         else:
             logits = out
             loss_tok = block_cross_entropy(

@@ -18,6 +18,14 @@ tokens, V vocabulary, L sequences, T sequence length, A anchors per sequence, W 
    projections and is not itself updated); attention is bidirectional inside the block.
 4. ``RMSNorm``, ``Linear(D -> H)`` when D != H, then the frozen target LM head on block rows
    1..K gives the logits of ``q_1..q_K``.
+5. The n-gram copy branch (``copy_ngrams``, e.g. [3, 2]; empty = off, ALGORITHM.md section 6
+   exactly): the root's last n tokens are looked up in the context ids, and the tokens that
+   followed their latest occurrence are mixed into ``q_k`` with a gate
+   ``g = sigmoid(Linear(H -> len(copy_ngrams))(h_k))`` read at the n that matched
+   (:mod:`exittrain.core.ngram_copy`). The gate starts at ``copy_gate_init`` (weights 0). With
+   the branch on, the outputs are the mixed log-probabilities, which every consumer reads as
+   logits (they are normalised). This needs the context's token ids: :meth:`forward` takes
+   ``context_ids``, :meth:`forward_anchors` has them.
 
 **Positions.** Rotary embeddings (``rope_theta``) on queries and keys, with each row at its
 sequence position: context position j at j, block row k at ``root_position + k``. Attention
@@ -43,6 +51,7 @@ touch them and a checkpoint holds only the drafter's own weights. The config rec
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -52,6 +61,7 @@ from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers import initialization as hf_init
 
+from exittrain.core.ngram_copy import check_ngrams, mix_copy, ngram_lookup
 from exittrain.models.target import as_dtype
 
 logger = logging.getLogger(__name__)
@@ -85,6 +95,8 @@ class DrafterConfig(PreTrainedConfig):
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     context_window: int | None = None
+    copy_ngrams: list[int] | None = None
+    copy_gate_init: float = 0.7
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
 
@@ -92,6 +104,7 @@ class DrafterConfig(PreTrainedConfig):
         if self.intermediate_size is None:
             self.intermediate_size = 3 * self.hidden_size
         self.target_layer_ids = [int(x) for x in (self.target_layer_ids or [])]
+        self.copy_ngrams = list(self.copy_ngrams or [])
         super().__post_init__(**kwargs)
         self._validate()
 
@@ -116,6 +129,11 @@ class DrafterConfig(PreTrainedConfig):
         need(
             self.context_window is None or self.context_window >= 1,
             f"context_window={self.context_window!r}: need None (whole prefix) or a positive int",
+        )
+        check_ngrams(self.copy_ngrams, "copy_ngrams")
+        need(
+            0.0 < self.copy_gate_init < 1.0,
+            f"copy_gate_init={self.copy_gate_init!r}: need the copy gate's starting value in (0, 1), e.g. 0.7",
         )
         if self.target_num_layers:
             bad = [x for x in self.target_layer_ids if not 0 <= x < self.target_num_layers]
@@ -289,6 +307,8 @@ class BlockDrafter(PreTrainedModel):
         self.layers = nn.ModuleList([DrafterLayer(config) for _ in range(config.num_layers)])
         self.norm = DrafterRMSNorm(D, config.rms_norm_eps)
         self.output_proj = nn.Linear(D, H, bias=False) if D != H else None
+        # one gate logit per n-gram length, read at the length that matched
+        self.copy_gate = nn.Linear(H, len(config.copy_ngrams)) if config.copy_ngrams else None
         # plain dict: the shared target modules stay outside parameters() and state_dict()
         self._shared: dict[str, nn.Module] = {}
         self.post_init()
@@ -297,6 +317,10 @@ class BlockDrafter(PreTrainedModel):
         super()._init_weights(module)
         if module is self:
             hf_init.zeros_(self.mask_embedding)
+            if self.copy_gate is not None:
+                hf_init.zeros_(self.copy_gate.weight)
+                g = self.config.copy_gate_init
+                hf_init.constant_(self.copy_gate.bias, math.log(g / (1.0 - g)))
 
     # -- the target ------------------------------------------------------------------------------
 
@@ -412,20 +436,42 @@ class BlockDrafter(PreTrainedModel):
             )
         return self.context_norm(self.context_proj(features.to(self.context_proj.weight.dtype)))
 
-    def _run(self, x, ctx, pos_x, pos_ctx, allowed, apply_lm_head: bool) -> torch.Tensor:
-        """Layers + head. x (B, Q, D) with Q = blocks * S; returns (B, Q/S, K, V or H)."""
+    def _run(self, x, ctx, pos_x, pos_ctx, allowed) -> torch.Tensor:
+        """Layers, norm, output projection. x (B, Q, D) with Q = blocks * S; returns the pre-head
+        states (B, Q/S, K, H) of block rows 1..K."""
         for layer in self.layers:
             x = layer(x, ctx, pos_x, pos_ctx, allowed)
         x = self.norm(x)
         if self.output_proj is not None:
             x = self.output_proj(x)
         S = self.config.block_size
-        x = x.view(x.shape[0], -1, S, x.shape[-1])[:, :, 1:]  # drop the root row
-        if not apply_lm_head:
-            return x
-        head = self._target_module("lm_head")
+        return x.view(x.shape[0], -1, S, x.shape[-1])[:, :, 1:]  # drop the root row
+
+    def copy_terms(
+        self, hidden_NKH: torch.Tensor, ids_LT: torch.Tensor, anchors_LA: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The copy branch's ``(copy_ids (N, K) long, gate_logits (N, K))`` for the anchors
+        ``anchors_LA`` (L, A) of ``ids_LT`` (L, T) (row n = l * A + a, negative ids = padding),
+        given their pre-head states ``hidden_NKH``; None when ``copy_ngrams`` is empty. Call it
+        inside a forward (its gate is a drafter parameter, gathered there under FSDP)."""
+        if self.copy_gate is None:
+            return None
+        K = self.config.num_draft_tokens
+        copy_LAK, order_LA = ngram_lookup(ids_LT.to(hidden_NKH.device), anchors_LA, self.config.copy_ngrams, K)
+        gates_NKG = self.copy_gate(hidden_NKH)  # one logit per n-gram length
+        order_N11 = order_LA.reshape(-1, 1, 1).clamp_min(0).expand(-1, K, 1)
+        return copy_LAK.reshape(-1, K), gates_NKG.gather(2, order_N11).squeeze(-1)
+
+    def head(self, hidden_NKH: torch.Tensor, copy: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits (N, K, V) of ``q_1..q_K`` from the pre-head states: the frozen target LM head;
+        with ``copy`` (:meth:`copy_terms`), the copy-mixed log-probabilities in float32."""
+        lm_head = self._target_module("lm_head")
         # back on the drafter's device: with the target's device_map the head may sit on another GPU
-        return head(x.to(head.weight.dtype)).to(x.device)
+        logits = lm_head(hidden_NKH.to(lm_head.weight.dtype)).to(hidden_NKH.device)
+        if copy is None:
+            return logits
+        copy_ids, gate_logits = copy
+        return mix_copy(torch.log_softmax(logits.float(), dim=-1), copy_ids, gate_logits.float())
 
     def _window(self, context_window: int | None) -> int | None:
         W = self.config.context_window if context_window is None else context_window
@@ -441,6 +487,7 @@ class BlockDrafter(PreTrainedModel):
         root_tokens: torch.Tensor,
         context_mask: torch.Tensor | None = None,
         *,
+        context_ids: torch.Tensor | None = None,
         context_window: int | None = None,
         apply_lm_head: bool = True,
     ) -> torch.Tensor:
@@ -449,9 +496,10 @@ class BlockDrafter(PreTrainedModel):
         ``context_features`` (N, C, F): target features of the C positions just before each root,
         right-aligned (column C-1 is the position before the root); ``root_tokens`` (N,);
         ``context_mask`` (N, C) bool, True for real positions (left padding False; default all
-        True). With a context window W only the last W columns are used. Returns logits
-        (N, K, V), or the pre-head hidden states (N, K, H) with ``apply_lm_head=False`` (for a
-        sampled-softmax loss).
+        True). With a context window W only the last W columns are used. ``context_ids``
+        (N, C') the token ids before each root, right-aligned, negative = padding (any C', the
+        window does not apply): required by the copy branch, ignored without it. Returns logits
+        (N, K, V), or the pre-head hidden states (N, K, H) with ``apply_lm_head=False``.
         """
         if context_features.dim() != 3:
             raise ValueError(f"context_features must be (N, C, F), got {tuple(context_features.shape)}")
@@ -463,6 +511,14 @@ class BlockDrafter(PreTrainedModel):
             context_mask = torch.ones(N, C, dtype=torch.bool, device=device)
         elif context_mask.shape != (N, C):
             raise ValueError(f"context_mask must be (N={N}, C={C}) bool, got {tuple(context_mask.shape)}")
+        if self.copy_gate is not None and apply_lm_head and (
+            context_ids is None or context_ids.dim() != 2 or context_ids.shape[0] != N
+        ):
+            got = None if context_ids is None else tuple(context_ids.shape)
+            raise ValueError(
+                f"this drafter copies n-grams (copy_ngrams={self.config.copy_ngrams}): pass context_ids, the "
+                f"(N={N}, C') token ids before each root, got {got}"
+            )
         W = self._window(context_window)
         if W is not None and C > W:
             context_features, context_mask, C = context_features[:, -W:], context_mask[:, -W:], W
@@ -475,7 +531,14 @@ class BlockDrafter(PreTrainedModel):
             [context_mask.bool().unsqueeze(1).expand(N, S, C), torch.ones(N, S, S, dtype=torch.bool, device=device)],
             dim=2,
         )  # (N, S, C+S)
-        return self._run(x, ctx, pos_x, pos_ctx, allowed, apply_lm_head)[:, 0]
+        hidden = self._run(x, ctx, pos_x, pos_ctx, allowed)[:, 0]  # (N, K, H)
+        if not apply_lm_head:
+            return hidden
+        copy = None
+        if self.copy_gate is not None:
+            ids = torch.cat([context_ids.to(device=device, dtype=torch.long), root_tokens.view(N, 1).to(device)], dim=1)
+            copy = self.copy_terms(hidden, ids, torch.full((N, 1), ids.shape[1] - 1, device=device))
+        return self.head(hidden, copy)
 
     # -- training path ----------------------------------------------------------------------------
 
@@ -487,7 +550,8 @@ class BlockDrafter(PreTrainedModel):
         *,
         context_window: int | None = None,
         apply_lm_head: bool = True,
-    ) -> torch.Tensor:
+        with_copy_terms: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Draft the block of every anchor of L sequences in one pass.
 
         Anchor a of sequence l has root ``input_ids_LT[l, a]`` and sees the features of positions
@@ -496,7 +560,10 @@ class BlockDrafter(PreTrainedModel):
         per sequence and each anchor's block is masked to its own prefix, so the cost is
         O(A * S * T) attention scores per layer, with no per-anchor gather. Returns logits
         (L*A, K, V) with row n = l * A + a (the tree order of ``TargetModel.score_trees``), or
-        hidden states (L*A, K, H) with ``apply_lm_head=False``.
+        hidden states (L*A, K, H) with ``apply_lm_head=False`` (for a sampled-softmax loss). The
+        copy branch looks the anchors up in ``input_ids_LT``. ``with_copy_terms``: return
+        ``(output, copy)`` with the :meth:`copy_terms` (None without the branch), which a
+        sampled loss over hidden states needs.
         """
         if features_LTF.dim() != 3 or input_ids_LT.shape != features_LTF.shape[:2]:
             raise ValueError(
@@ -527,8 +594,10 @@ class BlockDrafter(PreTrainedModel):
         block_id = torch.arange(A, device=device).repeat_interleave(S)
         same_block = (block_id.view(-1, 1) == block_id.view(1, -1)).expand(L, A * S, A * S)
         allowed = torch.cat([sees, same_block], dim=2)  # (L, A*S, T + A*S)
-        out = self._run(x, ctx, pos_x, pos_ctx, allowed, apply_lm_head)  # (L, A, K, .)
-        return out.reshape(L * A, S - 1, -1)
+        hidden = self._run(x, ctx, pos_x, pos_ctx, allowed).reshape(L * A, S - 1, -1)  # (N, K, H)
+        copy = self.copy_terms(hidden, input_ids_LT, anchors_LA) if self.copy_gate is not None else None
+        out = self.head(hidden, copy) if apply_lm_head else hidden
+        return (out, copy) if with_copy_terms else out
 
     # -- loading ----------------------------------------------------------------------------------
 
@@ -631,6 +700,8 @@ def new_drafter(
     context_window: int | None = None,
     rope_theta: float | None = None,
     init_from_layers: Sequence[int] | str | None = None,
+    copy_ngrams: Sequence[int] | None = None,
+    copy_gate_init: float = 0.7,
     device: str | torch.device | None = None,
     dtype: torch.dtype | str = torch.float32,
     seed: int | None = None,
@@ -644,8 +715,9 @@ def new_drafter(
     (:meth:`BlockDrafter.init_from_target_layers`); the heads, MLP size and rope theta then
     default to the target's. ``"auto"`` copies the target's last layer into every drafter layer
     when :func:`layer_copy_problem` finds none and the shape settings left to the target allow
-    it, and otherwise starts at random, logging why. ``seed`` makes the initialisation
-    reproducible.
+    it, and otherwise starts at random, logging why. ``copy_ngrams`` (e.g. [3, 2]; None or []
+    = off) and ``copy_gate_init`` set the n-gram copy branch (module docstring, step 5). ``seed``
+    makes the initialisation reproducible.
     """
     if isinstance(init_from_layers, str):
         if init_from_layers != "auto":
@@ -692,6 +764,8 @@ def new_drafter(
         intermediate_size=intermediate_size,
         mask_token_id=mask_token_id,
         context_window=context_window,
+        copy_ngrams=list(copy_ngrams or []),
+        copy_gate_init=copy_gate_init,
         rope_theta=rope_theta,
         rms_norm_eps=norm_eps,
     )

@@ -18,9 +18,9 @@ def target():
     return tiny_target("llama", seed=3)
 
 
-@pytest.fixture(scope="module")
-def drafter(target):
-    return new_drafter(target, block_size=4, num_layers=1, hidden_size=32, seed=0)
+@pytest.fixture(scope="module", params=[None, [2, 1]], ids=["plain", "copy"])
+def drafter(target, request):
+    return new_drafter(target, block_size=4, num_layers=1, hidden_size=32, seed=0, copy_ngrams=request.param)
 
 
 def hf_greedy(target, prompt, n):

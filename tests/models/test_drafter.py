@@ -285,3 +285,68 @@ def test_init_from_layers_auto_respects_an_explicit_shape(target, caplog):
     assert d.config.num_heads == 2 and "num_heads" in caplog.text
     with pytest.raises(ValueError, match="init_from_layers='last'"):
         new_drafter(target, block_size=S, num_layers=1, init_from_layers="last")
+
+
+# -- the n-gram copy branch ---------------------------------------------------------------------
+
+
+@pytest.fixture()
+def copy_drafter(target):
+    d = new_drafter(target, block_size=S, num_layers=2, num_heads=4, seed=0, layer_ids=[0, 2], copy_ngrams=[2, 1])
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return d
+
+
+def test_copy_gate_starts_at_its_init_value(target):
+    d = new_drafter(target, block_size=S, seed=0, layer_ids=[0, 2], copy_ngrams=[3, 2], copy_gate_init=0.7)
+    assert d.copy_gate.weight.abs().max() == 0
+    torch.testing.assert_close(torch.sigmoid(d.copy_gate.bias), torch.full((2,), 0.7))
+    # the root 9 after 4 occurred before, followed by 11 and 12: at the start q_1(11) >= 0.7
+    ids = torch.tensor([[3, 4, 9, 11, 12, 4, 9]])
+    with torch.no_grad():
+        logq = d.forward_anchors(_features(1, 7, d.config.feature_size), ids, torch.tensor([[6]]))
+    assert float(logq[0, 0, 11].exp()) >= 0.7 and float(logq[0, 1, 12].exp()) >= 0.7
+    torch.testing.assert_close(logq.exp().sum(-1), torch.ones(1, S - 1))
+    with pytest.raises(ValueError, match="copy_gate_init"):
+        new_drafter(target, block_size=S, copy_ngrams=[2], copy_gate_init=1.0)
+    with pytest.raises(ValueError, match="copy_ngrams"):
+        new_drafter(target, block_size=S, copy_ngrams=[2, 2])
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_copy_branch_training_path_equals_decode_path(copy_drafter, window):
+    L, T, F = 2, 12, copy_drafter.config.feature_size
+    feats = _features(L, T, F, seed=11)
+    ids = torch.randint(2, 6, (L, T), generator=torch.Generator().manual_seed(11))  # few tokens: many copies
+    anchors = torch.tensor([[0, 4, 11], [7, 2, 9]])
+    batched, copy = copy_drafter.forward_anchors(feats, ids, anchors, context_window=window, with_copy_terms=True)
+    assert (copy[0] >= 0).sum() >= 6  # the lookup found copies to mix
+    C = int(anchors.max())
+    ctx, mask = torch.zeros(L * 3, C, F), torch.zeros(L * 3, C, dtype=torch.bool)
+    ctx_ids = torch.full((L * 3, C), -1, dtype=torch.long)  # left padding: -1
+    roots = torch.empty(L * 3, dtype=torch.long)
+    for n, (l, a) in enumerate((seq, a) for seq in range(L) for a in anchors[seq].tolist()):
+        if a:
+            ctx[n, C - a :], mask[n, C - a :], ctx_ids[n, C - a :] = feats[l, :a], True, ids[l, :a]
+        roots[n] = ids[l, a]
+    decoded = copy_drafter(ctx, roots, mask, context_ids=ctx_ids, context_window=window)
+    torch.testing.assert_close(batched, decoded, atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match="context_ids"):
+        copy_drafter(ctx, roots, mask)
+    hidden = copy_drafter.forward_anchors(feats, ids, anchors, context_window=window, apply_lm_head=False)
+    torch.testing.assert_close(copy_drafter.head(hidden, copy), batched)
+
+
+def test_copy_drafter_roundtrip_and_gradients(target, copy_drafter, tmp_path):
+    F = copy_drafter.config.feature_size
+    feats, anchors = _features(1, 10, F, seed=3), torch.tensor([[8]])
+    ids = torch.tensor([[2, 3, 4, 2, 3, 5, 2, 3, 4, 2]])
+    before = copy_drafter.forward_anchors(feats, ids, anchors)
+    copy_drafter.save_pretrained(tmp_path)
+    loaded = load_drafter(tmp_path, target)
+    assert loaded.config.copy_ngrams == [2, 1] and loaded.copy_gate is not None
+    torch.testing.assert_close(loaded.forward_anchors(feats, ids, anchors), before, atol=0, rtol=0)
+    before[0, 0, 4].backward()  # the copy token of depth 1 (after the 2-gram (2, 3) came 4)
+    assert copy_drafter.copy_gate.bias.grad.abs().sum() > 0 and copy_drafter.context_proj.weight.grad.abs().sum() > 0
