@@ -317,10 +317,11 @@ class BlockDrafter(PreTrainedModel):
         super()._init_weights(module)
         if module is self:
             hf_init.zeros_(self.mask_embedding)
-            if self.copy_gate is not None:
-                hf_init.zeros_(self.copy_gate.weight)
-                g = self.config.copy_gate_init
-                hf_init.constant_(self.copy_gate.bias, math.log(g / (1.0 - g)))
+        elif module is getattr(self, "copy_gate", None):
+            # also when a drafter saved without the branch is loaded with it: its gate starts here
+            hf_init.zeros_(module.weight)
+            g = self.config.copy_gate_init
+            hf_init.constant_(module.bias, math.log(g / (1.0 - g)))
 
     # -- the target ------------------------------------------------------------------------------
 
