@@ -350,3 +350,16 @@ def test_copy_drafter_roundtrip_and_gradients(target, copy_drafter, tmp_path):
     torch.testing.assert_close(loaded.forward_anchors(feats, ids, anchors), before, atol=0, rtol=0)
     before[0, 0, 4].backward()  # the copy token of depth 1 (after the 2-gram (2, 3) came 4)
     assert copy_drafter.copy_gate.bias.grad.abs().sum() > 0 and copy_drafter.context_proj.weight.grad.abs().sum() > 0
+
+
+def test_a_drafter_saved_without_the_branch_loads_with_it(target, drafter, tmp_path):
+    import json
+
+    drafter.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(copy_ngrams=[3, 2], copy_gate_init=0.7)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_drafter(tmp_path, target)
+    assert loaded.copy_gate.weight.abs().max() == 0
+    torch.testing.assert_close(torch.sigmoid(loaded.copy_gate.bias.detach()), torch.full((2,), 0.7))
+    torch.testing.assert_close(loaded.context_proj.weight, drafter.context_proj.weight, atol=0, rtol=0)
