@@ -121,8 +121,10 @@ class StepLosses(pl.Callback):
         self.losses[trainer.global_step - 1] = float(outputs["loss"])
 
 
-def make_module(target, *, drafter_seed: int = 0, **overrides) -> ExitTrainModule:
-    drafter = new_drafter(target, block_size=BLOCK, num_layers=1, hidden_size=32, num_heads=4, seed=drafter_seed)
+def make_module(target, *, drafter_seed: int = 0, copy_ngrams=None, **overrides) -> ExitTrainModule:
+    drafter = new_drafter(
+        target, block_size=BLOCK, num_layers=1, hidden_size=32, num_heads=4, seed=drafter_seed, copy_ngrams=copy_ngrams
+    )
     kwargs = dict(stage="exittrain", anchors_per_seq=4, budget=8, lr=3e-3, warmup_ratio=0.2, seed=0)
     kwargs.update(overrides)
     return ExitTrainModule(drafter, target, **kwargs)

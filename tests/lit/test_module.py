@@ -191,11 +191,19 @@ def reference_losses(module, batch, generator):
     return ce / n, float(exit_loss), exit_law(sub, probs[index]).expected_block_length.mean(), float(greedy)
 
 
-@pytest.mark.parametrize("weight_type", ["flow", "exit", "missing"])
-def test_losses_match_the_reference_twins(target, weight_type):
+@pytest.mark.parametrize(
+    "weight_type, copy_ngrams", [("flow", None), ("exit", None), ("missing", None), ("flow", [2, 1]), ("missing", [1])]
+)
+def test_losses_match_the_reference_twins(target, weight_type, copy_ngrams):
     # 12 anchors per sequence: more than some sequences have, so padded anchors are in play
     module = make_module(
-        target, weight_type=weight_type, alpha=0.05, lambda_tok=0.5, lambda_exit=2.0, anchors_per_seq=12
+        target,
+        weight_type=weight_type,
+        alpha=0.05,
+        lambda_tok=0.5,
+        lambda_exit=2.0,
+        anchors_per_seq=12,
+        copy_ngrams=copy_ngrams,
     )
     batch = batch_of(3, seed=4)
     with torch.no_grad():
@@ -354,7 +362,12 @@ def test_nan_loss_raises_naming_step_and_batch(target, monkeypatch):
 def test_nan_drafter_logits_in_exittrain_raise_at_step_zero(target, monkeypatch):
     module = make_module(target, stage="exittrain")
     real = module.drafter.forward_anchors
-    monkeypatch.setattr(module.drafter, "forward_anchors", lambda *a, **k: real(*a, **k) * math.nan)
+
+    def nan_logits(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return (out[0] * math.nan, out[1]) if kwargs.get("with_copy_terms") else out * math.nan
+
+    monkeypatch.setattr(module.drafter, "forward_anchors", nan_logits)
     with pytest.raises(RuntimeError, match=r"global step 0, batch index 0"):
         trainer(2).fit(module, loader(4))
 
@@ -396,9 +409,13 @@ def soft_block_ce(module, batch) -> float:
     return float(values["loss_tok"])
 
 
+@pytest.mark.parametrize("copy_ngrams", [None, [2, 1]], ids=["plain", "copy"])
 @pytest.mark.parametrize("vocab_sample", [None, 10_000])
-def test_soft_labels_match_the_reference_from_a_plain_forward(target, vocab_sample):
-    module = make_module(target, stage="pretrain", soft_label_weight=0.7, soft_label_top_k=5, gamma=0.8)
+def test_soft_labels_match_the_reference_from_a_plain_forward(target, vocab_sample, copy_ngrams):
+    # with the copy branch: the sampled loss over hidden states against the drafter's mixed log-probabilities
+    module = make_module(
+        target, stage="pretrain", soft_label_weight=0.7, soft_label_top_k=5, gamma=0.8, copy_ngrams=copy_ngrams
+    )
     batch = batch_of(3, seed=6)
     with torch.no_grad():
         values, _ = module.compute_losses(
@@ -410,6 +427,14 @@ def test_soft_labels_match_the_reference_from_a_plain_forward(target, vocab_samp
     ref = reference_soft_block_ce(module, batch, anchor_generator(0, 0), 0.7)
     assert float(values["loss_tok"]) == pytest.approx(ref, rel=1e-5)
     assert abs(float(hard["loss_tok"]) - ref) > 1e-3  # the soft labels changed the loss
+    if copy_ngrams:  # the branch takes part: a gate near 1 changes the loss
+        with torch.no_grad():
+            module.drafter.copy_gate.bias.fill_(5.0)
+            gated, _ = module.compute_losses(
+                batch, anchor_generator(0, 0), exit_loss=False, metrics=False, vocab_sample=vocab_sample,
+                soft_labels=True,
+            )
+        assert abs(float(gated["loss_tok"]) - float(values["loss_tok"])) > 1e-3
 
 
 def test_soft_labels_are_kept_per_row_and_preloaded_rows_need_no_forward(target, monkeypatch):
