@@ -68,6 +68,7 @@ def ngram_lookup(
         return copy_ids, order
     positions = torch.arange(T, device=device)
     before = positions.view(1, 1, T) < anchors.unsqueeze(-1)  # (L, A, T): end positions e < a
+    depth = torch.arange(1, horizon + 1, device=device)
     for index, n in enumerate(ngrams):
         match = before.clone()
         for i in range(n):
@@ -77,7 +78,6 @@ def ngram_lookup(
             match &= (shifted_LT.unsqueeze(1) == key_LA.unsqueeze(-1)) & (shifted_LT.unsqueeze(1) >= 0)
         found = match.any(-1) & (order < 0)  # (L, A): a match, and no longer n matched first
         end = torch.where(match, positions.view(1, 1, T), positions.new_full((), -1)).amax(-1)  # (L, A) latest e
-        depth = torch.arange(1, horizon + 1, device=device)
         src = end.unsqueeze(-1) + depth  # (L, A, K) positions e + k
         ok = found.unsqueeze(-1) & (src <= anchors.unsqueeze(-1))
         tokens = ids.gather(1, src.clamp(0, T - 1).reshape(L, A * horizon)).reshape(L, A, horizon)
