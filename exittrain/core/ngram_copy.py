@@ -131,8 +131,9 @@ def mix_copy(logq_NKC: torch.Tensor, copy_index_NK: torch.Tensor, gate_logits_NK
     log_keep = torch.where(has, torch.nn.functional.logsigmoid(-gate), torch.zeros_like(gate))  # log(1 - g), or 0
     mixed = logq_NKC + log_keep.unsqueeze(-1)
     index = copy_index_NK.clamp_min(0).unsqueeze(-1)  # (N, K, 1)
-    at_copy = torch.logaddexp(mixed.gather(2, index), torch.nn.functional.logsigmoid(gate).unsqueeze(-1))
-    return mixed.scatter(2, index, torch.where(has.unsqueeze(-1), at_copy, mixed.gather(2, index)))
+    current = mixed.gather(2, index)
+    at_copy = torch.logaddexp(current, torch.nn.functional.logsigmoid(gate).unsqueeze(-1))
+    return mixed.scatter(2, index, torch.where(has.unsqueeze(-1), at_copy, current))
 
 
 def mix_copy_reference(

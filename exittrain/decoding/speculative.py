@@ -188,9 +188,10 @@ class SpeculativeDecoder:
             features = torch.cat([features, out.features[:, new_rows]], dim=1)
             if window is not None:
                 features = features[:, -window:]
-            new = verdict.accepted_tokens[0, :n_accept].tolist() + [int(verdict.bonus[0])]
+            new_1N = torch.cat([verdict.accepted_tokens[:, :n_accept], verdict.bonus.view(1, 1)], dim=1)
+            new = new_1N[0].tolist()
             root = verdict.bonus
-            ids = torch.cat([ids, verdict.accepted_tokens[:, :n_accept], verdict.bonus.view(1, 1)], dim=1)  # root last
+            ids = torch.cat([ids, new_1N], dim=1)  # every committed id, the new root last
             clock.lap("commit")
             result.rounds.append(RoundStats(n_accept + 1, n_accept, {**times, **clock.times}))
             if _finish(tokens, new, eos, max_new_tokens):

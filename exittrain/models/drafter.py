@@ -596,7 +596,8 @@ class BlockDrafter(PreTrainedModel):
         same_block = (block_id.view(-1, 1) == block_id.view(1, -1)).expand(L, A * S, A * S)
         allowed = torch.cat([sees, same_block], dim=2)  # (L, A*S, T + A*S)
         hidden = self._run(x, ctx, pos_x, pos_ctx, allowed).reshape(L * A, S - 1, -1)  # (N, K, H)
-        copy = self.copy_terms(hidden, input_ids_LT, anchors_LA) if self.copy_gate is not None else None
+        # the lookup and gate only where they are used: the head's mixture, or the caller's sampled loss
+        copy = self.copy_terms(hidden, input_ids_LT, anchors_LA) if apply_lm_head or with_copy_terms else None
         out = self.head(hidden, copy) if apply_lm_head else hidden
         return (out, copy) if with_copy_terms else out
 
