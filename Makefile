@@ -20,11 +20,11 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)  ## create .venv and install everything (idempotent)
 
-test: setup  ## run the offline CPU test suite
+test: setup  ## the fast tier of the offline CPU tests (-m 'not slow'; ~3 min on 2 cores)
 	$(VPY) -m pytest -q
 
-test-slow: setup  ## run the slow tests too
-	$(VPY) -m pytest -q -m ''
+test-slow: setup  ## only the slow tier (-m slow: subprocess fits, DDP/FSDP, kill-and-resume; ~5 min)
+	$(VPY) -m pytest -q -m slow
 
 lint: setup  ## ruff
 	$(VPY) -m ruff check exittrain tests

@@ -20,6 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from exittrain import progress
 from exittrain.host_memory import keep_freed_host_memory
 from exittrain.lit.callbacks import write_json_atomic
 
@@ -31,6 +32,11 @@ RECIPES_DIR = REPO_ROOT / "recipes"
 STAGE_ORDER = ("pretrain", "exittrain")
 # keys of stages.<stage> that configure the stage itself; every other key overrides the objective
 STAGE_KEYS = ("max_steps", "eval_every")
+# what to do about a ckpt_path that cannot be resumed from (exittrain.safe_io adds the file and the cause)
+CKPT_FIX = (
+    "point ckpt_path at another checkpoint written by exittrain (RUN_DIR/checkpoints/<stage>/last.ckpt of an "
+    "earlier run), or leave ckpt_path unset to re-run the stage from its start"
+)
 
 
 def register_recipes(recipes_dir: Path = RECIPES_DIR) -> list[str]:
@@ -153,9 +159,11 @@ def _stages_to_run(cfg: DictConfig) -> list[str]:
     if cfg.warm_start is not None and "pretrain" in stages:
         stages.remove("pretrain")
     if cfg.ckpt_path is not None:
-        import torch
+        from exittrain.safe_io import load_checkpoint
 
-        saved = torch.load(cfg.ckpt_path, map_location="cpu", weights_only=True).get("hyper_parameters", {})
+        # the whole file is read here, so a bad file fails now, in our words, and not later in
+        # Lightning's own load (trainer.fit(ckpt_path=...)) after the target and the data are ready
+        saved = load_checkpoint(cfg.ckpt_path, what="ckpt_path checkpoint", fix=CKPT_FIX).get("hyper_parameters", {})
         stage = saved.get("stage")
         if stage not in STAGE_ORDER:
             raise ValueError(f"ckpt_path={cfg.ckpt_path} records no known stage (got {stage!r})")
@@ -205,6 +213,7 @@ def fit_datamodule(cfg: DictConfig, target, drafter_layers: list[int], stages: l
         target_name=target.name,
         feature_layers=list(drafter_layers) if cfg.objective.feature_cache else None,
         top_logprobs=top_k,
+        device=str(target.device),
     )
 
 
@@ -212,8 +221,12 @@ def _build_callbacks(
     cfg: DictConfig, stage: str, eval_prompts: list[list[int]], out: Path, eval_every: int | None = None
 ) -> list:
     """The stage's callbacks; ``eval_every`` (``stages.<stage>.eval_every``), when set, replaces the
-    decode check's ``every_n_steps`` and the checkpoint's ``every_n_train_steps`` for this stage."""
-    from exittrain.lit import ExportDrafterCallback, MetricsFileCallback, stage_progress_bar
+    decode check's ``every_n_steps`` and the checkpoint's ``every_n_train_steps`` for this stage.
+
+    Progress (unless ``trainer.enable_progress_bar`` is false): the stage's bar on a terminal, else
+    progress lines in the log (:class:`~exittrain.lit.ProgressLogCallback`; no bar draws into a file),
+    and then :func:`run_fit` switches Lightning's own bar off."""
+    from exittrain.lit import ExportDrafterCallback, MetricsFileCallback, ProgressLogCallback, stage_progress_bar
 
     callbacks = []
     for name, node in cfg.callbacks.items():
@@ -233,7 +246,7 @@ def _build_callbacks(
     callbacks.append(ExportDrafterCallback(out, name="drafter" if stage == "exittrain" else "warmstart_drafter"))
     callbacks.append(MetricsFileCallback(out / f"metrics_{stage}.json"))
     if cfg.trainer.get("enable_progress_bar", True):  # Lightning refuses a bar when it is switched off
-        callbacks.append(stage_progress_bar(stage))
+        callbacks.append(stage_progress_bar(stage) if progress.interactive() else ProgressLogCallback(stage))
     return callbacks
 
 
@@ -277,6 +290,7 @@ def run_fit(cfg: DictConfig) -> dict:
     from exittrain.eval.decode_eval import evaluate_prompts, format_table, summarize
     from exittrain.lit import full_drafter, save_drafter
     from exittrain.lit.checkpoint_io import AtomicCheckpointIO
+    from exittrain.lit.trainer import build_trainer
     from exittrain.models import load_drafter
 
     out = _output_dir(cfg)
@@ -330,11 +344,13 @@ def run_fit(cfg: DictConfig) -> dict:
             if previous is not None and previous.hparams.feature_cache and module.hparams.feature_cache:
                 module.share_feature_cache(previous)  # the same rows: the ExitTrain stage reuses pretrain's features
             previous = module
-            trainer = instantiate(cfg.trainer)(
+            trainer = build_trainer(
+                cfg.trainer,
                 max_steps=cfg.stages[stage].max_steps,
                 callbacks=_build_callbacks(cfg, stage, eval_prompts, out, cfg.stages[stage].get("eval_every")),
                 logger=logger if logger is not None else False,
                 plugins=[AtomicCheckpointIO()],  # temp file + fsync + rename: a kill never tears a checkpoint
+                **({} if progress.interactive() else {"enable_progress_bar": False}),  # log lines, not a bar
             )
             t0 = time.perf_counter()
             ckpt = cfg.ckpt_path if (cfg.ckpt_path is not None and stage == stages[0]) else None

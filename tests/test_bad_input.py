@@ -3,8 +3,10 @@
 The matrix: prompt files (JSON Lines, JSON arrays, Parquet) with malformed, blank, non-UTF-8, empty
 and over-long rows; over-long prompts in regeneration and in the DataModule; a tokenizer without a
 chat template; a drafter saved for another target; out-of-range settings, directly and through the
-Hydra config; and a non-finite loss during a Lightning fit (a RuntimeError: not bad input, but the
-same rule of naming where and what). Everything is tiny, offline and CPU-only.
+Hydra config; corrupt, truncated, empty or missing files (``ckpt_path`` checkpoints, saved drafters'
+safetensors and config.json, the regeneration cache's tensors); and a non-finite loss during a
+Lightning fit (a RuntimeError: not bad input, but the same rule of naming where and what).
+Everything is tiny, offline and CPU-only.
 """
 
 from __future__ import annotations
@@ -473,3 +475,189 @@ def test_inf_loss_stops_the_fit_naming_step_and_batch(target):
     message = str(err.value)
     assert "non-finite training loss inf at global step 1, batch index 1" in message
     assert "check this batch's data" in message
+
+
+# ----------------------------------------------------------------------------------------------
+# bad files: checkpoints (ckpt_path), saved drafters (warm_start= / drafter=), cache tensors
+
+CKPT_FIX = "point ckpt_path at another checkpoint written by exittrain (RUN_DIR/checkpoints/<stage>/last.ckpt"
+DRAFTER_FIX = "point warm_start= (fit) or drafter= (eval) at another drafter folder saved by exittrain"
+
+
+def assert_no_unsafe_advice(err: pytest.ExceptionInfo) -> None:
+    """Neither our message nor the printed traceback (with its chained context) repeats torch's
+    advice to retry with ``weights_only`` off (its message starts "Weights only load failed")."""
+    import traceback
+
+    printed = "".join(traceback.format_exception(err.value))
+    assert "weights_only" not in str(err.value)
+    assert "Weights only load failed" not in printed and "weights_only=False" not in printed
+
+
+@pytest.fixture(scope="module")
+def last_ckpt(tmp_path_factory, target):
+    """A real Lightning checkpoint of one ExitTrain step (``last.ckpt``, stage recorded in its hyper-parameters)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    folder = tmp_path_factory.mktemp("ckpt")
+    trainer = make_trainer(1, callbacks=[ModelCheckpoint(dirpath=folder, save_last=True)], checkpointing=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the module-scoped fixture runs outside one_thread
+    try:
+        trainer.fit(make_module(target, stage="exittrain"), loader(2))
+    finally:
+        torch.set_num_threads(before)
+    return folder / "last.ckpt"
+
+
+def ckpt_config(path, tmp_path):
+    return compose_fit(f"ckpt_path={path}", f"paths.output_dir={tmp_path}")
+
+
+def test_a_good_checkpoint_resumes_its_stage(tmp_path, last_ckpt):
+    """The control for the corrupt cases below: the intact file resumes the stage it recorded."""
+    assert cli._stages_to_run(ckpt_config(last_ckpt, tmp_path)) == ["exittrain"]
+
+
+def _truncated_half(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
+def _truncated_tail(data: bytes) -> bytes:
+    return data[:-64]  # the zip's central directory (at the end) is cut
+
+
+def _random(data: bytes) -> bytes:
+    import random
+
+    return random.Random(0).randbytes(4096)
+
+
+BAD_CKPTS = {
+    "truncated_half": (_truncated_half, "is corrupt or truncated ("),
+    "truncated_tail": (_truncated_tail, "is corrupt or truncated ("),
+    "random_bytes": (_random, "is corrupt or not a PyTorch checkpoint (its pickle is unreadable)"),
+    "text": (lambda data: b"hello, not a checkpoint\n", "is corrupt or truncated ("),
+    "empty": (lambda data: b"", "is empty (0 bytes"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CKPTS))
+def test_corrupt_ckpt_path_names_the_file_the_fault_and_the_fix(tmp_path, last_ckpt, case):
+    make, fault = BAD_CKPTS[case]
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(make(last_ckpt.read_bytes()))
+    with pytest.raises(ValueError) as err:
+        cli._stages_to_run(ckpt_config(bad, tmp_path))
+    message = str(err.value)
+    assert message.startswith(f"ckpt_path checkpoint {bad} {fault}"), message
+    assert CKPT_FIX in message and "or leave ckpt_path unset to re-run the stage from its start" in message
+    assert_no_unsafe_advice(err)
+
+
+@pytest.mark.parametrize("kind", ["missing", "folder", "tensor"])
+def test_ckpt_path_that_is_missing_a_folder_or_not_a_dict(tmp_path, kind):
+    path = tmp_path / "given.ckpt"
+    if kind == "folder":
+        path.mkdir()
+    elif kind == "tensor":
+        torch.save(torch.zeros(3), path)  # loads safely, but is no Lightning checkpoint
+    fault = {"missing": "does not exist", "folder": "is a folder, not a file", "tensor": "holds a Tensor, not a"}[kind]
+    with pytest.raises(ValueError) as err:
+        cli._stages_to_run(ckpt_config(path, tmp_path))
+    message = str(err.value)
+    assert message.startswith(f"ckpt_path checkpoint {path} {fault}"), message
+    assert CKPT_FIX in message
+
+
+def test_a_corrupt_ckpt_path_fails_before_the_target_loads(monkeypatch, tmp_path, last_ckpt):
+    """`fit` reads the whole checkpoint first: a bad one fails in our words, never later in Lightning's load."""
+    bad = tmp_path / "torn.ckpt"
+    bad.write_bytes(_truncated_tail(last_ckpt.read_bytes()))
+
+    def no_instantiate(*args, **kwargs):
+        raise AssertionError("fit built an object before checking ckpt_path")
+
+    monkeypatch.setattr(cli, "instantiate", no_instantiate)
+    with pytest.raises(ValueError, match=r"ckpt_path checkpoint .*torn\.ckpt is corrupt or truncated"):
+        cli.run_fit(ckpt_config(bad, tmp_path))
+
+
+def test_drafter_from_a_corrupt_checkpoint_names_the_file_and_the_fix(tmp_path, target, last_ckpt):
+    bad = tmp_path / "torn.ckpt"
+    bad.write_bytes(_truncated_half(last_ckpt.read_bytes()))
+    with pytest.raises(ValueError) as err:
+        ExitTrainModule.drafter_from_checkpoint(bad, target)
+    message = str(err.value)
+    assert message.startswith(f"checkpoint {bad} is corrupt or truncated"), message
+    assert "pass another checkpoint written by exittrain" in message and "or re-run the stage" in message
+    assert_no_unsafe_advice(err)
+    assert ExitTrainModule.drafter_from_checkpoint(last_ckpt, target).config.block_size >= 2  # the intact file loads
+
+
+BAD_SAFETENSORS = {
+    "truncated": (lambda data: data[:-100], "incomplete metadata, file not fully covered"),
+    "empty": (lambda data: b"", "header too small"),
+    "random_bytes": (_random, "header too large"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SAFETENSORS))
+def test_saved_drafter_with_corrupt_weights_names_the_file_and_the_fix(tmp_path, target, case):
+    from exittrain.lit import save_drafter
+
+    folder = save_drafter(new_drafter(target, block_size=4, num_layers=1, seed=0), tmp_path / "drafter")
+    weights = folder / "model.safetensors"
+    make, cause = BAD_SAFETENSORS[case]
+    weights.write_bytes(make(weights.read_bytes()))
+    with pytest.raises(ValueError) as err:
+        load_drafter(folder, target)
+    message = str(err.value)
+    assert message.startswith(f"drafter weights {weights} is corrupt or truncated (SafetensorError: "), message
+    assert cause in message and DRAFTER_FIX in message and "exittrain.lit.save_drafter(drafter, path)" in message
+
+
+@pytest.mark.parametrize(
+    "text, fault",
+    [
+        ('{"block_size": 4, "hidden', "is not valid JSON (Unterminated string starting at: line 1 column 19 (char 18)"),
+        ("", "is not valid JSON (Expecting value: line 1 column 1 (char 0)"),
+        ("[1, 2]", "holds a JSON list, not an object"),
+    ],
+)
+def test_saved_drafter_with_a_bad_config_json_names_the_file_and_the_fix(tmp_path, target, text, fault):
+    from exittrain.lit import save_drafter
+
+    folder = save_drafter(new_drafter(target, block_size=4, num_layers=1, seed=0), tmp_path / "drafter")
+    config = folder / "config.json"
+    config.write_text(text)
+    with pytest.raises(ValueError) as err:
+        load_drafter(folder, target)
+    message = str(err.value)
+    assert message.startswith(f"drafter config {config} {fault}"), message
+    assert DRAFTER_FIX in message
+
+
+@pytest.mark.parametrize("kind", ["features", "top_logprobs"])
+def test_corrupt_cache_tensors_name_the_file_and_say_to_delete_the_entry(tmp_path, kind):
+    from safetensors.torch import save_file
+
+    from exittrain.data.regenerate import features_file, load_features, load_top_logprobs, top_logprobs_file
+
+    entry = tmp_path / "tiny-0123456789abcdef0123"
+    entry.mkdir()
+    name, load, what = {
+        "features": (features_file([1, 2]), lambda: load_features(entry, [1, 2]), "feature cache file"),
+        "top_logprobs": (top_logprobs_file(4), lambda: load_top_logprobs(entry, 4), "soft-label cache file"),
+    }[kind]
+    tensors = (
+        {"0": torch.zeros(5, 8)} if kind == "features" else {"0.ids": torch.zeros(3, 4), "0.logp": torch.zeros(3, 4)}
+    )
+    save_file(tensors, str(entry / name))
+    assert load() is not None  # the intact file loads
+    (entry / name).write_bytes((entry / name).read_bytes()[:-16])
+    with pytest.raises(ValueError) as err:
+        load()
+    message = str(err.value)
+    assert message.startswith(f"{what} {entry / name} is corrupt or truncated (SafetensorError: "), message
+    assert f"delete the cache entry folder {entry} (or that shard of an unfinished entry) to regenerate it" in message

@@ -22,7 +22,9 @@ def test_all_three_recipes_exist():
     assert RECIPES == ["code", "dialogue", "math"]
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+# a subprocess each (~5 s of imports): the fast tier types one recipe, the slow tier the other two;
+# test_debug_smoke_wins_over_every_recipe composes all three in process
+@pytest.mark.parametrize("recipe", [r if r == "code" else pytest.param(r, marks=pytest.mark.slow) for r in RECIPES])
 def test_recipe_resolves_as_typed_on_the_command_line(recipe):
     proc = run_cli("fit", f"+recipe={recipe}", "--cfg", "job")
     assert proc.returncode == 0, proc.stderr

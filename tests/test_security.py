@@ -1,7 +1,9 @@
 """Security contracts: no pickles, no remote code, no evaluated strings, no secrets in run outputs.
 
 - Drafters are written and read as safetensors only; a folder holding only a pickle is refused.
-- Every ``torch.load`` in the package passes ``weights_only=True`` (AST scan).
+- Every ``torch.load`` in the package passes ``weights_only=True`` (AST scan), and a checkpoint that
+  load refuses (it pickles a class or a call) gets our error, which never passes on torch's advice
+  to retry with ``weights_only`` off (for a malicious file, that retry is the exploit).
 - ``load_target`` runs no remote code unless ``trust_remote_code=True`` is asked for.
 - The package never calls ``eval``/``exec`` or registers an OmegaConf resolver that does, and the
   repository's Hydra configs instantiate only exittrain and Lightning classes.
@@ -54,7 +56,7 @@ def target(tiny_llama_target):
 
 def test_the_scan_sees_the_whole_package():
     names = {p.relative_to(PACKAGE).as_posix() for p in SOURCES}
-    assert {"cli.py", "lit/module.py", "models/target.py", "data/sources.py", "core/tree.py"} <= names
+    assert {"cli.py", "lit/module.py", "models/target.py", "data/sources.py", "core/tree.py", "safe_io.py"} <= names
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,6 +146,72 @@ def test_torch_load_scanner_negative_controls(source, flagged):
 def test_every_torch_load_in_the_package_uses_weights_only():
     bad = {p.relative_to(PACKAGE).as_posix(): lines for p in SOURCES if (lines := unsafe_torch_loads(p.read_text()))}
     assert not bad, f"torch.load without weights_only=True (unpickles arbitrary objects): {bad}"
+
+
+class Smuggled:
+    """A class that no safe load allows: a checkpoint pickling it is refused, whatever the class does."""
+
+
+class RunsOnLoad:
+    """Pickles as a call of ``print`` (a harmless stand-in for ``os.system``): unpickling it runs the call."""
+
+    def __reduce__(self):
+        return (print, ("EXPLOIT RAN",))
+
+
+REFUSED_FIX = "Do not load it with an unsafe loader (unpickling it can run arbitrary code)"
+
+
+def assert_refused_in_our_words(err: pytest.ExceptionInfo, path: Path, asked: str) -> None:
+    """The message names the file, the refused name and the fix; torch's text (with its advice to
+    retry unsafely) is neither in the message nor in the printed traceback."""
+    import traceback
+
+    message = str(err.value)
+    assert str(path) in message and f"holds objects that a safe load refuses (it asks for {asked})" in message
+    assert REFUSED_FIX in message and "weights_only" not in message
+    assert err.value.__cause__ is None and err.value.__suppress_context__  # raised from None
+    printed = "".join(traceback.format_exception(err.value))
+    assert "Weights only load failed" not in printed and "weights_only=False" not in printed
+
+
+def test_torch_own_refusal_advises_the_unsafe_retry(tmp_path):
+    """The control: what the tests below keep out of our messages is really in torch's."""
+    import pickle
+
+    path = tmp_path / "smuggled.ckpt"
+    torch.save({"x": Smuggled()}, path)
+    with pytest.raises(pickle.UnpicklingError) as err:
+        torch.load(path, map_location="cpu", weights_only=True)
+    assert "Weights only load failed" in str(err.value) and "`weights_only` set to `False`" in str(err.value)
+
+
+def test_ckpt_path_pickling_a_class_is_refused_in_our_words(tmp_path):
+    path = tmp_path / "smuggled.ckpt"
+    torch.save({"hyper_parameters": {"stage": "exittrain"}, "state_dict": {}, "x": Smuggled()}, path)
+    cli.register_recipes()
+    with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
+        cfg = compose("fit", overrides=["+recipe=code", f"ckpt_path={path}", f"paths.output_dir={tmp_path}"])
+    with pytest.raises(ValueError) as err:
+        cli._stages_to_run(cfg)
+    assert_refused_in_our_words(err, path, "tests.test_security.Smuggled")
+    assert str(err.value).startswith(f"ckpt_path checkpoint {path} holds objects")
+    assert "point ckpt_path at another checkpoint written by exittrain" in str(err.value)
+
+
+def test_checkpoint_pickling_a_call_is_refused_and_never_runs(tmp_path, capsys, target):
+    """A raw (non-zip, protocol 2) pickle whose load would call a function: refused before the call."""
+    import pickle
+
+    from exittrain.lit import ExitTrainModule
+
+    path = tmp_path / "runs_on_load.ckpt"
+    path.write_bytes(pickle.dumps({"state_dict": {}, "x": RunsOnLoad()}, protocol=2))
+    with pytest.raises(ValueError) as err:
+        ExitTrainModule.drafter_from_checkpoint(path, target)
+    assert_refused_in_our_words(err, path, "print")
+    assert "pass another checkpoint written by exittrain" in str(err.value)
+    assert "EXPLOIT RAN" not in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -130,6 +130,8 @@ class ExitTrainDataModule(pl.LightningDataModule):
         top_logprobs: S > 0 keeps the answering model's top-S next-token log-probabilities at every
             response position during regeneration; :meth:`captured_top_logprobs` serves them as the
             soft labels of the block cross-entropy. Not part of the cache key either.
+        device: the device the target answers on (default the CPU); it decides
+            ``generation.dtype="auto"`` (:meth:`GenerationConfig.resolved`).
     """
 
     def __init__(
@@ -153,6 +155,7 @@ class ExitTrainDataModule(pl.LightningDataModule):
         progress: bool = True,
         feature_layers: Sequence[int] | None = None,
         top_logprobs: int = 0,
+        device: str | None = None,
     ) -> None:
         super().__init__()
         if max_length < 2:
@@ -174,7 +177,8 @@ class ExitTrainDataModule(pl.LightningDataModule):
         self.max_length = max_length
         self.batch_size = batch_size
         self.num_workers = num_workers
-        self.generation = GenerationConfig.coerce(generation)
+        self.device = device or "cpu"
+        self.generation = GenerationConfig.coerce(generation).resolved(self.device)
         self.max_train_prompts = max_train_prompts
         self.val_fraction = val_fraction
         self.seed = seed
@@ -244,6 +248,7 @@ class ExitTrainDataModule(pl.LightningDataModule):
             progress=self.progress,
             feature_layers=self.feature_layers,
             top_logprobs=self.top_logprobs,
+            device=self.device,
         )
 
     def setup(self, stage: str | None = None) -> None:

@@ -62,8 +62,10 @@ import datasets
 import torch
 from tqdm.auto import tqdm
 
+from exittrain import progress as progress_log
 from exittrain.atomic import fsync_dir, fsync_tree
 from exittrain.models.target import layer_output_hooks
+from exittrain.precision import AUTO, generation_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +88,8 @@ FEATURES = datasets.Features(
 )
 
 GENERATION_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+MIN_SHARED_PREFIX = 8
+"""A batch's prompts share their prefix's forward only from this many tokens (below it, the copies cost more)."""
 
 
 class Answer(NamedTuple):
@@ -120,12 +124,16 @@ class GenerationConfig:
         max_prompt_tokens: templated prompts longer than this are not answered (counted).
         system_prompt: a system turn to put before the user turn; None keeps the template's default.
         dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``: answer with a copy of the target in
-            that dtype (kept only while generating); None answers with the target as loaded. On a
-            CPU with bf16 instructions ``"bfloat16"`` answers 1.55x faster than fp32, and the fp32
-            target picks the bf16 answers' next token at 99% of their positions (BENCHMARKS.md §4,
-            ``bench regen``). A
-            copy doubles the target's memory while it lives: for a large target, load it in the
-            wanted dtype (``target.dtype``) and leave this None.
+            that dtype (kept only while generating); None answers with the target as loaded;
+            ``"auto"`` is bf16 where bf16 is fast on the answering device and None elsewhere
+            (:func:`exittrain.precision.generation_dtype`), resolved by :meth:`resolved` before
+            it keys the cache. bf16 answers are an approximation of the fp32 target's (``bench
+            regen`` measures how close). A copy doubles the target's memory while it lives: for a
+            large target, load it in the wanted dtype (``target.dtype``) and leave this None.
+        share_prefix: run the target once over the tokens every prompt of a batch starts with
+            (the chat template's system turn, a shared instruction) and start each row from a
+            copy of that cache (:func:`generate_batch`). The same answers up to float rounding,
+            for fewer prefill tokens.
     """
 
     max_new_tokens: int = 128
@@ -137,12 +145,13 @@ class GenerationConfig:
     max_prompt_tokens: int = 512
     system_prompt: str | None = None
     dtype: str | None = None
+    share_prefix: bool = True
 
     def __post_init__(self) -> None:
-        if self.dtype is not None and self.dtype not in GENERATION_DTYPES:
+        if self.dtype is not None and self.dtype != AUTO and self.dtype not in GENERATION_DTYPES:
             raise ValueError(
-                f"GenerationConfig.dtype={self.dtype!r}: use one of {sorted(GENERATION_DTYPES)} or null (the target's "
-                "own dtype); in a fit config it is data.generation.dtype"
+                f"GenerationConfig.dtype={self.dtype!r}: use one of {sorted(GENERATION_DTYPES)}, auto (bf16 where the "
+                "hardware runs it fast) or null (the target's own dtype); in a fit config it is data.generation.dtype"
             )
         for name in ("max_new_tokens", "batch_size", "max_prompt_tokens"):
             if getattr(self, name) <= 0:
@@ -166,6 +175,12 @@ class GenerationConfig:
                 f"unknown generation settings {sorted(unknown)}; known: {[f.name for f in dataclasses.fields(cls)]}"
             )
         return cls(**dict(value))
+
+    def resolved(self, device: str | torch.device = "cpu") -> GenerationConfig:
+        """This config with ``dtype="auto"`` decided for the device the target answers on."""
+        if self.dtype != AUTO:
+            return self
+        return dataclasses.replace(self, dtype=generation_dtype(self.dtype, device))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -265,6 +280,16 @@ def _forward_hook(module: torch.nn.Module | None, hook: Callable) -> Any:
             handle.remove()
 
 
+def shared_prefix_length(prompt_ids: Sequence[Sequence[int]]) -> int:
+    """How many leading tokens every prompt of a batch shares, capped so that each prompt keeps at
+    least one token of its own (the prefill must compute that last position's logits)."""
+    shortest = min(len(ids) for ids in prompt_ids)
+    n = 0
+    while n < shortest - 1 and all(ids[n] == prompt_ids[0][n] for ids in prompt_ids):
+        n += 1
+    return n
+
+
 @torch.inference_mode()
 def generate_batch(
     model: Any,
@@ -278,12 +303,21 @@ def generate_batch(
 ) -> list[Answer]:
     """Answer one batch of templated prompts; returns one :class:`Answer` per prompt.
 
-    Prompts are left-padded to a common length ``P`` on the model's device. With ``feature_layers``
+    **Shared prefix.** Prompts in a chat template share their first tokens (the system turn, often
+    an instruction). With ``gen.share_prefix`` and a shared prefix of ``S >= MIN_SHARED_PREFIX``
+    tokens, the target runs over it once, for one row, and every row starts from a copy of its
+    cache: the prefill computes only each prompt's own tokens. A row of the padded batch is then
+    ``[prefix S][pads][the rest of the prompt]`` instead of ``[pads][prompt]``; Hugging Face
+    positions are ``cumsum(mask) - 1``, so every real token keeps the position it has alone (the
+    numbers differ from an unshared prefill by float rounding only).
+
+    Rows are padded to a common width ``P`` on the model's device. With ``feature_layers``
     (target layer ids, the convention of :mod:`exittrain.models.target`) ``features`` is the
     concatenated output of those decoder layers at every position of prompt + response,
-    ``(n_prompt + n_response, F)`` bf16 on the CPU, captured by hooks while the model generates:
-    the prefill gives the prompt's, each decode step the token it was fed. ``generate`` never
-    feeds its last token back, so one more forward step (with its cache) gives that one.
+    ``(n_prompt + n_response, F)`` bf16 on the CPU, captured by hooks while the model runs: the
+    shared prefix's forward and the prefill give the prompt's, each decode step the token it was
+    fed. ``generate`` never feeds its last token back, so one more forward step (with its cache)
+    gives that one.
 
     With ``top_logprobs`` S > 0 a hook on the output embeddings (the LM head) keeps, at every
     generation step, the S largest log-softmax values of the last position's raw logits (before
@@ -292,15 +326,20 @@ def generate_batch(
     device = next(model.parameters()).device
     layers = list(feature_layers or [])
     N, width = len(prompt_ids), max(len(ids) for ids in prompt_ids)
+    S = shared_prefix_length(prompt_ids) if gen.share_prefix and N > 1 else 0
+    S = S if S >= MIN_SHARED_PREFIX else 0
     input_ids_NP = torch.full((N, width), pad_token_id, dtype=torch.long)
     attention_mask_NP = torch.zeros((N, width), dtype=torch.long)
     for i, ids in enumerate(prompt_ids):
-        input_ids_NP[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-        attention_mask_NP[i, width - len(ids) :] = 1
+        # the shared prefix at the left edge, the padding between it and the prompt's own tokens
+        input_ids_NP[i, :S] = torch.tensor(ids[:S], dtype=torch.long)
+        input_ids_NP[i, width - len(ids) + S :] = torch.tensor(ids[S:], dtype=torch.long)
+        attention_mask_NP[i, :S] = 1
+        attention_mask_NP[i, width - len(ids) + S :] = 1
     kwargs: dict[str, Any] = {"do_sample": gen.do_sample}
     if gen.do_sample:
         kwargs.update(temperature=gen.temperature, top_p=gen.top_p, top_k=0)
-    steps: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}  # per layer: (N, Q, H) per forward
+    steps: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}  # per layer: (N or 1, Q, H) per forward
     tops: list[tuple[torch.Tensor, torch.Tensor]] = []  # per forward: (N, S) log-probs, (N, S) ids
 
     def keep(layer_id: int, output: torch.Tensor) -> None:
@@ -312,6 +351,12 @@ def generate_batch(
 
     head = model.get_output_embeddings() if top_logprobs > 0 else None
     with layer_output_hooks(model, layers, keep):
+        if S:
+            prefix = model(input_ids=input_ids_NP[:1, :S].to(device), use_cache=True, logits_to_keep=1).cache
+            prefix.batch_repeat_interleave(N)  # every row continues from its own copy
+            for layer in layers:  # (1, S, H) -> (N, S, H): the rows share these positions
+                steps[layer][0] = steps[layer][0].expand(N, -1, -1)
+            kwargs["cache"] = prefix
         with _forward_hook(head, keep_top):  # generation steps only: not the extra step below
             out = model.generate(
                 input_ids=input_ids_NP.to(device),
@@ -348,11 +393,15 @@ def generate_batch(
     result = []
     for i, (ids, (resp, fin)) in enumerate(zip(prompt_ids, answers)):
         r = len(resp)
+        features = None
+        if features_NSF is not None:  # the row's real positions: the shared prefix, then its own tokens
+            own = features_NSF[i, width - len(ids) + S : width + r]
+            features = torch.cat([features_NSF[i, :S], own]) if S else own.clone()
         result.append(
             Answer(
                 resp,
                 fin,
-                None if features_NSF is None else features_NSF[i, width - len(ids) : width + r].clone(),
+                features,
                 None if top_logprobs <= 0 else top_ids_NGS[i, :r].clone(),
                 None if top_logprobs <= 0 else top_logp_NGS[i, :r].clone(),
             )
@@ -374,16 +423,25 @@ def prompts_digest(prompts: Sequence[str]) -> str:
     return h.hexdigest()
 
 
+_KEY_DEFAULTS_BEFORE = {("dtype", None), ("share_prefix", False)}
+
+
 def cache_key(target_name: str, prompt_set: str, prompts: Sequence[str], gen: GenerationConfig) -> str:
-    """Hex key of a regenerated dataset: target, prompt-set description, prompt list, settings."""
+    """Hex key of a regenerated dataset: target, prompt-set description, prompt list, settings.
+
+    ``gen.dtype`` must be resolved (:meth:`GenerationConfig.resolved`): ``auto`` answers differently
+    on different hosts, so it cannot key an entry."""
+    if gen.dtype == AUTO:
+        raise ValueError("cache_key needs a resolved GenerationConfig: call gen.resolved(device) first (dtype='auto')")
     payload = {
         "version": CACHE_VERSION,
         "target": target_name,
         "prompt_set": prompt_set,
         "n_prompts": len(prompts),
         "prompts_sha256": prompts_digest(prompts),
-        # a None dtype (the target's own) is left out, so entries written before the field existed keep their key
-        "generation": {k: v for k, v in gen.to_dict().items() if not (k == "dtype" and v is None)},
+        # fields at the value that matches what came before them (the target's own dtype, no prefix
+        # sharing) are left out, so entries written before the fields existed keep their keys
+        "generation": {k: v for k, v in gen.to_dict().items() if (k, v) not in _KEY_DEFAULTS_BEFORE},
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 
@@ -421,13 +479,17 @@ def features_file(layers: Sequence[int]) -> str:
 
 def load_features(path: str | os.PathLike, layers: Sequence[int]) -> dict[int, torch.Tensor] | None:
     """The features of ``layers`` saved beside the dataset at ``path``: ``prompt_index -> (n, F)``
-    bf16, where n is the row's ``len(input_ids)``; None when the entry has none for these layers."""
-    from safetensors.torch import load_file
+    bf16, where n is the row's ``len(input_ids)``; None when the entry has none for these layers.
+    A corrupt or truncated file raises ValueError naming it and saying to delete ``path``."""
+    from exittrain.safe_io import load_safetensors
 
     file = Path(path) / features_file(layers)
     if not file.is_file():
         return None
-    return {int(k): v for k, v in load_file(str(file)).items()}
+    # a cache entry (or a shard of one) is a unit: deleting the folder makes the next run write it again
+    fix = f"delete the cache entry folder {Path(path)} (or that shard of an unfinished entry) to regenerate it"
+    tensors = load_safetensors(file, what="feature cache file", fix=fix)
+    return {int(k): v for k, v in tensors.items()}
 
 
 def top_logprobs_file(k: int) -> str:
@@ -438,13 +500,15 @@ def top_logprobs_file(k: int) -> str:
 def load_top_logprobs(path: str | os.PathLike, k: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
     """The top-``k`` log-probabilities saved beside the dataset at ``path``: ``prompt_index ->
     (ids (r, k) int32, log-probabilities (r, k) float32)``, r the row's response length (row j: the
-    distribution of response token j); None when the entry has none for this ``k``."""
-    from safetensors.torch import load_file
+    distribution of response token j); None when the entry has none for this ``k``. A corrupt or
+    truncated file raises ValueError naming it and saying to delete ``path``."""
+    from exittrain.safe_io import load_safetensors
 
     file = Path(path) / top_logprobs_file(k)
     if not file.is_file():
         return None
-    tensors = load_file(str(file))
+    fix = f"delete the cache entry folder {Path(path)} (or that shard of an unfinished entry) to regenerate it"
+    tensors = load_safetensors(file, what="soft-label cache file", fix=fix)
     return {
         int(key[: -len(".ids")]): (t, tensors[key[: -len(".ids")] + ".logp"])
         for key, t in tensors.items()
@@ -546,6 +610,7 @@ def regenerate(
     progress: bool = True,
     feature_layers: Sequence[int] | None = None,
     top_logprobs: int = 0,
+    device: str | torch.device = "cpu",
 ) -> datasets.Dataset:
     """The target's own answers to ``prompts``, from the cache or generated now.
 
@@ -566,12 +631,14 @@ def regenerate(
         top_logprobs: keep the answering model's top-S next-token log-probabilities at every
             response position (:func:`generate_batch`; :func:`load_top_logprobs`), S > 0. Like the
             features, a cache hit never adds them.
+        device: the device the target answers on; it decides ``gen.dtype="auto"`` before the cache
+            is looked up (the model is not loaded for that).
 
     Returns:
         A ``datasets.Dataset`` with :data:`FEATURES`, rows sorted by ``prompt_index``. Prompts
         rejected as too long have no row.
     """
-    gen = GenerationConfig.coerce(gen)
+    gen = GenerationConfig.coerce(gen).resolved(device)
     if not prompts:
         raise ValueError("regenerate got no prompts; check the prompt sources")
     layers = [int(x) for x in feature_layers or []]
@@ -628,13 +695,24 @@ def regenerate(
     was_training = model.training
     model.eval()
     answerer = answering_model(model, gen.dtype)
+    # no bar draws into a redirected stdout (a log file, SLURM): log lines there instead, one per batch
+    # while batches take 30 s or more, else one every 30 s or every 1/50 of the batches
+    as_lines = progress and not progress_log.interactive()
     bar = tqdm(
         total=len(batches),
         initial=len(batches) - len(todo),
         desc=f"regenerate ({target_name})",
         unit="batch",
-        disable=not progress,
+        disable=not progress or as_lines,
     )
+    ticker = progress_log.Ticker(
+        f"regenerate ({target_name})",
+        len(batches),
+        unit="batch",
+        every=max(1, len(batches) // 50),
+        start=len(batches) - len(todo),
+    )
+    answered = 0
     new_tokens, t0 = 0, time.perf_counter()
     try:
         for b in todo:
@@ -653,7 +731,11 @@ def regenerate(
             _save_atomic(shard, shard_dir(b), tensor_files=_tensor_files(features, layers, top, top_logprobs))
             new_tokens += sum(len(a.response) for a in answers)
             bar.update(1)
-            bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
+            tok_s = new_tokens / max(time.perf_counter() - t0, 1e-9)
+            bar.set_postfix(tok_s=f"{tok_s:.0f}")
+            answered += len(answers)
+            if as_lines:
+                ticker.advance(answers=answered, tok_s=tok_s)
     finally:
         bar.close()
         model.train(was_training)

@@ -137,12 +137,14 @@ def _train(cfg, drafter, target, datamodule, stage: str, steps: int, cache_owner
     import lightning as L
     from hydra.utils import instantiate
 
+    from exittrain.lit.trainer import build_trainer
+
     L.seed_everything(cfg.seed, workers=True)  # the same data order and anchors for every arm
     module = instantiate(cfg.objective)(drafter=drafter, target=target, stage=stage, **overrides)
     if cache_owner is not None:
         module.share_feature_cache(cache_owner)
-    trainer = instantiate(cfg.trainer)(
-        max_steps=steps, logger=False, enable_checkpointing=False, callbacks=[], limit_val_batches=0
+    trainer = build_trainer(
+        cfg.trainer, max_steps=steps, logger=False, enable_checkpointing=False, callbacks=[], limit_val_batches=0
     )
     trainer.fit(module, datamodule=datamodule)
     module.final_metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}

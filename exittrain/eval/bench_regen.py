@@ -9,7 +9,12 @@ batches :func:`~exittrain.data.regenerate.regenerate` would form (sorted by temp
 - ``float32``: the target as loaded (the reference answers);
 - ``bfloat16``: a bf16 copy of the target (``data.generation.dtype: bfloat16``);
 - ``bfloat16 + features``: the same, keeping the drafter's default target layers at every position
-  (what ``fit`` does, so that training needs no feature pass).
+  (what ``fit`` does, so that training needs no feature pass);
+- ``float32, shared prefix`` and ``bfloat16 + features, shared prefix``: the same arms with
+  ``generation.share_prefix`` (the default): each batch's common prefix is run once.
+
+The arms without ``shared prefix`` run with ``share_prefix=False``, so the pairs show what sharing
+saves on the same answers.
 
 Reports seconds per answer, new tokens per second and the speedup over ``float32``. For the bf16
 arms it also reports how faithful the answers are to the fp32 target: the share of answers equal
@@ -21,6 +26,7 @@ answer so far, would pick the same next token (one fp32 forward per answer, not 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import time
@@ -39,6 +45,7 @@ def run(prompts: int, max_new_tokens: int, batch: int, domain: str) -> dict:
         eos_token_ids,
         generate_batch,
         padding_token_id,
+        shared_prefix_length,
     )
     from exittrain.models import load_target
     from exittrain.models.drafter import default_layer_ids
@@ -48,21 +55,28 @@ def run(prompts: int, max_new_tokens: int, batch: int, domain: str) -> dict:
     texts = ExitTrainDataModule(domain, tokenizer=tok, max_train_prompts=prompts, progress=False).prompts().train
     templated = sorted((chat_prompt_ids(tok, p) for p in texts), key=len, reverse=True)
     batches = [templated[s : s + batch] for s in range(0, len(templated), batch)]
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, batch_size=batch)
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, batch_size=batch, share_prefix=False)
+    shared = dataclasses.replace(gen, share_prefix=True)
     eos = eos_token_ids(model, tok)
     pad = padding_token_id(tok)
     layers = default_layer_ids(target.num_layers)
     bf16 = answering_model(model, "bfloat16")
 
-    def answer(m, keep: list[int] | None) -> tuple[float, list[list[int]]]:
+    def answer(m, keep: list[int] | None, g: GenerationConfig) -> tuple[float, list[list[int]]]:
         t0 = time.perf_counter()
-        out = [a.response for b in batches for a in generate_batch(m, tok, b, gen, pad, eos, keep)]
+        out = [a.response for b in batches for a in generate_batch(m, tok, b, g, pad, eos, keep)]
         return time.perf_counter() - t0, out
 
-    arms = [("float32", model, None), ("bfloat16", bf16, None), ("bfloat16 + features", bf16, layers)]
+    arms = [
+        ("float32", model, None, gen),
+        ("float32, shared prefix", model, None, shared),
+        ("bfloat16", bf16, None, gen),
+        ("bfloat16 + features", bf16, layers, gen),
+        ("bfloat16 + features, shared prefix", bf16, layers, shared),
+    ]
     rows, reference = [], None
-    for name, m, keep in arms:
-        seconds, answers = answer(m, keep)
+    for name, m, keep, g in arms:
+        seconds, answers = answer(m, keep, g)
         new_tokens = sum(len(a) for a in answers)
         row = {
             "arm": name,
@@ -91,6 +105,8 @@ def run(prompts: int, max_new_tokens: int, batch: int, domain: str) -> dict:
         "batch": batch,
         "max_new_tokens": max_new_tokens,
         "mean_prompt_tokens": sum(map(len, templated)) / len(templated),
+        "mean_shared_prefix_tokens": sum(shared_prefix_length(b) for b in batches) / len(batches),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "feature_layers": layers,
         "threads": torch.get_num_threads(),
         "rows": rows,
@@ -100,8 +116,10 @@ def run(prompts: int, max_new_tokens: int, batch: int, domain: str) -> dict:
 def to_markdown(result: dict) -> str:
     lines = [
         f"Greedy regeneration of {result['prompts']} {result['domain']} prompts (mean "
-        f"{result['mean_prompt_tokens']:.0f} templated tokens), {result['max_new_tokens']} new tokens at most, "
-        f"batches of {result['batch']}, embedded SmolLM2 target, CPU, {result['threads']} threads.",
+        f"{result['mean_prompt_tokens']:.0f} templated tokens, of which a batch shares "
+        f"{result.get('mean_shared_prefix_tokens', 0):.0f}), {result['max_new_tokens']} new tokens at most, "
+        f"batches of {result['batch']}, embedded SmolLM2 target, CPU ({result.get('cpu_capability', '?')}), "
+        f"{result['threads']} threads.",
         "",
         "| arm | s / answer | new tok/s | speedup | same answer as fp32 | fp32 next-token agreement |",
         "|---|---|---|---|---|---|",

@@ -34,7 +34,9 @@ def run(steps: int, budgets: list[int], anchors: int, batch: int, prompts: int) 
     from exittrain.data import ExitTrainDataModule
     from exittrain.lit import ExitTrainModule
     from exittrain.models import load_target, new_drafter
+    from exittrain.precision import trainer_precision
 
+    precision = trainer_precision("auto", "cpu")
     target = load_target(None)
     dm = ExitTrainDataModule(
         "code", target=lambda: (target.model, target.tokenizer), tokenizer=target.tokenizer, target_name=target.name,
@@ -57,7 +59,7 @@ def run(steps: int, budgets: list[int], anchors: int, batch: int, prompts: int) 
         module = ExitTrainModule(drafter, target, stage="exittrain", budget=budget, anchors_per_seq=anchors,
                                 feature_cache=True)
         collect = Collect()
-        trainer = L.Trainer(max_steps=steps, accelerator="cpu", precision="bf16-mixed", logger=False,
+        trainer = L.Trainer(max_steps=steps, accelerator="cpu", precision=precision, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             callbacks=[collect], limit_val_batches=0, num_sanity_val_steps=0)
         trainer.fit(module, datamodule=dm)
@@ -73,12 +75,13 @@ def run(steps: int, budgets: list[int], anchors: int, batch: int, prompts: int) 
             "peak_rss_mb": _peak_rss_mb(),
         })
     return {"steps": steps, "anchors_per_seq": anchors, "batch": batch, "threads": torch.get_num_threads(),
-            "rows": results}
+            "precision": precision, "rows": results}
 
 
 def to_markdown(result: dict) -> str:
     lines = [
-        f"ExitTrain steps on the embedded SmolLM2 (CPU, {result['threads']} threads, bf16 autocast), batch "
+        f"ExitTrain steps on the embedded SmolLM2 (CPU, {result['threads']} threads, precision "
+        f"{result.get('precision', 'bf16-mixed')}), batch "
         f"{result['batch']} x {result['anchors_per_seq']} anchors, median over {result['steps'] - 2} steps.",
         "",
         "| B | step (ms) | anchors/s | " + " | ".join(PARTS) + " | tree + exit law | peak RSS (MB) |",

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from exittrain import progress as progress_log
 from exittrain.decoding import SpeculativeDecoder, autoregressive_generate, oracle_generate
 
 __all__ = ["evaluate_prompts", "summarize", "format_table", "bootstrap_ci", "optional_cell"]
@@ -55,8 +56,11 @@ def evaluate_prompts(
     rows: list[dict] = []
     jobs = [(b, t, i) for t in temperatures for b in budgets for i in range(len(prompts))]
     ar_cache = {} if ar_cache is None else ar_cache  # (temperature, prompt index) -> baseline result
-    bar = tqdm(jobs, desc=f"eval {label}".strip(), disable=not progress, leave=False)
-    for budget, temperature, i in bar:
+    # a bar on a terminal; elsewhere (a log file) a line per prompt or every 30 s
+    as_lines = progress and not progress_log.interactive()
+    bar = tqdm(jobs, desc=f"eval {label}".strip(), disable=not progress or as_lines, leave=False)
+    ticker = progress_log.Ticker(f"eval {label}".strip(), len(jobs), unit="decode", every=1)
+    for n, (budget, temperature, i) in enumerate(bar, 1):
         prompt = list(prompts[i])
         run_seed = seed + i
         result = SpeculativeDecoder(target, drafter, budget=budget, verifier=verifier).generate(
@@ -95,6 +99,8 @@ def evaluate_prompts(
             row["oracle_block_lengths"] = [r.block_length for r in ores.rounds]
         rows.append(row)
         bar.set_postfix(tau=f"{row['tau']:.2f}")
+        if as_lines:
+            ticker.update(n, B=budget, T=temperature, tau=row["tau"])
     return rows
 
 

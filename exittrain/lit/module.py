@@ -103,6 +103,7 @@ from exittrain.core import (
 from exittrain.core.exit_law import ExitLaw
 from exittrain.lit.sharding import shard_drafter
 from exittrain.models import BlockDrafter, DrafterConfig, TargetModel
+from exittrain.safe_io import load_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -547,16 +548,24 @@ class ExitTrainModule(pl.LightningModule):
     def drafter_from_checkpoint(path, target: TargetModel, *, map_location: Any = "cpu") -> BlockDrafter:
         """Rebuild the trained drafter from a Lightning checkpoint alone (config + ``drafter.*`` weights).
 
-        Loads with ``weights_only=True``; the drafter is attached to ``target`` (pairing checked).
-        Checkpoints written under ``trainer=fsdp`` are single files with the full weights too; a
-        folder (a sharded checkpoint) raises ValueError.
+        Loads with ``weights_only=True`` (:func:`exittrain.safe_io.load_checkpoint`); the drafter is
+        attached to ``target`` (pairing checked). Checkpoints written under ``trainer=fsdp`` are
+        single files with the full weights too; a folder (a sharded checkpoint) raises ValueError,
+        and so does a missing, corrupt or truncated file or one holding objects the safe load
+        refuses (the message names the file and never suggests an unsafe load).
         """
         if Path(path).is_dir():
             raise ValueError(
                 f"{path} is a folder (a sharded checkpoint, ModelParallelStrategy(save_distributed_checkpoint=True)); "
                 "drafters are rebuilt from single-file checkpoints: train with trainer=fsdp, which writes those"
             )
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        ckpt = load_checkpoint(
+            path,
+            what="checkpoint",
+            fix="pass another checkpoint written by exittrain (RUN_DIR/checkpoints/<stage>/last.ckpt of an earlier "
+            "run), or re-run the stage",
+            map_location=map_location,
+        )
         if CHECKPOINT_KEY not in ckpt:
             raise ValueError(f"{path} holds no '{CHECKPOINT_KEY}' entry: not an ExitTrainModule checkpoint")
         config = DrafterConfig.from_dict(ckpt[CHECKPOINT_KEY]["drafter_config"])

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -60,9 +61,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers import initialization as hf_init
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from exittrain.core.ngram_copy import check_ngrams, mix_copy, ngram_lookup
 from exittrain.models.target import as_dtype
+from exittrain.safe_io import check_safetensors, load_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -610,9 +613,15 @@ class BlockDrafter(PreTrainedModel):
         is attached.
 
         Weights are read from safetensors only: a folder holding only a pickled checkpoint
-        (``pytorch_model.bin``, ``*.pt``) raises ValueError instead of being unpickled.
+        (``pytorch_model.bin``, ``*.pt``) raises ValueError instead of being unpickled. In a local
+        folder, a ``config.json`` that is not a valid JSON object and a weights file that is
+        truncated or corrupt raise ValueError naming the file (:func:`_check_saved_files`) before
+        Hugging Face reads either.
         """
+        folder = Path(pretrained_model_name_or_path) / kwargs.get("subfolder", "")
         config = kwargs.pop("config", None)
+        if folder.is_dir():
+            _check_saved_files(folder, config_too=config is None)
         if config is None:
             hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only") if k in kwargs}
             config = DrafterConfig.from_pretrained(pretrained_model_name_or_path, **hub)
@@ -620,18 +629,49 @@ class BlockDrafter(PreTrainedModel):
             check_pairing(config, target, check_name=check_name)
         # save_drafter writes safetensors; never fall back to unpickling a .bin (Hugging Face would)
         kwargs["use_safetensors"] = True
-        folder = Path(pretrained_model_name_or_path) / kwargs.get("subfolder", "")
-        if folder.is_dir() and not any(folder.glob("*.safetensors")):
-            found = sorted(p.name for p in folder.iterdir())
-            raise ValueError(
-                f"drafter folder {folder} holds no *.safetensors weights (found {found}); drafters are loaded "
-                "from safetensors only, never from pickled .bin/.pt files: re-export it with "
-                "exittrain.lit.save_drafter(drafter, path) or drafter.save_pretrained(path)"
-            )
         model = super().from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)
         if target is not None:
             model.attach_target(target, check_name=check_name)
         return model
+
+
+# what to do about a saved drafter folder whose files are bad (exittrain.safe_io adds the file and the cause)
+_DRAFTER_FIX = (
+    "point warm_start= (fit) or drafter= (eval) at another drafter folder saved by exittrain (RUN_DIR/drafter of a "
+    "fit run), or re-export this one with exittrain.lit.save_drafter(drafter, path)"
+)
+
+
+def _check_saved_files(folder: str | os.PathLike, *, config_too: bool = True) -> None:
+    """Check the files Hugging Face will read from the saved drafter ``folder``, in our words.
+
+    ``config.json`` (when ``config_too``) must be a JSON object; the weights (``model.safetensors``,
+    or every shard named by ``model.safetensors.index.json``) must exist and be whole
+    safetensors files (:func:`exittrain.safe_io.check_safetensors`: header and size, no tensor
+    data read). Raises ValueError naming the bad file and :data:`_DRAFTER_FIX`; a folder with no
+    ``*.safetensors`` at all (only a pickled ``.bin``/``.pt``) raises ValueError saying drafters
+    load from safetensors only. A missing ``config.json`` is left to Hugging Face's own error.
+    """
+    folder = Path(folder)
+    if config_too and (folder / "config.json").is_file():
+        load_json_object(folder / "config.json", what="drafter config", fix=_DRAFTER_FIX)
+    if not any(folder.glob("*.safetensors")):
+        found = sorted(p.name for p in folder.iterdir())
+        raise ValueError(
+            f"drafter folder {folder} holds no *.safetensors weights (found {found}); drafters are loaded "
+            "from safetensors only, never from pickled .bin/.pt files: re-export it with "
+            "exittrain.lit.save_drafter(drafter, path) or drafter.save_pretrained(path)"
+        )
+    index = folder / SAFE_WEIGHTS_INDEX_NAME
+    if index.is_file():
+        weight_map = load_json_object(index, what="drafter weights index", fix=_DRAFTER_FIX).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"drafter weights index {index} has no 'weight_map' object: {_DRAFTER_FIX}")
+        files = sorted(set(weight_map.values()))
+    else:
+        files = [SAFE_WEIGHTS_NAME]
+    for name in files:
+        check_safetensors(folder / name, what="drafter weights", fix=_DRAFTER_FIX)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -655,6 +655,13 @@ def as_dtype(value: torch.dtype | str) -> torch.dtype:
     return dtype
 
 
+def _placement(device: str | torch.device, device_map: str | dict | None) -> torch.device:
+    """Where a target loads: ``device``, or with a ``device_map`` the GPU when there is one."""
+    if device_map is None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def load_target(
     name_or_path: str | os.PathLike | None = None,
     *,
@@ -673,11 +680,14 @@ def load_target(
     once by :func:`convert_embedded_target` into ``cache_dir``); otherwise a hub id or a local
     folder for ``AutoModelForCausalLM.from_pretrained``, with ``cache_dir`` as its hub cache.
     ``device_map`` (e.g. "auto") is handed to ``from_pretrained`` for accelerate's big-model
-    loading, in which case ``device`` is ignored. Remote code runs only with
-    ``trust_remote_code=True``. ``name`` overrides the target's name (default: the embedded
+    loading, in which case ``device`` is ignored. ``dtype="auto"`` picks the dtype from where the
+    model runs (:func:`exittrain.precision.target_dtype`: fp32 on a CPU, bf16 or fp16 on a GPU).
+    Remote code runs only with ``trust_remote_code=True``. ``name`` overrides the target's name (default: the embedded
     name, or ``name_or_path`` as given), which drafters record for pairing.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from exittrain.precision import target_dtype
 
     if attn_implementation not in _SUPPORTED_ATTENTION:
         raise ValueError(f"attn_implementation must be one of {_SUPPORTED_ATTENTION}, got {attn_implementation!r}")
@@ -687,7 +697,7 @@ def load_target(
         path, hub_cache, default_name = name_or_path, cache_dir, os.fspath(name_or_path).rstrip("/")
     model = AutoModelForCausalLM.from_pretrained(
         path,
-        dtype=as_dtype(dtype),
+        dtype=as_dtype(target_dtype(dtype, _placement(device, device_map))),
         cache_dir=hub_cache,
         trust_remote_code=trust_remote_code,
         device_map=device_map,

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from exittrain.data.regenerate import (
+    MIN_SHARED_PREFIX,
     GenerationConfig,
     cache_key,
     cache_path,
@@ -17,6 +18,7 @@ from exittrain.data.regenerate import (
     load_top_logprobs,
     read_meta,
     regenerate,
+    shared_prefix_length,
     split_response,
     top_logprobs_file,
 )
@@ -135,13 +137,43 @@ def test_generation_config_validates_and_coerces():
         GenerationConfig(dtype="bf16")
 
 
-def test_a_dtype_left_unset_keeps_the_cache_keys_written_before_the_field():
-    # the key this configuration had before GenerationConfig.dtype existed: cached data stays valid
-    assert (
-        cache_key("tiny", "set", ["a", "b"], GenerationConfig(max_new_tokens=8, batch_size=2)) == "d5bbcb241b86b3f91f2a"
-    )
-    bf16 = GenerationConfig(max_new_tokens=8, batch_size=2, dtype="bfloat16")
-    assert cache_key("tiny", "set", ["a", "b"], bf16) != "d5bbcb241b86b3f91f2a"
+def test_fields_at_their_former_behaviour_keep_the_cache_keys_written_before_them():
+    # the key this configuration had before GenerationConfig.dtype and share_prefix existed
+    before = GenerationConfig(max_new_tokens=8, batch_size=2, share_prefix=False)
+    assert cache_key("tiny", "set", ["a", "b"], before) == "d5bbcb241b86b3f91f2a"
+    for changed in ({"dtype": "bfloat16"}, {"share_prefix": True}):
+        other = GenerationConfig(max_new_tokens=8, batch_size=2, **{"share_prefix": False, **changed})
+        assert cache_key("tiny", "set", ["a", "b"], other) != "d5bbcb241b86b3f91f2a"
+
+
+def test_the_shared_prefix_stops_at_the_first_difference_and_leaves_each_prompt_a_token():
+    assert shared_prefix_length([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
+    assert shared_prefix_length([[1, 2, 3], [1, 2, 3, 4]]) == 2  # the shorter keeps its last token
+    assert shared_prefix_length([[7, 8], [9, 8]]) == 0
+
+
+def test_a_shared_prefix_gives_the_answers_features_and_log_probs_of_a_full_prefill(tmp_path, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    templated = [chat_prompt_ids(tok, p) for p in PROMPTS]
+    assert shared_prefix_length(templated) >= MIN_SHARED_PREFIX  # the chat template's system turn
+    runs = {}
+    for share in (False, True):
+        gen = GenerationConfig(max_new_tokens=8, batch_size=5, share_prefix=share)
+        runs[share] = regenerate(
+            PROMPTS, _target(tok), target_name="tiny", cache_dir=tmp_path / str(share), gen=gen, progress=False,
+            feature_layers=[0, 1], top_logprobs=4,
+        )
+        runs[share] = (runs[share], cache_path(tmp_path / str(share), "tiny", "", PROMPTS, gen))
+    (plain, plain_path), (shared, shared_path) = runs[False], runs[True]
+    assert _rows(plain) == _rows(shared)
+    plain_features, shared_features = load_features(plain_path, [0, 1]), load_features(shared_path, [0, 1])
+    plain_top, shared_top = load_top_logprobs(plain_path, 4), load_top_logprobs(shared_path, 4)
+    for row in plain:
+        i = row["prompt_index"]
+        assert shared_features[i].shape == plain_features[i].shape == (len(row["input_ids"]), 2 * 32)
+        assert _relative_error(shared_features[i], plain_features[i]) < 1e-2
+        assert torch.equal(shared_top[i][0], plain_top[i][0])
+        torch.testing.assert_close(shared_top[i][1], plain_top[i][1], atol=1e-4, rtol=0)
 
 
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -139,8 +139,8 @@ def test_write_json_atomic(tmp_path):
     assert sorted(p.name for p in path.parent.iterdir()) == ["metrics.json"]
 
 
-def test_stage_progress_bar_names_the_stage_and_no_negative_epoch_count():
-    """Under max_steps Lightning leaves max_epochs at -1; its Rich bar printed 'Epoch 6/-2'."""
+def test_stage_progress_bar_shows_the_stages_steps():
+    """The stages run by max_steps over many epochs (max_epochs -1: Lightning's Rich bar printed 'Epoch 6/-2')."""
     from types import SimpleNamespace
 
     from lightning.pytorch.callbacks import RichProgressBar
@@ -149,8 +149,10 @@ def test_stage_progress_bar_names_the_stage_and_no_negative_epoch_count():
 
     bar = stage_progress_bar("pretrain")
     if not isinstance(bar, RichProgressBar):
-        pytest.skip("rich is not installed: Lightning's tqdm bar is used as is")
-    bar._trainer = SimpleNamespace(max_epochs=-1)
-    assert bar._get_train_description(6).strip() == "pretrain epoch 6"
-    bar._trainer = SimpleNamespace(max_epochs=3)
-    assert bar._get_train_description(1).strip() == "pretrain epoch 1/2"
+        pytest.skip("rich is not installed: the tqdm bar is tested in tests/lit/test_progress_callbacks.py")
+    bar._trainer = SimpleNamespace(max_epochs=-1, max_steps=600, global_step=120)
+    assert bar._get_train_description(6).strip() == "pretrain step 120/600"
+    bar._trainer = SimpleNamespace(max_epochs=-1, max_steps=600, global_step=7)
+    assert bar._get_train_description(0) == "pretrain step   7/600", "the step keeps the total's width"
+    bar._trainer = SimpleNamespace(max_epochs=3, max_steps=-1, global_step=7)
+    assert bar._get_train_description(1).strip() == "pretrain step 7", "no max_steps: no total"

@@ -1,6 +1,6 @@
 """Crash safety: a `fit` killed with SIGKILL resumes exactly, and every file is written atomically.
 
-- Kill and resume (real processes, the real `python -m exittrain fit` on a tiny target): a run that
+- Kill and resume (real processes, the real `python -m exittrain fit` on a tiny target; the slow tier): a run that
   is never interrupted and a run killed with SIGKILL in the middle of training run side by side;
   a third process resumes the killed one from its ``last.ckpt``. It continues at the checkpoint's
   step with the uninterrupted run's batches and losses and exports the same drafters.
@@ -141,6 +141,7 @@ def _by_step(records: list[dict]) -> dict[tuple[str, int], dict]:
     return {(r["stage"], r["step"]): r for r in records}
 
 
+@pytest.mark.slow  # three `python -m exittrain fit` processes (the runs fixture)
 def test_killed_fit_resumes_at_its_checkpoint_step_with_the_same_batches(runs):
     assert runs.killed_returncode == -signal.SIGKILL
     assert KILL_AFTER_STEP <= runs.resume_step < PRETRAIN_STEPS, "the kill must land inside pretraining"
@@ -157,6 +158,7 @@ def test_killed_fit_resumes_at_its_checkpoint_step_with_the_same_batches(runs):
     assert metrics["stages"] == ["pretrain", "exittrain"]
 
 
+@pytest.mark.slow  # three `python -m exittrain fit` processes (the runs fixture)
 def test_resumed_run_exports_the_uninterrupted_drafters(runs):
     for name in ("warmstart_drafter", "drafter"):
         want = load_file(runs.full / name / "model.safetensors")
@@ -168,6 +170,7 @@ def test_resumed_run_exports_the_uninterrupted_drafters(runs):
         assert json.loads((runs.resumed / name / "config.json").read_text()) == config
 
 
+@pytest.mark.slow  # three `python -m exittrain fit` processes (the runs fixture)
 def test_same_seed_gives_identical_losses_across_processes(runs):
     """Two fresh processes, one seed: the killed run's steps are the uninterrupted run's, bit for bit."""
     killed, full = runs.records["killed"], _by_step(runs.records["full"])
@@ -177,6 +180,7 @@ def test_same_seed_gives_identical_losses_across_processes(runs):
         assert (r["rows"], r["loss"]) == (ref["rows"], ref["loss"]), f"step {r['step']}"
 
 
+@pytest.mark.slow  # three `python -m exittrain fit` processes (the runs fixture)
 def test_killed_run_leaves_only_whole_checkpoints(runs):
     assert runs.polls >= 2, "last.ckpt was read while being rewritten"
     ckpt_dir = runs.killed / "checkpoints" / "pretrain"

@@ -46,6 +46,7 @@ import torch
 from tests.lit import ddp_driver
 
 pytestmark = [
+    pytest.mark.slow,  # two ranks in subprocesses plus a reference fit: the slow tier (make test-slow)
     pytest.mark.filterwarnings("ignore:`isinstance.treespec, LeafSpec.` is deprecated"),
     pytest.mark.filterwarnings("ignore:The '.*_dataloader' does not have many workers"),
 ]

@@ -42,6 +42,8 @@ pytestmark = [
 ]
 
 STEPS = fsdp_driver.STEPS
+# The tests of the two-process run (the `runs` fixture: two ranks in subprocesses plus a reference
+# fit) are marked slow (make test-slow); the one-process checks at the end stay in the fast tier.
 
 
 def _global_order(ranks: list[dict], phase: str) -> list[int]:
@@ -67,6 +69,7 @@ def runs(tmp_path_factory):
 # the sharded run
 
 
+@pytest.mark.slow
 def test_each_rank_holds_half_of_every_parameter(runs):
     (r0, r1), (t0, t1) = runs["ranks"], runs["tensors"]
     assert (r0["rank"], r1["rank"], r0["world_size"], r1["world_size"]) == (0, 1, 2, 2)
@@ -84,6 +87,7 @@ def test_each_rank_holds_half_of_every_parameter(runs):
         assert torch.equal(torch.cat([t0["local"][name], t1["local"][name]]), value), name
 
 
+@pytest.mark.slow
 def test_each_rank_sees_different_rows(runs):
     r0, r1 = runs["ranks"]
     assert r0["global_step"] == r1["global_step"] == [STEPS, fsdp_driver.RESUME_STEPS]
@@ -99,6 +103,7 @@ def test_each_rank_sees_different_rows(runs):
         assert runs["ref"]["row_ids"][phase] == [order[s : s + batch] for s in range(0, len(order), batch)]
 
 
+@pytest.mark.slow
 def test_gradients_are_reduced_and_clipped_like_one_process(runs):
     (t0, t1), ref = runs["tensors"], runs["ref_tensors"]
     per_row = fsdp_driver.ANCHOR_CANDIDATES
@@ -125,6 +130,7 @@ def test_gradients_are_reduced_and_clipped_like_one_process(runs):
     assert max(_rel_err(2 * g0[n], g_ref[n]) for n in g_ref) > 0.5
 
 
+@pytest.mark.slow
 def test_weights_and_losses_match_the_single_process_run(runs):
     (t0, _), ref = runs["tensors"], runs["ref_tensors"]
     start = _initial_drafter_state()
@@ -140,6 +146,7 @@ def test_weights_and_losses_match_the_single_process_run(runs):
     assert r0["decode_history"] == r1["decode_history"] == runs["ref"]["decode_history"] == [2.0, float(STEPS)]
 
 
+@pytest.mark.slow
 def test_resume_restores_the_shards_and_continues_like_one_process(runs):
     (t0, _), ref = runs["tensors"], runs["ref_tensors"]
     fit = t0["fit_state"]
@@ -153,6 +160,7 @@ def test_resume_restores_the_shards_and_continues_like_one_process(runs):
     assert moved > 100 * LATER_TOL, "the resumed step must move the weights far beyond the tolerance"
 
 
+@pytest.mark.slow
 def test_checkpoint_is_one_file_with_the_whole_drafter(runs, target):
     from exittrain.lit import ExitTrainModule
 
@@ -169,6 +177,7 @@ def test_checkpoint_is_one_file_with_the_whole_drafter(runs, target):
         assert torch.equal(value, fit[name]), name
 
 
+@pytest.mark.slow
 def test_rank_zero_exports_the_whole_drafter(runs, target):
     from exittrain.models import load_drafter
 
@@ -185,6 +194,7 @@ def test_rank_zero_exports_the_whole_drafter(runs, target):
     assert runs["ranks"][1]["exported"] == []
 
 
+@pytest.mark.slow
 def test_only_rank_zero_writes(runs):
     r0, r1 = runs["ranks"]
     assert r1["writes"] == [], f"rank 1 wrote under the run directory: {r1['writes']}"
@@ -260,16 +270,16 @@ def test_sharded_checkpoint_folders_are_refused(tmp_path, target):
 
 def test_trainer_fsdp_config_builds_the_sharded_strategy_on_cpu(tmp_path):
     from hydra import compose, initialize_config_dir
-    from hydra.utils import instantiate
 
     from exittrain import cli
     from exittrain.lit import DrafterFSDPStrategy
+    from exittrain.lit.trainer import build_trainer
 
     cli.register_recipes()
     overrides = ["+recipe=code", "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2"]
     with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
         cfg = compose("fit", overrides=[*overrides, f"paths.output_dir={tmp_path}"])
-    trainer = instantiate(cfg.trainer)(max_steps=1, logger=False, enable_checkpointing=False)
+    trainer = build_trainer(cfg.trainer, max_steps=1, logger=False, enable_checkpointing=False)
     assert isinstance(trainer.strategy, DrafterFSDPStrategy)
     assert trainer.num_devices == 2 and trainer.gradient_clip_val == 1.0
     assert trainer.strategy._tensor_parallel_size == 1

@@ -1,0 +1,173 @@
+"""``auto`` precision: compute dtypes chosen from the hardware the run actually has.
+
+bf16 pays only on hardware with bf16 units: CUDA GPUs that support it, and CPUs whose bf16 matrix
+products run on AMX or AVX512-BF16 instructions. Elsewhere (an AVX2-only CPU, for one) torch runs a
+bf16 matmul through conversion loops, and it is slower than fp32 by two orders of magnitude, so a
+bf16 default that is right on one host makes a run 100 times slower on another.
+
+Every config key that takes a compute dtype accepts ``auto``:
+
+- ``trainer.precision`` (:func:`trainer_precision`): ``bf16-mixed`` on a CUDA device with bf16 or a
+  CPU with fast bf16; ``16-mixed`` on a CUDA device without bf16; ``32-true`` otherwise;
+- ``data.generation.dtype`` (:func:`generation_dtype`): ``bfloat16`` where bf16 is fast, else
+  ``None`` (answer with the target as loaded);
+- ``target.dtype`` (:func:`target_dtype`): fp32 on a CPU (the target's batch-1 decode is faster
+  in fp32 even with AMX), bf16 or fp16 on a CUDA device.
+
+On a CPU the decision is measured, not guessed from a model name: :func:`cpu_bf16_check` times
+one bf16 and one fp32 matrix product (a few ms where bf16 is fast, ~0.5 s where it is not) once
+per process, and calls bf16 fast when it is at least :data:`FAST_RATIO` times faster than fp32.
+The CPU flags that explain the answer (``amx_bf16``, ``avx512_bf16``) and torch's
+``get_cpu_capability()`` are reported beside it. Each ``auto`` is logged once, with what was
+chosen and why. An explicit value is returned unchanged (no measurement runs).
+
+Limits: MPS and other accelerators get fp32. The measurement uses the threads torch has at the
+time; a host whose load changes a lot between the two products can misjudge a ratio near
+:data:`FAST_RATIO`, never one of 100.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("exittrain")
+
+AUTO = "auto"
+FAST_RATIO = 1.25
+"""bf16 counts as fast on a CPU when its matmul is at least this many times faster than fp32's."""
+
+# (M, K, N) of the probe: the shape of a small model's MLP product (rows x hidden x intermediate)
+_PROBE_SHAPE = (256, 576, 1536)
+
+
+@dataclass(frozen=True)
+class Bf16Check:
+    """Whether bf16 is fast on a device, and why: ``reason`` is one line for the log."""
+
+    fast: bool
+    reason: str
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where there is none, e.g. macOS)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def _matmul_seconds(dtype: torch.dtype, repeats: int = 3) -> float:
+    """Best-of-``repeats`` wall time of one probe product in ``dtype`` on the CPU (after a warm-up)."""
+    m, k, n = _PROBE_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(k, n, generator=gen).to(dtype)
+    a @ b  # warm-up: oneDNN picks and caches its kernel on the first call
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_bf16_check() -> Bf16Check:
+    """Measure bf16 against fp32 on this CPU, once per process."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = _cpu_flags()
+    units = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
+    with torch.inference_mode():
+        ratio = _matmul_seconds(torch.bfloat16) / _matmul_seconds(torch.float32)
+    fast = ratio * FAST_RATIO <= 1.0
+    speed = f"{1 / ratio:.1f}x faster than fp32" if ratio < 1 else f"{ratio:.0f}x slower than fp32"
+    units_text = f", {'+'.join(units)}" if units else ", no bf16 units in the CPU flags" if flags else ""
+    return Bf16Check(fast, f"CPU capability {capability}{units_text}: bf16 matmul {speed}")
+
+
+def _cuda_bf16_check(device: torch.device) -> Bf16Check:
+    name = torch.cuda.get_device_name(device)
+    if torch.cuda.is_bf16_supported(including_emulation=False):
+        return Bf16Check(True, f"CUDA device {name} supports bf16")
+    return Bf16Check(False, f"CUDA device {name} has no bf16 units")
+
+
+def bf16_check(device: str | torch.device) -> Bf16Check:
+    """Whether bf16 is fast on ``device`` (``cpu``, ``cuda[:i]``; anything else: not checked, fp32)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return cpu_bf16_check()
+    if device.type == "cuda":
+        return _cuda_bf16_check(device)
+    return Bf16Check(False, f"device type {device.type!r}: bf16 speed is not checked there")
+
+
+@functools.cache
+def _log_once(key: str, message: str) -> None:
+    log.info("%s auto -> %s", key, message)
+
+
+def _accelerator_device(accelerator: str | None) -> torch.device:
+    """The device a Lightning ``accelerator`` setting trains on (its first one)."""
+    name = str(accelerator or "auto").lower()
+    if name in ("gpu", "cuda") or (name == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", 0)
+    if name == "cpu" or name == "auto":
+        return torch.device("cpu")
+    return torch.device(name)
+
+
+def trainer_precision(value: str | int | None, accelerator: str | None = "cpu", *, key: str = "trainer.precision"):
+    """Lightning's ``precision`` for ``value``; ``auto`` is decided from ``accelerator``'s device.
+
+    ``bf16-mixed`` where bf16 is fast; on a CUDA device without it ``16-mixed`` (fp16 autocast with
+    loss scaling); ``32-true`` otherwise. Any other value is returned unchanged.
+    """
+    if value != AUTO:
+        return value
+    device = _accelerator_device(accelerator)
+    check = bf16_check(device)
+    if check.fast:
+        choice = "bf16-mixed"
+    elif device.type == "cuda":
+        choice = "16-mixed"
+    else:
+        choice = "32-true"
+    _log_once(key, f"{choice} ({check.reason})")
+    return choice
+
+
+def generation_dtype(value: str | None, device: str | torch.device = "cpu", *, key: str = "data.generation.dtype"):
+    """The dtype the regeneration answers in: ``auto`` gives ``"bfloat16"`` where bf16 is fast on
+    ``device`` and None (the target as loaded) elsewhere; any other value is returned unchanged."""
+    if value != AUTO:
+        return value
+    check = bf16_check(device)
+    choice = "bfloat16" if check.fast else None
+    _log_once(key, f"{choice or 'null (the target as loaded)'} ({check.reason})")
+    return choice
+
+
+def target_dtype(value: torch.dtype | str, device: str | torch.device = "cpu", *, key: str = "target.dtype"):
+    """The dtype a target loads in: ``auto`` gives fp32 on a CPU (its batch-1 decode is faster in fp32
+    even on AMX hosts), bf16 on a CUDA device with bf16 and fp16 on one without; others unchanged."""
+    if value != AUTO:
+        return value
+    device = torch.device(device)
+    if device.type == "cuda":
+        check = bf16_check(device)
+        choice, why = ("bfloat16" if check.fast else "float16"), check.reason
+    else:
+        choice, why = "float32", f"device {device.type}: a batch-1 decode runs fastest in fp32"
+    _log_once(key, f"{choice} ({why})")
+    return choice

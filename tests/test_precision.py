@@ -1,0 +1,165 @@
+"""``auto`` precision: each branch forced (fast and slow bf16 CPUs, CUDA with and without bf16, other
+devices), explicit values untouched, the log line, and the configs and objects that read ``auto``."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from exittrain import precision
+from exittrain.data.regenerate import GenerationConfig, cache_key
+from exittrain.lit.trainer import build_trainer
+
+
+@pytest.fixture(autouse=True)
+def fresh_checks():
+    """Each test measures and logs anew (both are cached per process)."""
+    precision.cpu_bf16_check.cache_clear()
+    precision._log_once.cache_clear()
+    yield
+    precision.cpu_bf16_check.cache_clear()
+    precision._log_once.cache_clear()
+
+
+def fake_cpu(monkeypatch, bf16_s: float, fp32_s: float = 1.0, flags=("avx2",)):
+    """A CPU whose probe product takes ``bf16_s`` / ``fp32_s`` seconds; counts the probes."""
+    calls = []
+
+    def seconds(dtype, repeats=3):
+        calls.append(dtype)
+        return bf16_s if dtype == torch.bfloat16 else fp32_s
+
+    monkeypatch.setattr(precision, "_matmul_seconds", seconds)
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: set(flags))
+    return calls
+
+
+def fake_cuda(monkeypatch, bf16: bool):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+
+
+def test_an_avx2_cpu_trains_and_answers_in_fp32_and_says_why(monkeypatch, caplog):
+    fake_cpu(monkeypatch, bf16_s=140.0)
+    capability = torch.backends.cpu.get_cpu_capability()
+    with caplog.at_level(logging.INFO, logger="exittrain"):
+        assert precision.trainer_precision("auto", "cpu") == "32-true"
+        assert precision.generation_dtype("auto", "cpu") is None
+        assert precision.target_dtype("auto", "cpu") == "float32"
+    lines = [r.getMessage() for r in caplog.records]
+    assert (
+        f"trainer.precision auto -> 32-true (CPU capability {capability}, no bf16 units in the CPU flags: "
+        "bf16 matmul 140x slower than fp32)" in lines
+    )
+    assert any(line.startswith("data.generation.dtype auto -> null (the target as loaded)") for line in lines)
+
+
+def test_a_cpu_with_fast_bf16_trains_under_bf16_autocast_and_answers_in_bf16(monkeypatch, caplog):
+    fake_cpu(monkeypatch, bf16_s=0.25, flags=("avx2", "avx512_bf16", "amx_bf16"))
+    with caplog.at_level(logging.INFO, logger="exittrain"):
+        assert precision.trainer_precision("auto", "cpu") == "bf16-mixed"
+        assert precision.generation_dtype("auto") == "bfloat16"
+        assert precision.target_dtype("auto") == "float32"  # a batch-1 decode stays fp32 even here
+    assert any("amx_bf16+avx512_bf16: bf16 matmul 4.0x faster than fp32" in r.getMessage() for r in caplog.records)
+
+
+def test_bf16_must_be_clearly_faster_not_merely_as_fast(monkeypatch):
+    fake_cpu(monkeypatch, bf16_s=0.9)  # 1.1x faster: under FAST_RATIO, the fp32 numerics win
+    assert precision.trainer_precision("auto", "cpu") == "32-true"
+    precision.cpu_bf16_check.cache_clear()
+    fake_cpu(monkeypatch, bf16_s=1.0 / precision.FAST_RATIO)
+    assert precision.trainer_precision("auto", "cpu") == "bf16-mixed"
+
+
+def test_the_cpu_is_measured_once_per_process_and_logged_once_per_key(monkeypatch, caplog):
+    calls = fake_cpu(monkeypatch, bf16_s=50.0)
+    with caplog.at_level(logging.INFO, logger="exittrain"):
+        for _ in range(3):
+            precision.trainer_precision("auto", "cpu")
+            precision.generation_dtype("auto", "cpu")
+    assert calls == [torch.bfloat16, torch.float32]
+    keys = [r.getMessage().split(" auto ->")[0] for r in caplog.records]
+    assert keys == ["trainer.precision", "data.generation.dtype"]
+
+
+@pytest.mark.parametrize("value", ["32-true", "bf16-mixed", "16-mixed", 32, None])
+def test_an_explicit_precision_wins_and_measures_nothing(monkeypatch, value):
+    calls = fake_cpu(monkeypatch, bf16_s=0.1)
+    assert precision.trainer_precision(value, "cpu") == value
+    assert precision.generation_dtype("float32") == "float32" and precision.generation_dtype(None) is None
+    assert precision.target_dtype(torch.bfloat16) is torch.bfloat16
+    assert calls == []
+
+
+def test_a_cuda_device_with_bf16_gets_bf16(monkeypatch, caplog):
+    fake_cuda(monkeypatch, bf16=True)
+    calls = fake_cpu(monkeypatch, bf16_s=140.0)  # the host CPU is not asked about a GPU run
+    with caplog.at_level(logging.INFO, logger="exittrain"):
+        assert precision.trainer_precision("auto", "gpu") == "bf16-mixed"
+        assert precision.trainer_precision("auto", "auto") == "bf16-mixed"
+        assert precision.generation_dtype("auto", "cuda:0") == "bfloat16"
+        assert precision.target_dtype("auto", "cuda:1") == "bfloat16"
+    assert calls == []
+    assert "trainer.precision auto -> bf16-mixed (CUDA device Fake GPU supports bf16)" in caplog.messages
+
+
+def test_a_cuda_device_without_bf16_gets_fp16_mixed(monkeypatch):
+    fake_cuda(monkeypatch, bf16=False)
+    assert precision.trainer_precision("auto", "cuda") == "16-mixed"
+    assert precision.generation_dtype("auto", "cuda") is None
+    assert precision.target_dtype("auto", "cuda") == "float16"
+
+
+def test_other_accelerators_train_in_fp32(monkeypatch):
+    calls = fake_cpu(monkeypatch, bf16_s=0.1)
+    assert precision.trainer_precision("auto", "mps") == "32-true"
+    assert precision.generation_dtype("auto", "mps") is None
+    assert calls == []
+
+
+def test_the_real_probe_of_this_host_names_its_capability():
+    check = precision.cpu_bf16_check()
+    assert check.reason.startswith(f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    assert ("faster than fp32" in check.reason) or ("slower than fp32" in check.reason)
+    if check.fast:
+        assert "faster" in check.reason
+
+
+def test_generation_auto_resolves_before_it_keys_the_cache(monkeypatch):
+    fake_cpu(monkeypatch, bf16_s=140.0)
+    gen = GenerationConfig(max_new_tokens=8, batch_size=2, dtype="auto")
+    with pytest.raises(ValueError, match=r"resolved.*gen.resolved\(device\)"):
+        cache_key("tiny", "set", ["a"], gen)
+    slow = gen.resolved("cpu")
+    assert slow.dtype is None
+    # an AVX2 host's auto entry is the entry of an explicit null: a cached fp32 run is reused
+    assert cache_key("tiny", "set", ["a"], slow) == cache_key("tiny", "set", ["a"], GenerationConfig(8, 2))
+    precision.cpu_bf16_check.cache_clear()
+    fake_cpu(monkeypatch, bf16_s=0.1)
+    assert gen.resolved("cpu").dtype == "bfloat16"
+    with pytest.raises(ValueError, match="auto"):
+        GenerationConfig(dtype="bf16")
+
+
+def test_the_datamodule_resolves_generation_auto_for_its_device(monkeypatch):
+    from exittrain.data import ExitTrainDataModule
+
+    fake_cpu(monkeypatch, bf16_s=140.0)
+    dm = ExitTrainDataModule("code", generation={"dtype": "auto"}, device="cpu")
+    assert dm.generation.dtype is None
+    fake_cuda(monkeypatch, bf16=True)
+    assert ExitTrainDataModule("code", generation={"dtype": "auto"}, device="cuda:0").generation.dtype == "bfloat16"
+
+
+def test_build_trainer_turns_auto_into_a_lightning_precision(monkeypatch, tmp_path):
+    fake_cpu(monkeypatch, bf16_s=140.0)
+    node = OmegaConf.create(
+        {"_target_": "lightning.Trainer", "_partial_": True, "accelerator": "cpu", "precision": "auto", "devices": 1}
+    )
+    kwargs = dict(max_steps=1, logger=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
+    assert build_trainer(node, **kwargs).precision == "32-true"
+    assert build_trainer(node, precision="bf16-mixed", **kwargs).precision == "bf16-mixed"
