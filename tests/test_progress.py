@@ -146,3 +146,21 @@ def test_fit_callbacks_use_the_bar_on_a_terminal_and_log_lines_otherwise(monkeyp
     off = OmegaConf.create({"callbacks": {}, "trainer": {"enable_progress_bar": False}})
     kinds = [type(cb) for cb in _build_callbacks(off, "pretrain", [], tmp_path)]
     assert not any(issubclass(k, (ProgressBar, ProgressLogCallback)) for k in kinds), "switched off: no progress"
+
+
+def test_the_evaluation_logs_one_line_per_decode_off_a_terminal(monkeypatch, caplog):
+    from exittrain.eval.decode_eval import evaluate_prompts
+    from exittrain.models import new_drafter
+    from tests.models.helpers import tiny_target
+
+    target = tiny_target("llama", seed=3)
+    drafter = new_drafter(target, block_size=4, num_layers=1, hidden_size=32, seed=0)
+    monkeypatch.setattr(progress, "interactive", lambda stream=None: False)
+    prompts = [[5, 17, 33, 2, 40], [9, 12, 7, 3, 8]]
+    with caplog.at_level(logging.INFO, logger="exittrain"):
+        rows = evaluate_prompts(target, drafter, prompts, budgets=[4], temperatures=[0.0], max_new_tokens=6,
+                                label="check", baseline=True)
+    lines = [m for m in caplog.messages if m.startswith("eval check")]
+    # the count is decodes done, not a token count of the last decode
+    assert [m.split(" (")[0] for m in lines] == ["eval check decode 1/2", "eval check decode 2/2"]
+    assert f"tau={rows[-1]['tau']:.4g}" in lines[-1]

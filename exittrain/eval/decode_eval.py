@@ -60,7 +60,7 @@ def evaluate_prompts(
     as_lines = progress and not progress_log.interactive()
     bar = tqdm(jobs, desc=f"eval {label}".strip(), disable=not progress or as_lines, leave=False)
     ticker = progress_log.Ticker(f"eval {label}".strip(), len(jobs), unit="decode", every=1)
-    for n, (budget, temperature, i) in enumerate(bar, 1):
+    for done, (budget, temperature, i) in enumerate(bar, 1):
         prompt = list(prompts[i])
         run_seed = seed + i
         result = SpeculativeDecoder(target, drafter, budget=budget, verifier=verifier).generate(
@@ -100,7 +100,7 @@ def evaluate_prompts(
         rows.append(row)
         bar.set_postfix(tau=f"{row['tau']:.2f}")
         if as_lines:
-            ticker.update(n, B=budget, T=temperature, tau=row["tau"])
+            ticker.update(done, B=budget, T=temperature, tau=row["tau"])
     return rows
 
 
