@@ -156,6 +156,8 @@ def _stages_to_run(cfg: DictConfig) -> list[str]:
                 "callbacks' own settings)"
             )
     stages = [s for s in STAGE_ORDER if cfg.stages[s].max_steps > 0]
+    if cfg.warm_start is not None:
+        _check_warm_start(str(cfg.warm_start))
     if cfg.warm_start is not None and "pretrain" in stages:
         stages.remove("pretrain")
     if cfg.ckpt_path is not None:
@@ -169,6 +171,19 @@ def _stages_to_run(cfg: DictConfig) -> list[str]:
             raise ValueError(f"ckpt_path={cfg.ckpt_path} records no known stage (got {stage!r})")
         stages = [s for s in stages if STAGE_ORDER.index(s) >= STAGE_ORDER.index(stage)]
     return stages
+
+
+def _check_warm_start(warm_start: str) -> None:
+    """A local ``warm_start`` must be a saved drafter folder; checked before the target loads.
+
+    A hub id (``org/name``, not a local path) is left to the loader."""
+    path = Path(warm_start).expanduser()
+    local = path.exists() or path.is_absolute() or warm_start.startswith((".", "~")) or warm_start.count("/") != 1
+    if local and not (path / "config.json").is_file():
+        what = "does not exist" if not path.exists() else "is not a saved drafter folder (no config.json in it)"
+        raise ValueError(
+            f"warm_start={warm_start} {what}: pass RUN_DIR/warmstart_drafter or RUN_DIR/drafter of an earlier fit run"
+        )
 
 
 def _check_objective(cfg: DictConfig, stages: list[str]) -> None:

@@ -661,3 +661,23 @@ def test_corrupt_cache_tensors_name_the_file_and_say_to_delete_the_entry(tmp_pat
     message = str(err.value)
     assert message.startswith(f"{what} {entry / name} is corrupt or truncated (SafetensorError: "), message
     assert f"delete the cache entry folder {entry} (or that shard of an unfinished entry) to regenerate it" in message
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty folder", "a file"])
+def test_a_local_warm_start_that_is_no_drafter_folder_fails_before_the_target_loads(tmp_path, kind):
+    path = tmp_path / "warm"
+    if kind == "empty folder":
+        path.mkdir()
+    elif kind == "a file":
+        path.write_text("not a drafter")
+    with pytest.raises(ValueError) as err:
+        cli._stages_to_run(compose_fit(f"warm_start={path}", f"paths.output_dir={tmp_path}"))
+    what = "does not exist" if kind == "missing" else "is not a saved drafter folder (no config.json in it)"
+    assert str(err.value) == (
+        f"warm_start={path} {what}: pass RUN_DIR/warmstart_drafter or RUN_DIR/drafter of an earlier fit run"
+    )
+
+
+def test_a_hub_id_as_warm_start_is_left_to_the_loader(tmp_path):
+    cfg = compose_fit("warm_start=some-org/some-drafter", f"paths.output_dir={tmp_path}")
+    assert cli._stages_to_run(cfg) == ["exittrain"]
