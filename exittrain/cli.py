@@ -173,16 +173,23 @@ def _stages_to_run(cfg: DictConfig) -> list[str]:
     return stages
 
 
+def _require_drafter_folder(key: str, value: str, fix: str) -> None:
+    """ValueError ``<key>=<value> <fault>: <fix>`` unless ``value`` is a saved drafter folder (has a config.json)."""
+    path = Path(value).expanduser()
+    if not (path / "config.json").is_file():
+        what = "does not exist" if not path.exists() else "is not a saved drafter folder (no config.json in it)"
+        raise ValueError(f"{key}={value} {what}: {fix}")
+
+
 def _check_warm_start(warm_start: str) -> None:
     """A local ``warm_start`` must be a saved drafter folder; checked before the target loads.
 
     A hub id (``org/name``, not a local path) is left to the loader."""
     path = Path(warm_start).expanduser()
     local = path.exists() or path.is_absolute() or warm_start.startswith((".", "~")) or warm_start.count("/") != 1
-    if local and not (path / "config.json").is_file():
-        what = "does not exist" if not path.exists() else "is not a saved drafter folder (no config.json in it)"
-        raise ValueError(
-            f"warm_start={warm_start} {what}: pass RUN_DIR/warmstart_drafter or RUN_DIR/drafter of an earlier fit run"
+    if local:
+        _require_drafter_folder(
+            "warm_start", warm_start, "pass RUN_DIR/warmstart_drafter or RUN_DIR/drafter of an earlier fit run"
         )
 
 
@@ -408,10 +415,7 @@ def run_eval(cfg: DictConfig) -> dict:
     from exittrain.models import load_drafter
 
     path = Path(str(cfg.drafter_path))
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"drafter={path} is not a saved drafter folder (no config.json); pass drafter=RUN_DIR/drafter of a fit run"
-        )
+    _require_drafter_folder("drafter", str(path), "pass drafter=RUN_DIR/drafter of a fit run")
     out = _output_dir(cfg)
     settings = _eval_settings(cfg)
     target = instantiate(cfg.target)

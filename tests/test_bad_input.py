@@ -681,3 +681,15 @@ def test_a_local_warm_start_that_is_no_drafter_folder_fails_before_the_target_lo
 def test_a_hub_id_as_warm_start_is_left_to_the_loader(tmp_path):
     cfg = compose_fit("warm_start=some-org/some-drafter", f"paths.output_dir={tmp_path}")
     assert cli._stages_to_run(cfg) == ["exittrain"]
+
+
+def test_eval_of_a_folder_that_is_no_drafter_names_it_before_the_target_loads(tmp_path):
+    cli.register_recipes()
+    with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
+        cfg = compose("eval", overrides=["+recipe=code", f"drafter_path={tmp_path}", f"paths.output_dir={tmp_path}"])
+    with pytest.raises(ValueError) as err:
+        cli.run_eval(cfg)
+    assert str(err.value) == (
+        f"drafter={tmp_path} is not a saved drafter folder (no config.json in it): "
+        "pass drafter=RUN_DIR/drafter of a fit run"
+    )
