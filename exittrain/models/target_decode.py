@@ -1,0 +1,134 @@
+"""Decoding operations of the frozen target: prefill, one tree forward per round, cache commit.
+
+ALGORITHM.md section 3. :class:`TargetDecoding` is mixed into
+:class:`~exittrain.models.target_model.TargetModel`; it uses the wrapper's ``model``, ``device``,
+:meth:`~exittrain.models.target_model.TargetModel.check_layers`, feature capture, additive masks
+and id checks. The layer-id, tree-attention and cache conventions, the shape legend and the limits
+are stated in :mod:`exittrain.models.target`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from exittrain.core import DraftTree
+
+__all__ = ["PrefillOutput", "TargetDecoding", "TreeForwardOutput"]
+
+
+class PrefillOutput(NamedTuple):
+    """``logits`` (N, V) at the last position; ``features`` (N, T, F) or None; ``cache``."""
+
+    logits: torch.Tensor
+    features: torch.Tensor | None
+    cache: object
+
+
+class TreeForwardOutput(NamedTuple):
+    """``logits`` (N, B+1, V), row u scores u's children; ``features`` (N, B+1, F) or None."""
+
+    logits: torch.Tensor
+    features: torch.Tensor | None
+
+
+class TargetDecoding:
+    """Decode-time operations of :class:`~exittrain.models.target_model.TargetModel` (one row per
+    cache for :meth:`commit`; see the limits in :mod:`exittrain.models.target`)."""
+
+    @torch.no_grad()
+    def prefill(self, input_ids_NT: torch.Tensor, layers: Sequence[int] | None = None) -> PrefillOutput:
+        """Run the context through the target with a fresh ``DynamicCache``.
+
+        Returns ``(logits (N, V) at the last position, features (N, T, F) of ``layers`` or None,
+        cache)``. All N rows must have the same length (no padding).
+        """
+        self._check_ids(input_ids_NT, "input_ids_NT", 2)
+        layers = self.check_layers(layers)
+        cache = self.new_cache()
+        with self._capture(layers) as captured:
+            out = self.model(input_ids=input_ids_NT, cache=cache, use_cache=True, logits_to_keep=1)
+        return PrefillOutput(out.logits[:, -1].to(self.device), self._features(captured, layers), cache)
+
+    @torch.no_grad()
+    def tree_forward(
+        self,
+        cache,
+        root_token: torch.Tensor | int,
+        tree: DraftTree,
+        root_position: torch.Tensor | int | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> TreeForwardOutput:
+        """Score N trees appended to a cached context in one forward (ALGORITHM.md section 3).
+
+        ``cache`` holds the context of length C for N rows (the root is not in it yet).
+        ``root_token`` (N,) or int; ``tree`` a DraftTree of N trees; ``root_position`` defaults
+        to C (int, or (N,) long). Row u of the returned logits (N, B+1, V) is p_u; features are
+        (N, B+1, F) for ``layers``. Afterwards the cache holds C + B + 1 positions: call
+        :meth:`commit` to keep the accepted path, or ``cache.crop(-(B + 1))`` to drop the tree.
+        Feature rows 0 (root) and the accepted rows are the features of the newly committed
+        positions, which the drafter's next context needs.
+        """
+        layers = self.check_layers(layers)
+        N, B = tree.tokens.shape
+        C = cache.get_seq_length()
+        device = self.device
+        root = torch.as_tensor(root_token, dtype=torch.long, device=device).reshape(-1).expand(N)
+        if C > 0 and cache.layers[0].keys.shape[0] != N:
+            raise ValueError(f"tree has N={N} trees but the cache holds {cache.layers[0].keys.shape[0]} rows")
+        if root_position is None:
+            root_position = C
+        root_pos = torch.as_tensor(root_position, dtype=torch.long, device=device).reshape(-1, 1)
+        input_ids = torch.cat([root.unsqueeze(1), tree.tokens.to(device)], dim=1)  # (N, B+1)
+        # no value check on the ids here: it would cost a host synchronisation every round
+        position_ids = root_pos + tree.positions.to(device)  # (N, B+1)
+        allowed = torch.cat(
+            [torch.ones(N, B + 1, C, dtype=torch.bool, device=device), tree.ancestor_mask.to(device)], dim=2
+        )  # (N, B+1, C+B+1)
+        with self._capture(layers) as captured:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=self._additive(allowed),
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+            )
+        return TreeForwardOutput(out.logits.to(device), self._features(captured, layers))
+
+    @torch.no_grad()
+    def commit(self, cache, context_len: int, accepted_node_columns: Sequence[int] | torch.Tensor):
+        """Compact the cache after :meth:`tree_forward` to context + root + accepted path.
+
+        ``context_len`` is C (cache length before the tree forward); ``accepted_node_columns``
+        are the accepted nodes' row indices in the root-included layout (1..B, the convention of
+        ``DraftTree.parents``: node j sits in tree column j-1), in path order from the root,
+        possibly empty. Gathers positions ``[0, C) + [C] + [C + j for j in accepted]`` along the
+        sequence dimension of every layer, in place; the cache then equals the cache of the
+        plain sequence context + root + accepted tokens. One row (batch size 1) only. Returns
+        the cache.
+        """
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+        cols = torch.as_tensor(accepted_node_columns, dtype=torch.long).reshape(-1).cpu()
+        total = cache.get_seq_length()
+        if not 0 <= context_len < total:
+            raise ValueError(f"context_len={context_len} must be in [0, {total}) (the cache length)")
+        if cols.numel() and (cols.min() < 1 or context_len + cols.max() >= total):
+            raise ValueError(f"accepted_node_columns={cols.tolist()} must be node rows in 1..{total - context_len - 1}")
+        keep = torch.cat([torch.arange(context_len + 1), context_len + cols])
+        for layer in cache.layers:
+            if type(layer) is not DynamicLayer or isinstance(layer, DynamicSlidingWindowLayer):
+                raise ValueError(
+                    f"commit supports DynamicLayer caches only, got {type(layer).__name__}; "
+                    "build the cache with TargetModel.new_cache() / prefill()"
+                )
+            if not layer.is_initialized:
+                continue
+            if layer.keys.shape[0] != 1:
+                raise ValueError(f"commit takes a cache of one row, got batch {layer.keys.shape[0]}")
+            index = keep.to(layer.keys.device)
+            layer.keys = layer.keys.index_select(-2, index)
+            layer.values = layer.values.index_select(-2, index)
+        return cache
