@@ -1,0 +1,86 @@
+"""The default prompt sources of each domain, read from the data configs (``conf/data/*.yaml``).
+
+A data config lists what a recipe trains and evaluates on (``train_sources``, ``eval_sources``:
+prompt source specs, :mod:`exittrain.data.source_spec`). The same lists are the defaults of a
+library caller that passes no sources (``load_domain("code")``,
+``ExitTrainDataModule(domain="code")``), so there is one copy of them: the config. A data config
+whose lists are null names no default domain; its ``domain`` (else its file name) keys
+:data:`DOMAIN_SOURCES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+__all__ = ["DATA_CONF_DIR", "DOMAIN_SOURCES", "HUB_SOURCES", "DomainSources", "read_domain_sources"]
+
+DATA_CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "data"
+"""The data config group of a checkout, whose lists are the domains' defaults."""
+
+
+@dataclass(frozen=True)
+class DomainSources:
+    """The default train and evaluation sources of one domain (spec strings or mappings)."""
+
+    train: tuple[str | Mapping[str, Any], ...]
+    eval: tuple[str | Mapping[str, Any], ...]
+
+
+def read_domain_sources(conf_dir: Path = DATA_CONF_DIR) -> dict[str, DomainSources]:
+    """``domain -> DomainSources`` of every data config in ``conf_dir`` that lists its sources.
+
+    Raises ValueError naming the file when a config gives one list without the other, a list that
+    is empty or not a list, or a domain that another config defines too; and naming the folder
+    when no config there lists any source.
+    """
+    out: dict[str, DomainSources] = {}
+    origin: dict[str, Path] = {}
+    for path in sorted(Path(conf_dir).glob("*.yaml")):
+        cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        train, evals = cfg.get("train_sources"), cfg.get("eval_sources")
+        if train is None and evals is None:
+            continue
+        for key, specs in (("train_sources", train), ("eval_sources", evals)):
+            if not isinstance(specs, list) or not specs:
+                raise ValueError(
+                    f"{path}: {key} must be a non-empty list of prompt source specs (see exittrain.data.source_spec), "
+                    f"got {specs!r}; give both train_sources and eval_sources, or set both to null"
+                )
+        domain = str(cfg.get("domain") or path.stem)
+        if domain in out:
+            raise ValueError(
+                f"{path}: domain {domain!r} is also defined by {origin[domain]}; give each data config its own domain"
+            )
+        out[domain], origin[domain] = DomainSources(train=tuple(train), eval=tuple(evals)), path
+    if not out:
+        raise ValueError(
+            f"no data config in {conf_dir} lists train_sources and eval_sources; the domains' default prompt sources "
+            "are read from there (conf/data/*.yaml of a checkout)"
+        )
+    return out
+
+
+DOMAIN_SOURCES: dict[str, DomainSources] = read_domain_sources()
+"""The default sources of each domain: the lists of the data configs."""
+
+HUB_SOURCES: dict[str, DomainSources] = {
+    "dialogue": DomainSources(
+        train=("hf:HuggingFaceH4/ultrachat_200k:train_sft:prompt",),
+        eval=("hf:HuggingFaceH4/mt_bench_prompts:train:prompt.0",),
+    ),
+    "code": DomainSources(
+        train=("hf:google-research-datasets/mbpp:full:train:text",),
+        eval=("hf:openai/openai_humaneval:test:prompt",),
+    ),
+    "math": DomainSources(
+        train=("hf:openai/gsm8k:main:train:question",),
+        eval=("hf:openai/gsm8k:main:test:question", "hf:HuggingFaceH4/MATH-500:test:problem"),
+    ),
+}
+"""Hub datasets for users with a network, read by the same loader: put them in a data config's lists
+or on the command line (``data.train_sources='[hf:openai/gsm8k:main:train:question]'``)."""

