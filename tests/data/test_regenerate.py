@@ -10,7 +10,6 @@ import torch
 from exittrain.data.regenerate import (
     MIN_SHARED_PREFIX,
     GenerationConfig,
-    cache_key,
     cache_path,
     chat_prompt_ids,
     features_file,
@@ -19,7 +18,6 @@ from exittrain.data.regenerate import (
     read_meta,
     regenerate,
     shared_prefix_length,
-    split_response,
     top_logprobs_file,
 )
 from exittrain.models import TargetModel
@@ -36,12 +34,6 @@ def _target(tokenizer, **kwargs):
 
 def _rows(ds):
     return [dict(r) for r in ds]
-
-
-def test_split_response_stops_after_the_first_eos():
-    assert split_response([5, 6, 2, 2, 2], eos_ids=[2]) == ([5, 6, 2], True)
-    assert split_response([2, 9], eos_ids=[2, 9]) == ([2], True)
-    assert split_response([5, 6, 7], eos_ids=[2]) == ([5, 6, 7], False)
 
 
 def test_loss_mask_covers_exactly_the_response(tmp_path, smollm2_tokenizer):
@@ -123,33 +115,6 @@ def test_too_long_prompts_are_counted_not_answered(tmp_path, smollm2_tokenizer):
     ds = regenerate(prompts, _target(tok), target_name="tiny", cache_dir=tmp_path, gen=gen, progress=False)
     assert ds["prompt_index"] == [0]
     assert read_meta(cache_path(tmp_path, "tiny", "", prompts, gen))["rejected_too_long"] == 1
-
-
-def test_generation_config_validates_and_coerces():
-    assert GenerationConfig.coerce({"max_new_tokens": 4}).max_new_tokens == 4
-    with pytest.raises(ValueError, match="unknown generation settings \\['max_tokens'\\]"):
-        GenerationConfig.coerce({"max_tokens": 4})
-    with pytest.raises(ValueError, match="batch_size=0 must be positive"):
-        GenerationConfig(batch_size=0)
-    with pytest.raises(ValueError, match="temperature > 0"):
-        GenerationConfig(do_sample=True, temperature=0.0)
-    with pytest.raises(ValueError, match="dtype='bf16'.*bfloat16.*data.generation.dtype"):
-        GenerationConfig(dtype="bf16")
-
-
-def test_fields_at_their_former_behaviour_keep_the_cache_keys_written_before_them():
-    # the key this configuration had before GenerationConfig.dtype and share_prefix existed
-    before = GenerationConfig(max_new_tokens=8, batch_size=2, share_prefix=False)
-    assert cache_key("tiny", "set", ["a", "b"], before) == "d5bbcb241b86b3f91f2a"
-    for changed in ({"dtype": "bfloat16"}, {"share_prefix": True}):
-        other = GenerationConfig(max_new_tokens=8, batch_size=2, **{"share_prefix": False, **changed})
-        assert cache_key("tiny", "set", ["a", "b"], other) != "d5bbcb241b86b3f91f2a"
-
-
-def test_the_shared_prefix_stops_at_the_first_difference_and_leaves_each_prompt_a_token():
-    assert shared_prefix_length([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
-    assert shared_prefix_length([[1, 2, 3], [1, 2, 3, 4]]) == 2  # the shorter keeps its last token
-    assert shared_prefix_length([[7, 8], [9, 8]]) == 0
 
 
 def test_a_shared_prefix_gives_the_answers_features_and_log_probs_of_a_full_prefill(tmp_path, smollm2_tokenizer):
