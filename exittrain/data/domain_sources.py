@@ -10,7 +10,8 @@ whose lists are null names no default domain; its ``domain`` (else its file name
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,8 +66,29 @@ def read_domain_sources(conf_dir: Path = DATA_CONF_DIR) -> dict[str, DomainSourc
     return out
 
 
-DOMAIN_SOURCES: dict[str, DomainSources] = read_domain_sources()
-"""The default sources of each domain: the lists of the data configs."""
+class _ConfiguredDomains(Mapping[str, DomainSources]):
+    """``domain -> DomainSources`` of :data:`DATA_CONF_DIR`, read on first use, so that importing
+    exittrain reads no config file and a caller that passes its own sources needs none."""
+
+    @functools.cached_property
+    def _table(self) -> dict[str, DomainSources]:
+        return read_domain_sources(DATA_CONF_DIR)
+
+    def __getitem__(self, domain: str) -> DomainSources:
+        return self._table[domain]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __repr__(self) -> str:
+        return f"DOMAIN_SOURCES({self._table!r})"
+
+
+DOMAIN_SOURCES: Mapping[str, DomainSources] = _ConfiguredDomains()
+"""The default sources of each domain: the lists of the data configs (read on first use)."""
 
 HUB_SOURCES: dict[str, DomainSources] = {
     "dialogue": DomainSources(

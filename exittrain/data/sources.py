@@ -352,16 +352,18 @@ def load_domain(
     """Training and evaluation prompts of a domain, with overlaps removed from the training side.
 
     ``train`` / ``eval`` override the domain's defaults (:data:`DOMAIN_SOURCES`, the lists of its data
-    config); with both given,
-    ``domain`` is only a label. Keyword arguments go to :func:`load_prompts`.
+    config); with both given, ``domain`` is only a label and no data config is read. Keyword
+    arguments go to :func:`load_prompts`.
     """
-    if domain is not None and domain not in DOMAIN_SOURCES and (train is None or eval is None):
-        raise ValueError(f"unknown domain {domain!r}; use one of {sorted(DOMAIN_SOURCES)} or give train= and eval=")
-    if domain is None and (train is None or eval is None):
-        raise ValueError("load_domain needs a domain or both train= and eval= sources")
-    defaults = DOMAIN_SOURCES.get(domain or "")
-    train_specs = train if train is not None else defaults.train
-    eval_specs = eval if eval is not None else defaults.eval
+    train_specs, eval_specs = train, eval
+    if train is None or eval is None:
+        if domain is None:
+            raise ValueError("load_domain needs a domain or both train= and eval= sources")
+        if domain not in DOMAIN_SOURCES:
+            raise ValueError(f"unknown domain {domain!r}; use one of {sorted(DOMAIN_SOURCES)} or give train= and eval=")
+        defaults = DOMAIN_SOURCES[domain]
+        train_specs = train if train is not None else defaults.train
+        eval_specs = eval if eval is not None else defaults.eval
     eval_prompts, eval_stats, eval_rep = load_prompt_set(eval_specs, **kwargs)
     train_prompts, train_stats, train_rep = load_prompt_set(train_specs, **kwargs)
     train_prompts, removed = remove_overlap(train_prompts, eval_prompts)

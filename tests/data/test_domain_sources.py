@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -56,3 +58,18 @@ def test_a_domain_defined_twice_and_a_folder_without_lists_are_errors(tmp_path):
     _write(tmp_path, "two", "domain: code\n" + lists)
     with pytest.raises(ValueError, match=r"two\.yaml: domain 'code' is also defined by .*one\.yaml"):
         read_domain_sources(tmp_path)
+
+
+def test_given_sources_read_no_data_config_and_defaults_name_the_missing_folder(tmp_path, monkeypatch):
+    from exittrain.data import domain_sources, sources
+
+    monkeypatch.setattr(domain_sources, "DATA_CONF_DIR", tmp_path)  # holds no data config
+    monkeypatch.setattr(sources, "DOMAIN_SOURCES", domain_sources._ConfiguredDomains())  # not read yet
+    (tmp_path / "t.jsonl").write_text('{"p": "train on me"}\n')
+    (tmp_path / "e.jsonl").write_text('{"p": "evaluate me"}\n')
+    got = sources.load_domain(
+        "custom", train=[f"jsonl:{tmp_path / 't.jsonl'}:p"], eval=[f"jsonl:{tmp_path / 'e.jsonl'}:p"]
+    )
+    assert (got.domain, got.train, got.eval) == ("custom", ["train on me"], ["evaluate me"])
+    with pytest.raises(ValueError, match=f"no data config in {re.escape(str(tmp_path))} lists train_sources"):
+        sources.load_domain("code")
