@@ -6,7 +6,8 @@ above ``M_TRIM_THRESHOLD``. A CPU training step allocates and frees the same lar
 every step, so each step pays page faults to zero those pages again (kernel time). Raising both
 thresholds keeps the freed blocks for reuse: on the default ``fit`` pretrain step on a 2-core CPU
 the step's system time and its wall time fell (measured in
-docs/notebook/2026-11-30-default-runs-without-copy-branch.md). The cost is that the process's resident memory stays at its peak.
+docs/notebook/2026-11-30-default-runs-without-copy-branch.md). The cost is that the process's
+resident memory stays at its peak.
 
 A no-op outside glibc (macOS, musl) and when ``EXITTRAIN_KEEP_FREED_MEMORY=0``.
 """

@@ -194,7 +194,7 @@ def _fit_rows(results: list[dict]) -> list[str]:
             lines.append(
                 f"| {_json_link(res)} ({_cmd_link(res)}) | {_host_text(res['host'])} "
                 f"| {_LABELS.get(row['label'], row['label'])} | {row['budget']} | {row['temperature']:g} "
-                f"| {row['prompts']} x {row.get('new_tokens', '-')} | {row['tau']:.2f} ({lo:.2f}-{hi:.2f}) "
+                f"| {row['prompts']} x {row.get('new_tokens') or '-'} | {row['tau']:.2f} ({lo:.2f}-{hi:.2f}) "
                 f"| {heldout} | {row['tokens_per_s']:.1f} ({row['ar_tokens_per_s']:.1f}) | {row['speedup']:.2f}x "
                 f"| {res['wall_s']['total_s'] / 60:.1f} min |"
             )
