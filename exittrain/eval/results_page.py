@@ -10,9 +10,10 @@ Files read, in ``ROOT/results/`` (``--root``, default the current folder, a chec
   ``name`` (the file's stem), ``kind`` (``fit`` or ``ablation``), ``command`` (the exact command,
   environment variables included), ``commit``, ``date`` (``YYYY-MM-DD``), ``host`` (``cpu_model``,
   ``cpu_capability``, ``gpu`` or null, ``torch``, ``shared``: whether other jobs shared the
-  machine), optional ``notes`` (a list of strings). A ``fit`` result adds ``recipe``, ``tables``
-  (rows of ``label``, ``budget``, ``temperature``, ``prompts``, ``new_tokens``, ``tau``, ``ci95``,
-  ``tokens_per_s``, ``ar_tokens_per_s``, ``speedup``, ``lossless``), ``heldout`` (the warm start's
+  machine, and optionally ``emulation``: how an emulated capability was set), optional ``notes`` (a
+  list of strings). A ``fit`` result adds ``recipe``, ``tables`` (rows of ``label``, ``budget``,
+  ``temperature``, ``prompts``, ``new_tokens``, ``tau``, ``ci95``, ``tokens_per_s``,
+  ``ar_tokens_per_s``, ``speedup``, ``lossless``), ``heldout`` (the warm start's
   validation ``greedy_tau`` and ``analytic_tau``, or null), ``wall_s`` (seconds per stage and
   ``total``) and ``peak_rss_gb`` (or null). An ``ablation`` result adds ``summary``: the
   ``summary`` block of ``bench ablation``'s ``ablation.json`` (``overall_tau_vs_control``,
@@ -56,6 +57,12 @@ _LOG_CAPABILITY = re.compile(r"CPU capability (\w+)")
 _HOST_KEYS = ("cpu_model", "cpu_capability", "gpu", "torch", "shared")
 _ROW_KEYS = ("label", "budget", "temperature", "prompts", "tau", "ci95", "tokens_per_s", "ar_tokens_per_s", "speedup")
 _LABELS = {"warm_start": "warm start (block CE)", "exittrain": "after ExitTrain"}
+_FIT_LEGEND = (
+    "tau: tokens per decoding round on the held-out evaluation prompts, with its bootstrap interval over "
+    "prompts. Held-out tau: the warm start on the validation rows at every anchor, greedy (the block a "
+    "T = 0 verifier accepts, `val/greedy_block_length`) and analytic (the expected block length under the "
+    "target's law, `val/analytic_block_length`). Speedup: tokens/s over the target decoding alone."
+)
 # the stages of a fit run's wall time, in the order they run (metrics.json "timings")
 _STAGES = (
     ("regeneration_and_setup_s", "regeneration + setup"),
@@ -175,6 +182,8 @@ def _cmd_link(res: dict) -> str:
 
 def _host_text(host: dict) -> str:
     where = host["gpu"] or f"{host['cpu_model']}, `{host['cpu_capability']}`"
+    if host.get("emulation"):
+        where += f" (emulated: {host['emulation']})"
     return where + (", shared machine" if host["shared"] else "")
 
 
@@ -207,7 +216,8 @@ def _wall_rows(results: list[dict]) -> list[str]:
     for res in results:
         cells = " | ".join(_f(res["wall_s"].get(key), "{:.0f} s") for key, _ in _STAGES)
         rss = _f(res.get("peak_rss_gb"), "{:.1f} GB")
-        lines.append(f"| {_json_link(res)} | {cells} | {res['wall_s']['total_s'] / 60:.1f} min | {rss} |")
+        lines.append(f"| {_json_link(res)} ({_cmd_link(res)}) | {cells} | {res['wall_s']['total_s'] / 60:.1f} min "
+                     f"| {rss} |")
     return lines
 
 
@@ -249,12 +259,14 @@ def render_page(results: list[dict], page: dict) -> str:
         lines += ["| | |", "|---|---|",
                   f"| commit | `{newest['commit']}` (newest result: {_json_link(newest)}) |",
                   f"| date | {newest['date']} |",
+                  f"| hosts | {'; '.join(sorted({_host_text(r['host']) for r in results}))} |",
                   f"| torch | {', '.join(torches)} |", ""]
         lines += ["## Hosts", "", "| result | CPU | `get_cpu_capability()` | GPU | torch | shared machine |",
                   "|---|---|---|---|---|---|"]
         for res in results:
             h = res["host"]
-            lines.append(f"| {_json_link(res)} | {h['cpu_model']} | `{h['cpu_capability']}` | {h['gpu'] or '-'} "
+            cap = f"`{h['cpu_capability']}`" + (" (emulated)" if h.get("emulation") else "")
+            lines.append(f"| {_json_link(res)} | {h['cpu_model']} | {cap} | {h['gpu'] or '-'} "
                          f"| {h['torch']} | {'yes' if h['shared'] else 'no'} |")
         lines.append("")
     fits = [r for r in results if r["kind"] == "fit"]
@@ -267,7 +279,7 @@ def render_page(results: list[dict], page: dict) -> str:
             lines += ["Not measured at the current defaults: no result in `results/`."
                       + (f" Earlier runs: [{Path(note).name}]({note})." if note else ""), ""]
             continue
-        lines += _fit_rows(mine) + ["", "Wall time by stage:", ""] + _wall_rows(mine) + [""]
+        lines += _fit_rows(mine) + ["", _FIT_LEGEND, "", "Wall time by stage:", ""] + _wall_rows(mine) + [""]
         for res in mine:
             for note in res.get("notes", []):
                 lines.append(f"- {_json_link(res)}: {note}")
@@ -408,6 +420,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--cpu-model", help="the CPU model, when summarising on another machine")
     parser.add_argument("--gpu", help="the GPU name, when summarising on another machine")
     parser.add_argument("--shared", action="store_true", help="other jobs shared the machine during the run")
+    parser.add_argument("--emulation", help="how the run's CPU capability was emulated (variables, real CPU)")
     parser.add_argument("--time-log", help="a `/usr/bin/time -v` log of the run, for its peak RSS")
     parser.add_argument("--note", action="append", default=[], help="a line of context (no figures), repeatable")
     args = parser.parse_args(argv)
@@ -416,6 +429,8 @@ def main(argv: list[str] | None = None) -> str:
         if not (args.name and args.command):
             parser.error("--add and --add-ablation need --name and --command")
         host = host_info(args.cpu_model, args.gpu) | {"shared": args.shared}
+        if args.emulation:
+            host["emulation"] = args.emulation
         commit = args.commit or _git_commit(root)
         if args.add:
             rss = _peak_rss_gb(Path(args.time_log)) if args.time_log else None

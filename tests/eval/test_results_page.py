@@ -66,7 +66,8 @@ def test_page_shows_every_row_linked_to_its_json_and_command(tmp_path):
     res = results_page.summarize_fit_run(run, name="fit-a", command="python -m exittrain fit +recipe=code",
                                          commit="abc1234", host=HOST)
     text = results_page.render_page([res], results_page.load_page(make_root(tmp_path, [res]) / "results"))
-    rows = [line for line in text.splitlines() if line.startswith("| [fit-a](results/fit-a.json) ([command](#fit-a))")]
+    rows = [line for line in text.splitlines() if line.startswith("| [fit-a](results/fit-a.json) ([command](#fit-a))")
+            and ("| warm start (block CE) |" in line or "| after ExitTrain |" in line)]
     assert len(rows) == len(res["tables"])
     for line, row in zip(rows, res["tables"]):
         lo, hi = row["ci95"]
@@ -76,6 +77,15 @@ def test_page_shows_every_row_linked_to_its_json_and_command(tmp_path):
     assert "## Recipe `math`\n\nNot measured at the current defaults" in text
     assert "No ablation result yet." in text and "`python -m exittrain bench ablation`" in text
     assert "- The stage lowers tau. ([fit-a](results/fit-a.json), [old.md](docs/notebook/old.md))" in text
+
+
+def test_an_emulated_capability_is_named_as_such(tmp_path):
+    run, _ = fake_run(tmp_path)
+    host = HOST | {"emulation": "ATEN_CPU_CAPABILITY=avx2 on an AVX512 CPU"}
+    res = results_page.summarize_fit_run(run, name="fit-a", command="c", commit="abc1234", host=host)
+    text = results_page.render_page([res], PAGE)
+    assert "| hosts | Test CPU, `AVX2` (emulated: ATEN_CPU_CAPABILITY=avx2 on an AVX512 CPU) |" in text
+    assert "| [fit-a](results/fit-a.json) | Test CPU | `AVX2` (emulated) |" in text
 
 
 def test_header_takes_the_newest_result_and_the_page_is_deterministic(tmp_path):
