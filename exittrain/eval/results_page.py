@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -47,6 +48,8 @@ __all__ = [
     "SCHEMA", "load_results", "load_page", "render_page", "write_page", "summarize_fit_run",
     "summarize_ablation", "host_info", "main",
 ]
+
+log = logging.getLogger(__name__)
 
 SCHEMA = "exittrain.result/1"
 PAGE = "RESULTS.md"
@@ -125,11 +128,18 @@ def check_result(res: Any, where: str) -> dict:
 
 
 def load_results(results_dir: str | Path) -> list[dict]:
-    """Every ``results/*.json`` but ``page.json``, checked, sorted by (date, name)."""
+    """Every ``results/*.json`` but ``page.json``, checked, sorted by (date, name).
+
+    The benchmarks write their own outputs into ``results/`` by default (``bench_*.json``,
+    git-ignored): those are no result summaries, and are skipped with a warning that names them.
+    """
     results_dir = Path(results_dir)
     out = []
     for path in sorted(results_dir.glob("*.json")):
         if path.name == "page.json":
+            continue
+        if path.name.startswith("bench_"):
+            log.warning("%s: a benchmark's output, not a result summary; not on the page (summarise it first)", path)
             continue
         res = check_result(_read(path), str(path))
         if res["name"] != path.stem:

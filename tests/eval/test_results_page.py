@@ -175,6 +175,16 @@ def test_free_text_with_a_figure_is_refused(tmp_path, text, refused):
         assert results_page.load_page(root / "results")["negatives"][0]["text"] == text
 
 
+def test_a_benchmark_output_in_results_is_named_and_left_off(tmp_path, caplog):
+    run, _ = fake_run(tmp_path)
+    res = results_page.summarize_fit_run(run, name="fit-a", command="c", commit="abc1234", host=HOST)
+    root = make_root(tmp_path, [res])
+    write_json(root / "results" / "bench_memory.json", {"rows": []})
+    with caplog.at_level("WARNING"):
+        assert [r["name"] for r in results_page.load_results(root / "results")] == ["fit-a"]
+    assert "bench_memory.json: a benchmark's output" in caplog.text
+
+
 def test_a_run_without_a_dated_log_is_refused(tmp_path):
     run, _ = fake_run(tmp_path)
     (run / "cli.log").write_text("no date here\n")
