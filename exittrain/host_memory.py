@@ -4,9 +4,10 @@ glibc serves allocations above ``M_MMAP_THRESHOLD`` (128 KiB to 32 MiB, adjusted
 runs) with a fresh ``mmap`` and returns them to the kernel on ``free``; it also trims the heap top
 above ``M_TRIM_THRESHOLD``. A CPU training step allocates and frees the same large activations
 every step, so each step pays page faults to zero those pages again (kernel time). Raising both
-thresholds keeps the freed blocks for reuse: measured on the default ``fit`` pretrain step on 2
-cores, system time fell from 0.086 to 0.019 s per step and the step from 0.83 to 0.75 s
-(BENCHMARKS.md §4). The cost is that the process's resident memory stays at its peak.
+thresholds keeps the freed blocks for reuse: on the default ``fit`` pretrain step on a 2-core CPU
+the step's system time and its wall time fell (measured in
+docs/notebook/2026-11-30-default-runs-without-copy-branch.md). The cost is that the process's
+resident memory stays at its peak.
 
 A no-op outside glibc (macOS, musl) and when ``EXITTRAIN_KEEP_FREED_MEMORY=0``.
 """

@@ -19,7 +19,7 @@ only, not on the tree path (ALGORITHM.md section 1), so tree building, the exit 
 verifier use it unchanged; the verifiers stay exact whatever the drafter proposes.
 
 Why: answers often restate their prompt (code restates its signature and docstring), and a small
-drafter that reads target features learns such copies slowly (BENCHMARKS.md section 4).
+drafter that reads target features learns such copies slowly (docs/notebook/2026-12-01-copy-branch.md).
 """
 
 from __future__ import annotations

@@ -516,6 +516,10 @@ def log_to_wandb(report: dict, mode: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     """CLI entry (``python -m exittrain report``): build the report, print the tables and the files written."""
+    if argv is not None and "--results" in argv:  # RESULTS.md from results/ (exittrain.eval.results_page)
+        from exittrain.eval.results_page import main as results_main
+
+        return results_main([a for a in argv if a != "--results"])
     parser = argparse.ArgumentParser(prog="python -m exittrain report", description=__doc__.split("\n")[0])
     parser.add_argument("run_dirs", nargs="+", help="fit/eval run directories or sweep folders above them")
     parser.add_argument("--out", default=None, help="output folder (default RUN_DIR/report, or ./report for several)")

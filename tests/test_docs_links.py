@@ -1,0 +1,109 @@
+"""Every relative link of the tracked Markdown files resolves to a tracked file (and its heading), and
+RESULTS.md is what `python -m exittrain report --results` makes of results/."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from exittrain.eval import results_page
+
+ROOT = Path(__file__).resolve().parents[1]
+_FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
+_INLINE_CODE = re.compile(r"`[^`\n]*`")
+_LINK = re.compile(r"!?\[[^\]\n]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_REF_LINK = re.compile(r"^\s*\[[^\]]+\]:\s*(\S+)", re.M)
+_HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
+
+
+def tracked_files(root: Path) -> set[str]:
+    try:
+        out = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], check=True, capture_output=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: the tracked files are unknown")
+    return {p for p in out.decode().split("\0") if p}
+
+
+def heading_slugs(markdown: str) -> set[str]:
+    """The anchors a Markdown renderer gives the headings (GitHub's rule: lower case, punctuation
+    dropped, spaces to dashes, repeats numbered)."""
+    slugs, seen = set(), {}
+    for title in _HEADING.findall(_FENCE.sub("", markdown)):
+        slug = re.sub(r"[^\w\- ]", "", title.strip().lower().replace("`", "")).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        slugs.add(slug if n == 0 else f"{slug}-{n}")
+    return slugs
+
+
+def broken_links(root: Path, tracked: set[str]) -> list[str]:
+    """``FILE: TARGET (why)`` for every relative link of a tracked .md file that does not resolve."""
+    dirs = {str(Path(p).parent) for p in tracked}
+    dirs |= {str(parent) for d in list(dirs) for parent in Path(d).parents}
+    bad = []
+    for md in sorted(p for p in tracked if p.endswith(".md")):
+        text = (root / md).read_text(encoding="utf-8")
+        prose = _INLINE_CODE.sub("", _FENCE.sub("", text))
+        for target in _LINK.findall(prose) + _REF_LINK.findall(prose):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            if path.startswith("/"):
+                bad.append(f"{md}: {target} (an absolute path: link relative to the file)")
+                continue
+            rel = Path(md).parent / path if path else Path(md)
+            resolved = Path(*[p for p in _normalise(rel.as_posix()).split("/") if p]) if path else Path(md)
+            key = resolved.as_posix()
+            if key.startswith(".."):
+                bad.append(f"{md}: {target} (outside the repository)")
+            elif key not in tracked and key.rstrip("/") not in dirs:
+                bad.append(f"{md}: {target} (no tracked file {key})")
+            elif anchor and key.endswith(".md") and anchor not in heading_slugs((root / key).read_text("utf-8")):
+                bad.append(f"{md}: {target} (no heading '#{anchor}' in {key})")
+    return bad
+
+
+def _normalise(posix: str) -> str:
+    parts: list[str] = []
+    for part in posix.split("/"):
+        if part in ("", "."):
+            continue
+        if part == ".." and parts and parts[-1] != "..":
+            parts.pop()
+        else:
+            parts.append(part)
+    return "/".join(parts)
+
+
+def test_every_relative_link_resolves_to_a_tracked_file():
+    tracked = tracked_files(ROOT)
+    assert "README.md" in tracked and "RESULTS.md" in tracked
+    assert not broken_links(ROOT, tracked), "\n".join(broken_links(ROOT, tracked))
+
+
+def test_the_checker_sees_broken_links(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# Title here\n\n## A `code` part\n")
+    (tmp_path / "README.md").write_text(
+        "[ok](docs/a.md) [ok too](docs/a.md#a-code-part) [up](docs/../README.md) [dir](docs/)\n"
+        "[gone](docs/results/ablation/) [no anchor](docs/a.md#missing) [out](../shared/x.md)\n"
+        "[abs](/etc/passwd) [web](https://example.com/x) `[in code](nowhere.md)`\n"
+        "```\n[in a fence](nowhere.md)\n```\n[ref]: untracked.md\n"
+    )
+    (tmp_path / "untracked.md").write_text("x")
+    bad = broken_links(tmp_path, {"README.md", "docs/a.md"})
+    assert [b.split(" (")[0] for b in bad] == [
+        "README.md: docs/results/ablation/", "README.md: docs/a.md#missing", "README.md: ../shared/x.md",
+        "README.md: /etc/passwd", "README.md: untracked.md",
+    ]
+
+
+def test_results_page_is_what_results_gives():
+    page = (ROOT / "RESULTS.md").read_text(encoding="utf-8")
+    fresh = results_page.render_page(results_page.load_results(ROOT / "results"),
+                                     results_page.load_page(ROOT / "results"))
+    assert page == fresh, "RESULTS.md is stale: run `python -m exittrain report --results` and commit it"
+    assert "BENCHMARKS.md" not in (ROOT / "README.md").read_text(encoding="utf-8")
