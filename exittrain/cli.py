@@ -225,7 +225,9 @@ def fit_datamodule(cfg: DictConfig, target, drafter_layers: list[int], stages: l
 
     With the feature cache on, the regeneration keeps the target features of ``drafter_layers``
     as it answers (no training row then needs a target forward of its own); when one of
-    ``stages`` trains on soft labels, also the target's top-k next-token log-probabilities.
+    ``stages`` trains on soft labels, also the target's top-k next-token log-probabilities. The
+    DataModule's store holds them in host memory with the feature cache on, and reads them per
+    batch from the cache entry with it off (the setting for data larger than host memory).
     """
     args = [stage_module_args(cfg, stage) for stage in stages]
     top_k = max((a.get("soft_label_top_k", 0) for a in args if a.get("soft_label_weight", 0) > 0), default=0)
@@ -235,6 +237,7 @@ def fit_datamodule(cfg: DictConfig, target, drafter_layers: list[int], stages: l
         target_name=target.name,
         feature_layers=list(drafter_layers) if cfg.objective.feature_cache else None,
         top_logprobs=top_k,
+        feature_store="memory" if cfg.objective.feature_cache else "disk",
         device=str(target.device),
     )
 
@@ -354,7 +357,6 @@ def run_fit(cfg: DictConfig) -> dict:
         timings[f"eval_{label}_s"] = time.perf_counter() - t0
         return table
 
-    previous = None  # the last stage's module
     for stage in stages:
         label = "warm_start" if stage == "pretrain" else "exittrain"
         logger = _make_logger(cfg, f"{cfg.recipe_name}-{stage}")
@@ -363,9 +365,6 @@ def run_fit(cfg: DictConfig) -> dict:
                 _log_table(logger, "final/warm_start", evaluate("warm_start"))  # a given or resumed warm start
             overrides = module_overrides(cfg, stage)
             module = instantiate(cfg.objective)(drafter=drafter, target=target, stage=stage, **overrides)
-            if previous is not None and previous.hparams.feature_cache and module.hparams.feature_cache:
-                module.share_feature_cache(previous)  # the same rows: the ExitTrain stage reuses pretrain's features
-            previous = module
             trainer = build_trainer(
                 cfg.trainer,
                 max_steps=cfg.stages[stage].max_steps,

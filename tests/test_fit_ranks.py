@@ -243,25 +243,23 @@ def test_run_fit_on_rank_one_trains_and_leaves_evaluation_and_files_to_rank_zero
         assert not (tmp_path / "run" / name).exists(), f"rank 1 wrote {name}"
 
 
-def test_exittrain_stage_reuses_the_pretrain_features(rank, tmp_path, monkeypatch):
-    """The pretrain stage saw every training row, so the ExitTrain stage computes no target features:
-    its module reads the pretrain module's cache (fit shares it between the stages)."""
+def test_an_entry_without_features_has_every_stage_compute_them(rank, tmp_path, monkeypatch, caplog):
+    """A cache entry regenerated without feature_layers keeps no features: the DataModule says so, and
+    every step of both stages has the target compute its rows' features (nothing is kept between steps)."""
     cfg, target = _tiny_fit(tmp_path, monkeypatch)
-    cfg.stages.pretrain.max_steps = 8  # several epochs over the few rows: every row is cached
+    cfg.stages.pretrain.max_steps = 8  # several epochs over the few rows
     cfg.stages.exittrain.max_steps = 2
     rank(0)
-    # a cache entry regenerated without feature_layers: the pretrain module computes the features itself
     hydra.utils.instantiate(cfg.data)(
         target=lambda: (target.model, target.tokenizer), tokenizer=target.tokenizer, target_name=target.name
     ).prepare_data()
-    cli.run_fit(cfg)
+    with caplog.at_level("WARNING", logger="exittrain.data.datamodule"):
+        cli.run_fit(cfg)
+    assert "keeps no target features of layers" in caplog.text
     pretrain = json.loads((tmp_path / "run" / "metrics_pretrain.json").read_text())["final"]
     exittrain = json.loads((tmp_path / "run" / "metrics_exittrain.json").read_text())["final"]
-    assert pretrain["train/feature_cache_rows"] > 0
-    # the same cache: it holds at least what pretraining had when it last logged (its final
-    # validation may add the held-out rows after that), and the ExitTrain step computed nothing
-    assert exittrain["train/feature_cache_rows"] >= pretrain["train/feature_cache_rows"]
-    assert exittrain["train/feature_rows_computed"] == 0
+    assert pretrain["train/feature_rows_computed"] > 0  # the rows of its last batch
+    assert exittrain["train/feature_rows_computed"] > 0
 
 
 def test_fit_trains_on_the_features_kept_by_the_regeneration(rank, tmp_path, monkeypatch):
@@ -277,5 +275,6 @@ def test_fit_trains_on_the_features_kept_by_the_regeneration(rank, tmp_path, mon
     monkeypatch.setattr(target, "token_top_logprobs", no_forward)
     rank(0)
     summary = cli.run_fit(cfg)
-    assert summary["pretrain_metrics"]["train/feature_cache_rows"] > 0
+    assert summary["pretrain_metrics"]["train/feature_rows_computed"] == 0
+    assert summary["exittrain_metrics"]["train/feature_rows_computed"] == 0
     assert summary["exittrain_metrics"]["train/loss_exit"] > 0

@@ -5,8 +5,11 @@
 - :mod:`.verify`   greedy, predraw-and-follow, sequential residual and TEV verifiers
 - :mod:`.losses`   block cross-entropy and the ExitTrain node losses
 - :mod:`.ngram_copy` the drafter's n-gram copy branch: context lookup and mixture
+- :mod:`.anchors`  where the training blocks start: seeded anchor sampling
+- :mod:`.tree_metrics` subsets of a batch of trees and the means of their exit law
 """
 
+from .anchors import anchor_generator, sample_anchors, sample_anchors_reference
 from .exit_law import ExitLaw, exit_law, exit_law_reference
 from .losses import (
     WEIGHT_TYPES,
@@ -21,6 +24,7 @@ from .losses import (
 )
 from .ngram_copy import check_ngrams, mix_copy, mix_copy_reference, ngram_lookup, ngram_lookup_reference
 from .tree import DraftTree, build_tree, build_tree_reference, followed_depth, followed_depth_reference
+from .tree_metrics import select_trees, tree_metrics, tree_metrics_reference
 from .verify import (
     VERIFIERS,
     Verdict,
@@ -63,4 +67,10 @@ __all__ = [
     "mix_copy_reference",
     "ngram_lookup",
     "ngram_lookup_reference",
+    "anchor_generator",
+    "sample_anchors",
+    "sample_anchors_reference",
+    "select_trees",
+    "tree_metrics",
+    "tree_metrics_reference",
 ]

@@ -1,6 +1,7 @@
 """Batching regenerated rows for drafter training.
 
-Shapes: L = sequences in a batch, T = the longest (truncated) sequence in the batch.
+Shapes: L = sequences in a batch, T = the longest (truncated) sequence in the batch, F = target
+feature width, S = soft-label tokens per position.
 
 A batch is a dict of tensors, right-padded:
 
@@ -11,8 +12,15 @@ A batch is a dict of tensors, right-padded:
 - ``lengths`` (L,) long: real tokens per row after truncation;
 - ``row_id`` (L,) long, when the rows carry ``prompt_index``: a stable identity of each row (its
   prompt's position in the regenerated prompt list), the same every epoch and unique across the
-  train and validation splits of one dataset. It keys the target-feature cache of
-  :class:`exittrain.lit.ExitTrainModule` (``feature_cache=True``).
+  train and validation splits of one dataset. It keys the :class:`~exittrain.data.feature_store.FeatureStore`.
+
+With a ``store`` that keeps them (:class:`~exittrain.data.feature_store.FeatureStore`), also:
+
+- ``features`` (L, T, F) bf16: the target features of each row's tokens, 0 on padding, and
+  ``feature_layers`` (n_layers,) long: the target layers they are of;
+- ``top_ids`` (L, T, S) int32 and ``top_logprobs`` (L, T, S) float32: the target's top-S
+  distribution of each response token given the tokens before it; id 0 and ``-inf`` elsewhere
+  (the prompt, padding).
 
 Rows longer than ``max_length`` are cut to ``max_length``; :func:`truncation_stats` counts them
 ahead of training so the counts do not depend on which worker process collated what.
@@ -26,17 +34,21 @@ from typing import Any
 
 import torch
 
+from exittrain.data.feature_store import FeatureStore
+
 
 @dataclass(frozen=True)
 class Collator:
     """Pads rows with ``input_ids`` and ``loss_mask`` (and ``n_prompt_tokens``) into a batch.
 
-    Rows that carry ``prompt_index`` (all of them, or none) also give ``row_id``. Picklable, so it
+    Rows that carry ``prompt_index`` (all of them, or none) also give ``row_id``; with a ``store``,
+    every row must carry it, and the batch gets what the store keeps of each row. Picklable, so it
     works with ``num_workers > 0``.
     """
 
     pad_token_id: int
     max_length: int
+    store: FeatureStore | None = None
 
     def __post_init__(self) -> None:
         if self.max_length <= 1:
@@ -69,7 +81,44 @@ class Collator:
             batch["row_id"] = torch.tensor([int(r["prompt_index"]) for r in rows], dtype=torch.long)
         elif any(has_index):
             raise ValueError("some rows carry prompt_index and some do not; cannot give every row a row_id")
+        store = self.store
+        if store is not None and (store.has_features or store.has_top_logprobs):
+            if "row_id" not in batch:
+                raise ValueError(
+                    "a Collator with a feature store needs rows that carry prompt_index (the store's row ids)"
+                )
+            batch.update(_stored(store, batch["row_id"].tolist(), lengths))
         return batch
+
+
+def _stored(store: FeatureStore, row_ids: list[int], lengths: list[int]) -> dict[str, torch.Tensor]:
+    """The store's tensors of one batch (see the module docstring)."""
+    L, T = len(row_ids), max(lengths)
+    out: dict[str, torch.Tensor] = {}
+    if store.has_features:
+        rows = [store.features(r) for r in row_ids]
+        features_LTF = torch.zeros(L, T, rows[0].shape[-1], dtype=torch.bfloat16)
+        for i, (r, feats, n) in enumerate(zip(row_ids, rows, lengths)):
+            if feats.shape[0] != n:
+                raise ValueError(f"row_id {r}: the store keeps features of {feats.shape[0]} tokens for a row of {n}")
+            features_LTF[i, :n] = feats
+        out["features"] = features_LTF
+        out["feature_layers"] = torch.tensor(store.feature_layers, dtype=torch.long)
+    if store.has_top_logprobs:
+        S = store.top_k
+        top_ids_LTS = torch.zeros(L, T, S, dtype=torch.int32)
+        top_logp_LTS = torch.full((L, T, S), -torch.inf)
+        for i, (r, n) in enumerate(zip(row_ids, lengths)):
+            start, ids, logp = store.top_logprobs(r)
+            end = start + ids.shape[0]
+            if end != n:
+                raise ValueError(
+                    f"row_id {r}: its kept top log-probabilities end at token {end} of a row of {n} tokens; "
+                    "row ids must be stable and unique across the train and validation data"
+                )
+            top_ids_LTS[i, start:end], top_logp_LTS[i, start:end] = ids, logp
+        out["top_ids"], out["top_logprobs"] = top_ids_LTS, top_logp_LTS
+    return out
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,10 @@ Lifecycle (Lightning calls these; see ``lightning.pytorch.core.datamodule``):
   The training order of epoch e is a function of ``seed`` and e only, and a fit resumed from a
   checkpoint continues it where the checkpoint left off (``state_dict`` / ``load_state_dict``,
   :class:`~exittrain.data.sampler.ResumableSampler`).
-- :meth:`ExitTrainDataModule.captured_features` / :meth:`ExitTrainDataModule.captured_top_logprobs`:
-  what the regeneration kept beside the answers (target features; the target's top-k next-token
-  log-probabilities, the soft labels), read once by the training module at its setup.
+- :attr:`ExitTrainDataModule.store`: what the regeneration kept beside the answers (target
+  features; the target's top-k next-token log-probabilities, the soft labels), keyed by row id
+  (:class:`~exittrain.data.feature_store.FeatureStore`, in host memory or read per batch from the
+  cache entry, ``feature_store``); the collator puts them in every batch.
 - :meth:`ExitTrainDataModule.eval_prompts`: the held-out evaluation prompts, chat-templated, for
   decoding benchmarks. They never overlap the training prompts (:func:`exittrain.data.sources.load_domain`).
 """
@@ -38,17 +39,14 @@ import torch
 from torch.utils.data import DataLoader
 
 from exittrain.data.collate import Collator, truncation_stats
+from exittrain.data.feature_store import STORE_MODES, FeatureStore, RowLayout
 from exittrain.data.regenerate import (
     GenerationConfig,
     TargetProvider,
     cache_path,
     chat_prompt_ids,
-    features_file,
-    load_features,
-    load_top_logprobs,
     read_meta,
     regenerate,
-    top_logprobs_file,
 )
 from exittrain.data.sampler import ResumableSampler
 from exittrain.data.sources import DEFAULT_MAX_CHARS, DomainPrompts, PromptSource, load_domain
@@ -115,8 +113,7 @@ class ExitTrainDataModule(pl.LightningDataModule):
         max_length: training sequences (prompt + response) are truncated to this many tokens.
         batch_size, num_workers: DataLoader settings.
         generation: :class:`~exittrain.data.regenerate.GenerationConfig` or a mapping of its fields.
-        max_train_prompts: keep a seeded random sample of at most this many training prompts
-            (regeneration costs about 0.5-1 s per answer on a CPU).
+        max_train_prompts: keep a seeded random sample of at most this many training prompts.
         val_fraction: fraction of the regenerated training rows held out for validation loss
             (0 disables validation; otherwise at least one row), whole tasks at a time: both
             prompt forms of one CodeI/O task land on the same side (:func:`split_by_task`).
@@ -124,12 +121,15 @@ class ExitTrainDataModule(pl.LightningDataModule):
         max_prompt_chars: prompts longer than this are rejected (counted) when sources are read.
         progress: show the regeneration progress bar.
         feature_layers: target layer ids whose outputs regeneration keeps beside the answers
-            (:func:`~exittrain.data.regenerate.regenerate`); :meth:`captured_features` serves them
-            to the training module, which then never runs the target over a training row. Not part
-            of the cache key: an entry already cached without them is used as it is.
+            (:func:`~exittrain.data.regenerate.regenerate`); the :attr:`store` serves them in every
+            batch, and training then never runs the target over a row. Not part of the cache key:
+            an entry already cached without them is used as it is (training computes them).
         top_logprobs: S > 0 keeps the answering model's top-S next-token log-probabilities at every
-            response position during regeneration; :meth:`captured_top_logprobs` serves them as the
-            soft labels of the block cross-entropy. Not part of the cache key either.
+            response position during regeneration; the :attr:`store` serves them in every batch as
+            the soft labels of the block cross-entropy. Not part of the cache key either.
+        feature_store: ``"memory"`` reads every row's features and soft labels into host memory at
+            setup (each process holds all of them); ``"disk"`` reads each batch's rows from the cache
+            entry's files (:mod:`exittrain.data.feature_store`), for data sets larger than host memory.
         device: the device the target answers on (default the CPU); it decides
             ``generation.dtype="auto"`` (:meth:`GenerationConfig.resolved`).
     """
@@ -155,6 +155,7 @@ class ExitTrainDataModule(pl.LightningDataModule):
         progress: bool = True,
         feature_layers: Sequence[int] | None = None,
         top_logprobs: int = 0,
+        feature_store: str = "memory",
         device: str | None = None,
     ) -> None:
         super().__init__()
@@ -188,8 +189,13 @@ class ExitTrainDataModule(pl.LightningDataModule):
         if not isinstance(top_logprobs, int) or top_logprobs < 0:
             raise ValueError(f"top_logprobs={top_logprobs!r} must be an int >= 0 (0 keeps none)")
         self.top_logprobs = top_logprobs
-        self._captured: tuple[list[int], dict[int, tuple[torch.Tensor, torch.Tensor]]] | None = None
-        self._captured_top: dict[int, tuple[int, torch.Tensor, torch.Tensor]] | None = None
+        if feature_store not in STORE_MODES:
+            raise ValueError(
+                f"feature_store={feature_store!r}: must be one of {STORE_MODES} (host memory, or read per batch "
+                "from the cache entry)"
+            )
+        self.feature_store = feature_store
+        self.store: FeatureStore | None = None  # after setup, when feature_layers or top_logprobs ask for one
 
         self._prompts: DomainPrompts | None = None
         self.train_set: datasets.Dataset | None = None
@@ -307,6 +313,13 @@ class ExitTrainDataModule(pl.LightningDataModule):
             "eval_prompts": len(dp.eval),
             "cache_path": str(path),
         }
+        self.store = self._open_store(path)
+        if self.store is not None:
+            self.stats["feature_store"] = {
+                "mode": self.store.mode,
+                "feature_layers": self.store.feature_layers,
+                "top_logprobs": self.store.top_k,
+            }
         logger.info(
             "data: %d train rows, %d val rows, %d eval prompts (%s)", len(self.train_set), n_val, len(dp.eval), path
         )
@@ -317,77 +330,46 @@ class ExitTrainDataModule(pl.LightningDataModule):
             if split is not None:
                 yield from zip(*(split[c] for c in columns))
 
-    def captured_features(self, layers: Sequence[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Target features of ``layers`` kept by the regeneration, for every train and val row.
-
-        Returns ``row_id -> (input ids (n,) int32, features (n, F) bf16)`` with n the row's length
-        after the collator's ``max_length`` cut: the entries of the training module's feature cache.
-        Empty when the cache entry holds no features of these layers (written without
-        ``feature_layers``, or for others). Loaded once and kept (host memory, ~1 MB per row of
-        ~300 tokens for three SmolLM2 layers). A stored row whose length differs from its tokens
-        raises ValueError naming the row and the entry.
-        """
-        if self.train_set is None:
-            raise ValueError("the DataModule is not set up; call setup() first")
-        layers = [int(x) for x in layers]
-        if self._captured is not None and self._captured[0] == layers:
-            return self._captured[1]
-        path = self.cache_path
-        stored = load_features(path, layers)
-        rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for row_id, ids in self._split_rows("prompt_index", "input_ids") if stored is not None else ():
-            feats = stored.get(int(row_id))
-            if feats is None or feats.shape[0] != len(ids):
-                raise ValueError(
-                    f"{path}: stored features of row {row_id} cover {None if feats is None else feats.shape[0]} "
-                    f"positions for {len(ids)} tokens; delete {features_file(layers)} from the entry to "
-                    "recompute them"
-                )
-            n = min(len(ids), self.max_length)
-            rows[int(row_id)] = (torch.tensor(ids[:n], dtype=torch.int32), feats[:n])
-        self._captured = (layers, rows)
-        if rows:
-            logger.info("target features of layers %s: %d rows kept by the regeneration (%s)", layers, len(rows), path)
-        return rows
-
-    def captured_top_logprobs(self) -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:
-        """The target's top-S next-token log-probabilities kept by the regeneration, for every train and val row.
-
-        Returns ``row_id -> (start, ids (r, S) int32, log-probabilities (r, S) float32)``: entry j
-        is the target's distribution of token ``start + j`` of the row, ``start`` is where its
-        response begins and ``start + r`` its length after the collator's ``max_length`` cut (the
-        prompt is never a label, so it holds nothing). Empty when ``top_logprobs`` is 0 or the
-        cache entry holds none for this S. A stored row whose length differs from its response
-        raises ValueError naming the row.
-        """
-        if self.train_set is None:
-            raise ValueError("the DataModule is not set up; call setup() first")
-        if self._captured_top is not None:
-            return self._captured_top
-        path = self.cache_path
-        stored = load_top_logprobs(path, self.top_logprobs) if self.top_logprobs else None
-        rows: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
-        columns = ("prompt_index", "input_ids", "n_prompt_tokens")
-        for row_id, ids, n_prompt in self._split_rows(*columns) if stored is not None else ():
-            top, n_response = stored.get(int(row_id)), len(ids) - n_prompt
-            if top is None or top[0].shape[0] != n_response:
-                raise ValueError(
-                    f"{path}: stored top-{self.top_logprobs} log-probabilities of row {row_id} cover "
-                    f"{None if top is None else top[0].shape[0]} positions for {n_response} response tokens; "
-                    f"delete {top_logprobs_file(self.top_logprobs)} from the entry (training then asks the "
-                    "target for them) or the entry itself to regenerate it"
-                )
-            kept = max(0, min(len(ids), self.max_length) - n_prompt)
-            rows[int(row_id)] = (int(n_prompt), top[0][:kept], top[1][:kept])
-        self._captured_top = rows
-        if rows:
-            logger.info("top-%d log-probabilities: %d rows kept by the regeneration", self.top_logprobs, len(rows))
-        return rows
+    def _open_store(self, path: Path) -> FeatureStore | None:
+        """The :class:`FeatureStore` of the entry at ``path`` for every train and val row; None when
+        neither ``feature_layers`` nor ``top_logprobs`` asks for one. Warns about what the entry lacks."""
+        if not self.feature_layers and not self.top_logprobs:
+            return None
+        rows = {
+            int(r): RowLayout(tokens=len(ids), prompt=int(p), kept=min(len(ids), self.max_length))
+            for r, ids, p in self._split_rows("prompt_index", "input_ids", "n_prompt_tokens")
+        }
+        store = FeatureStore.open(
+            path, rows, feature_layers=self.feature_layers, top_k=self.top_logprobs, mode=self.feature_store
+        )
+        if self.feature_layers and not store.has_features:
+            logger.warning(
+                "the cache entry %s keeps no target features of layers %s (written without them): training computes "
+                "them every step; delete the entry to regenerate it with them",
+                path,
+                self.feature_layers,
+            )
+        if self.top_logprobs and not store.has_top_logprobs:
+            logger.warning(
+                "the cache entry %s keeps no top-%d log-probabilities: training asks the target for the soft labels "
+                "every step; delete the entry to regenerate it with them",
+                path,
+                self.top_logprobs,
+            )
+        logger.info(
+            "feature store (%s): %d rows, features of layers %s, top-%d log-probabilities (%s)",
+            store.mode,
+            len(store),
+            store.feature_layers,
+            store.top_k,
+            path,
+        )
+        return store
 
     def _collator(self) -> Collator:
         if self.pad_token_id is None:
             raise ValueError("the DataModule is not set up; call setup() first")
-        return Collator(pad_token_id=self.pad_token_id, max_length=self.max_length)
+        return Collator(pad_token_id=self.pad_token_id, max_length=self.max_length, store=self.store)
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled training batches; epoch e's order depends only on ``seed`` and e (:class:`ResumableSampler`).

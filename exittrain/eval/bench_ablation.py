@@ -132,8 +132,10 @@ def stage_args(cfg, settings: Settings) -> tuple[dict, dict]:
     return pre, arms
 
 
-def _train(cfg, drafter, target, datamodule, stage: str, steps: int, cache_owner=None, **overrides):
-    """Fit ``drafter`` for ``steps`` of ``stage`` on ``datamodule``; returns the module (its metrics inside)."""
+def _train(cfg, drafter, target, datamodule, stage: str, steps: int, **overrides):
+    """Fit ``drafter`` for ``steps`` of ``stage`` on ``datamodule``; returns the module (its metrics inside).
+
+    Every arm reads the same target features and soft labels from the DataModule's store."""
     import lightning as L
     from hydra.utils import instantiate
 
@@ -141,8 +143,6 @@ def _train(cfg, drafter, target, datamodule, stage: str, steps: int, cache_owner
 
     L.seed_everything(cfg.seed, workers=True)  # the same data order and anchors for every arm
     module = instantiate(cfg.objective)(drafter=drafter, target=target, stage=stage, **overrides)
-    if cache_owner is not None:
-        module.share_feature_cache(cache_owner)
     trainer = build_trainer(
         cfg.trainer, max_steps=steps, logger=False, enable_checkpointing=False, callbacks=[], limit_val_batches=0
     )
@@ -151,16 +151,30 @@ def _train(cfg, drafter, target, datamodule, stage: str, steps: int, cache_owner
     return module
 
 
+def analytic_settings(cfg, budget: int, anchors: int):
+    """The :class:`~exittrain.objective.ObjectiveSettings` of the analytic tau: the fit config's
+    objective, scoring trees of ``budget`` on ``anchors`` anchors per row, full vocabulary."""
+    from omegaconf import OmegaConf
+
+    from exittrain.objective import ObjectiveSettings
+
+    objective = OmegaConf.to_container(cfg.objective, resolve=True)
+    known = {k: v for k, v in objective.items() if k in ObjectiveSettings.names()}
+    return ObjectiveSettings(
+        **{**known, "stage": "pretrain", "budget": budget, "anchors_per_seq": anchors, "vocab_sample": None}
+    )
+
+
 @torch.no_grad()
-def analytic_tau(cfg, drafter, target, datamodule, budgets: Sequence[int], anchors: int, cache_owner) -> dict:
+def analytic_tau(cfg, drafter, target, datamodule, budgets: Sequence[int], anchors: int) -> dict:
     """Per budget: ``sum P`` (raw target law) on ``anchors`` anchors of every held-out row, anchor-weighted.
 
     Returns ``{B: {"tau", "coverage", "exit_mass" [K+1], "acc" [K], "anchors"}}``. The anchors
     are drawn from the validation stream of the seed, so every arm is measured on the same ones.
+    Calls :func:`exittrain.objective.compute_losses` on the DataModule's validation batches.
     """
-    from hydra.utils import instantiate
-
-    from exittrain.lit.module import anchor_generator
+    from exittrain.core import anchor_generator
+    from exittrain.objective import compute_losses
 
     batches = datamodule.val_dataloader()
     if not batches:
@@ -169,22 +183,21 @@ def analytic_tau(cfg, drafter, target, datamodule, budgets: Sequence[int], ancho
     drafter.eval()
     out = {}
     for budget in budgets:
-        module = instantiate(cfg.objective)(
-            drafter=drafter, target=target, stage="pretrain", budget=budget, anchors_per_seq=anchors, vocab_sample=None
-        )
-        module.share_feature_cache(cache_owner)
+        settings = analytic_settings(cfg, budget, anchors)
         sums: dict[str, float] = {}
         n_total = 0
         for i, batch in enumerate(batches):
-            values, _ = module.compute_losses(
-                batch, anchor_generator(cfg.seed, i, 0, stream=1), exit_loss=False, metrics=True
-            )
+            batch = {k: v.to(target.device) for k, v in batch.items()}
+            values = compute_losses(
+                drafter, target, batch, settings, anchor_generator(cfg.seed, i, 0, stream=1), exit_loss=False,
+                metrics=True,
+            ).values
             n = int(values["anchors"])
             n_total += n
             for k, v in values.items():
                 if k != "anchors" and v.numel() == 1:
                     sums[k] = sums.get(k, 0.0) + n * float(v)
-        K = drafter.config.block_size - 1
+        K = drafter.config.num_draft_tokens
         mean = {k: v / max(n_total, 1) for k, v in sums.items()}
         out[budget] = {
             "tau": mean["analytic_block_length"],
@@ -306,12 +319,13 @@ def run_domain(domain: str, settings: Settings, out: Path, target=None) -> tuple
     # the shared warm start (the baseline arm), trained here or reused from an earlier run
     t0 = time.perf_counter()
     pre, arm_args = stage_args(cfg, settings)
+    train_metrics = {"baseline": {}}
     if settings.warm_start_root is not None:
         drafter = load_drafter(Path(settings.warm_start_root) / domain / "baseline", target)
-        owner = instantiate(cfg.objective)(drafter=drafter, target=target, stage="pretrain", **pre)  # cache owner
     else:
         drafter = instantiate(cfg.drafter)(target)
-        owner = _train(cfg, drafter, target, dm, "pretrain", settings.warm_steps, **pre)
+        warm = _train(cfg, drafter, target, dm, "pretrain", settings.warm_steps, **pre)
+        train_metrics["baseline"] = warm.final_metrics
     paths = {"baseline": save_drafter(drafter, out / domain / "baseline")}
     timings["warm_start_s"] = time.perf_counter() - t0
     _log(f"{domain}: warm start done ({timings['warm_start_s']:.0f} s)")
@@ -319,12 +333,10 @@ def run_domain(domain: str, settings: Settings, out: Path, target=None) -> tuple
     # the arms: identical lr, anchors, data and steps; only the objective differs
     arm_specs = {"control": ("pretrain", {"vocab_sample": None, "analytic_every": 0})}
     arm_specs.update({f"exittrain-{w}": ("exittrain", {"weight_type": w}) for w in settings.weight_types})
-    train_metrics = {"baseline": getattr(owner, "final_metrics", {})}
     for arm, (stage, extra) in arm_specs.items():
         t0 = time.perf_counter()
         arm_drafter = load_drafter(paths["baseline"], target)
-        module = _train(cfg, arm_drafter, target, dm, stage, settings.arm_steps, cache_owner=owner,
-                        **{**arm_args, **extra})
+        module = _train(cfg, arm_drafter, target, dm, stage, settings.arm_steps, **{**arm_args, **extra})
         train_metrics[arm] = module.final_metrics
         paths[arm] = save_drafter(arm_drafter, out / domain / arm)
         timings[f"train_{arm}_s"] = time.perf_counter() - t0
@@ -336,7 +348,7 @@ def run_domain(domain: str, settings: Settings, out: Path, target=None) -> tuple
     for arm, path in paths.items():
         t0 = time.perf_counter()
         d = load_drafter(path, target)
-        analytic = analytic_tau(cfg, d, target, dm, settings.budgets, settings.analytic_anchors, owner)
+        analytic = analytic_tau(cfg, d, target, dm, settings.budgets, settings.analytic_anchors)
         rows = evaluate_prompts(
             target, d, prompts[: settings.eval_prompts], budgets=list(settings.budgets),
             temperatures=list(settings.temperatures), max_new_tokens=settings.new_tokens, verifier="tev",

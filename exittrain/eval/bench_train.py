@@ -38,10 +38,11 @@ def run(steps: int, budgets: list[int], anchors: int, batch: int, prompts: int) 
 
     precision = trainer_precision("auto", "cpu")
     target = load_target(None)
+    layers = new_drafter(target, seed=0).config.target_layer_ids  # the store serves the drafters' features
     dm = ExitTrainDataModule(
         "code", target=lambda: (target.model, target.tokenizer), tokenizer=target.tokenizer, target_name=target.name,
         cache_dir="data/cache/regen", max_length=448, batch_size=batch, max_train_prompts=prompts, val_fraction=0.0,
-        generation={"max_new_tokens": 32, "batch_size": 16}, progress=False,
+        generation={"max_new_tokens": 32, "batch_size": 16}, progress=False, feature_layers=layers,
     )
 
     class Collect(Callback):

@@ -165,10 +165,14 @@ def test_embedded_target_answers_math_prompts(tmp_path):
     assert dm.eval_prompts(1)[0][-3:] == batch["input_ids"][0, : batch["n_prompt_tokens"][0]].tolist()[-3:]
 
 
-def test_kept_features_fill_the_training_modules_cache(tmp_path, sources, smollm2_tokenizer, monkeypatch):
+# the disk mode is checked fast in tests/data/test_feature_store.py; here end to end, in the slow tier
+@pytest.mark.parametrize("mode", ["memory", pytest.param("disk", marks=pytest.mark.slow)])
+def test_kept_features_reach_the_batches_and_the_module_never_computes_them(
+    tmp_path, sources, smollm2_tokenizer, monkeypatch, mode
+):
     from safetensors.torch import load_file, save_file
 
-    from exittrain.data.regenerate import features_file
+    from exittrain.data.regenerate import features_file, load_features
     from exittrain.lit import ExitTrainModule
     from exittrain.models import TargetModel, new_drafter
 
@@ -176,18 +180,28 @@ def test_kept_features_fill_the_training_modules_cache(tmp_path, sources, smollm
     model = tiny_llama(tok, seed=0)
     prompt_len = max(len(chat_prompt_ids(tok, p)) for p in TRAIN)
     max_length = prompt_len + 2  # every row is cut: the kept features must be cut with it
-    dm = _datamodule(tmp_path, sources, CountingTarget(model, tok), max_length=max_length, feature_layers=[1, 0])
+    dm = _datamodule(
+        tmp_path, sources, CountingTarget(model, tok), max_length=max_length, feature_layers=[1, 0], feature_store=mode
+    )
     dm.prepare_data()
     dm.setup("fit")
-    rows = dm.captured_features([1, 0])
+    store = dm.store
     splits = [*dm.train_set, *dm.val_set]
-    assert sorted(rows) == sorted(r["prompt_index"] for r in splits) and len(rows) == 10
+    assert store.mode == mode and store.has_features and not store.has_top_logprobs
+    assert sorted(store.rows) == sorted(r["prompt_index"] for r in splits) and len(store) == 10
+    stored = load_features(dm.cache_path, [1, 0])
     for r in splits:
-        ids, feats = rows[r["prompt_index"]]
-        assert ids.tolist() == r["input_ids"][:max_length] and feats.shape == (max_length, 2 * 32)
-    assert dm.captured_features([0, 1]) == {}  # kept for [1, 0] only: the module then computes its own
+        feats = store.features(r["prompt_index"])
+        assert feats.shape == (max_length, 2 * 32) and torch.equal(feats, stored[r["prompt_index"]][:max_length])
+    assert dm.stats["feature_store"] == {"mode": mode, "feature_layers": [1, 0], "top_logprobs": 0}
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["features"].shape == (*batch["input_ids"].shape, 2 * 32) and batch["feature_layers"].tolist() == [1, 0]
+    # kept for [1, 0] only: a DataModule asking for [0, 1] serves none (the module then computes its own)
+    other = _datamodule(tmp_path, sources, CountingTarget(model, tok), max_length=max_length, feature_layers=[0, 1])
+    other.setup("fit")
+    assert not other.store.has_features and "features" not in next(iter(other.train_dataloader()))
 
-    # the module takes them at setup and never runs the target over a row
+    # the module reads them from the batches and never runs the target over a row
     target = TargetModel(model, tok, name="tiny")
     drafter = new_drafter(target, block_size=3, num_layers=1, hidden_size=32, num_heads=4, layer_ids=[1, 0], seed=0)
     module = ExitTrainModule(drafter, target, stage="pretrain", anchors_per_seq=2, feature_cache=True, seed=0)
@@ -198,7 +212,7 @@ def test_kept_features_fill_the_training_modules_cache(tmp_path, sources, smollm
     monkeypatch.setattr(target, "sequence_features", no_forward)
     trainer = lit_trainer(2, limit_val_batches=1)
     trainer.fit(module, datamodule=dm)
-    assert module.feature_cache_rows == 10 and trainer.global_step == 2
+    assert trainer.global_step == 2 and trainer.callback_metrics["train/feature_rows_computed"] == 0
 
     # a stored row that does not cover its tokens is refused, naming the row and the file to delete
     file = dm.cache_path / features_file([1, 0])
@@ -206,14 +220,19 @@ def test_kept_features_fill_the_training_modules_cache(tmp_path, sources, smollm
     first = sorted(stored, key=int)[0]
     stored[first] = stored[first][:-1].contiguous()
     save_file(stored, str(file))
-    fresh = _datamodule(tmp_path, sources, CountingTarget(model, tok), max_length=max_length)
-    fresh.setup("fit")
+    fresh = _datamodule(
+        tmp_path, sources, CountingTarget(model, tok), max_length=max_length, feature_layers=[1, 0], feature_store=mode
+    )
     with pytest.raises(ValueError, match=f"features of row {first} cover .* delete features-1_0.safetensors"):
-        fresh.captured_features([1, 0])
+        fresh.setup("fit")
+    with pytest.raises(ValueError, match="feature_store='ram'"):
+        _datamodule(tmp_path, sources, CountingTarget(model, tok), feature_store="ram")
 
 
-def test_kept_top_logprobs_are_aligned_with_the_rows_and_fill_the_modules_soft_labels(
-    tmp_path, sources, smollm2_tokenizer, monkeypatch
+# the disk mode is checked fast in tests/data/test_feature_store.py; here end to end, in the slow tier
+@pytest.mark.parametrize("mode", ["memory", pytest.param("disk", marks=pytest.mark.slow)])
+def test_kept_top_logprobs_are_aligned_with_the_rows_and_are_the_modules_soft_labels(
+    tmp_path, sources, smollm2_tokenizer, monkeypatch, mode
 ):
     from safetensors.torch import load_file, save_file
 
@@ -225,22 +244,25 @@ def test_kept_top_logprobs_are_aligned_with_the_rows_and_fill_the_modules_soft_l
     model = tiny_llama(tok, seed=0)
     prompt_len = max(len(chat_prompt_ids(tok, p)) for p in TRAIN)
     max_length = prompt_len + 2  # every row is cut: the log-probabilities must be cut with it
-    dm = _datamodule(tmp_path, sources, CountingTarget(model, tok), max_length=max_length, top_logprobs=3)
+    dm = _datamodule(
+        tmp_path, sources, CountingTarget(model, tok), max_length=max_length, top_logprobs=3, feature_store=mode
+    )
     dm.prepare_data()
     dm.setup("fit")
-    rows = dm.captured_top_logprobs()
+    store = dm.store
     stored = load_top_logprobs(dm.cache_path, 3)
     splits = [*dm.train_set, *dm.val_set]
-    assert sorted(rows) == sorted(r["prompt_index"] for r in splits) and len(rows) == 10
+    assert sorted(store.rows) == sorted(r["prompt_index"] for r in splits) and len(store) == 10
+    assert store.has_top_logprobs and not store.has_features
     for r in splits:
-        start, top_ids, top_logp = rows[r["prompt_index"]]
+        start, top_ids, top_logp = store.top_logprobs(r["prompt_index"])
         n, n_p = min(len(r["input_ids"]), max_length), r["n_prompt_tokens"]
         assert start == n_p and top_ids.shape == top_logp.shape == (n - n_p, 3)  # the response, cut with the row
         kept_ids, kept_logp = stored[r["prompt_index"]]
         assert torch.equal(top_ids, kept_ids[: n - n_p]) and torch.equal(top_logp, kept_logp[: n - n_p])
         assert top_ids[:, 0].tolist() == r["input_ids"][n_p:n]  # greedy answers: the top-1 is the token
 
-    # the module takes them at setup and never asks the target for them
+    # the module reads them from the batches and never asks the target for them
     target = TargetModel(model, tok, name="tiny")
     drafter = new_drafter(target, block_size=3, num_layers=1, hidden_size=32, num_heads=4, seed=0)
     module = ExitTrainModule(
@@ -253,7 +275,7 @@ def test_kept_top_logprobs_are_aligned_with_the_rows_and_fill_the_modules_soft_l
     monkeypatch.setattr(target, "token_top_logprobs", no_forward)
     trainer = lit_trainer(2, limit_val_batches=1)
     trainer.fit(module, datamodule=dm)
-    assert len(module._top_cache) == 10 and trainer.global_step == 2
+    assert trainer.global_step == 2
 
     # a stored row that does not cover its response is refused, naming the row and the file
     file = dm.cache_path / top_logprobs_file(3)
@@ -262,10 +284,11 @@ def test_kept_top_logprobs_are_aligned_with_the_rows_and_fill_the_modules_soft_l
     tensors[first] = tensors[first][:-1].contiguous()
     tensors[first.replace(".ids", ".logp")] = tensors[first.replace(".ids", ".logp")][:-1].contiguous()
     save_file(tensors, str(file))
-    fresh = _datamodule(tmp_path, sources, CountingTarget(model, tok), max_length=max_length, top_logprobs=3)
-    fresh.setup("fit")
+    fresh = _datamodule(
+        tmp_path, sources, CountingTarget(model, tok), max_length=max_length, top_logprobs=3, feature_store=mode
+    )
     with pytest.raises(ValueError, match=f"row {first[:-4]} cover .* delete top-logprobs-3.safetensors"):
-        fresh.captured_top_logprobs()
+        fresh.setup("fit")
     with pytest.raises(ValueError, match="top_logprobs"):
         _datamodule(tmp_path, sources, CountingTarget(model, tok), top_logprobs=-2)
 

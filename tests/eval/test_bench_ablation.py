@@ -157,3 +157,54 @@ def test_stage_args_are_module_arguments_of_the_shipped_config(tmp_path):
     check_module_args(**{**objective, **pre, "stage": "pretrain"})
     for stage in ("pretrain", "exittrain"):  # the control trains the pretrain stage with the arms' arguments
         check_module_args(**{**objective, **arms, "stage": stage})
+
+
+class HeldOut:
+    """What analytic_tau reads of a DataModule: its validation batches."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def val_dataloader(self):
+        return self.batches
+
+
+def test_analytic_tau_calls_the_objective_and_agrees_with_the_module(tmp_path, tiny_llama_target, one_thread):
+    """The analytic tau without a LightningModule equals the anchor-weighted means of the module's own losses."""
+    import dataclasses
+
+    import torch
+
+    from exittrain.core import anchor_generator
+    from exittrain.lit import ExitTrainModule
+    from exittrain.models import new_drafter
+    from tests.lit.helpers import batch_of
+
+    target = tiny_llama_target
+    cfg = ab.compose_fit_config("code", tmp_path)
+    drafter = new_drafter(target, block_size=4, num_layers=1, hidden_size=32, num_heads=4, seed=0)
+    batches = [batch_of(2, seed=1), batch_of(3, seed=2)]
+    got = ab.analytic_tau(cfg, drafter, target, HeldOut(batches), [4, 8], anchors=3)
+    assert drafter.training, "the drafter's mode is restored"
+    objective = dataclasses.asdict(ab.analytic_settings(cfg, 4, 3))
+    for budget in (4, 8):
+        module = ExitTrainModule(drafter, target, **{**objective, "budget": budget})
+        drafter.eval()
+        sums, n_total = {"analytic_block_length": 0.0, "coverage": 0.0, "acc_d1": 0.0}, 0
+        with torch.no_grad():
+            for i, batch in enumerate(batches):
+                values, _ = module.compute_losses(batch, anchor_generator(cfg.seed, i, 0, stream=1), exit_loss=False,
+                                                  metrics=True)
+                n = int(values["anchors"])
+                n_total += n
+                for k in sums:
+                    sums[k] += n * float(values[k])
+        drafter.train()
+        assert got[budget]["anchors"] == n_total > 0
+        assert got[budget]["tau"] == pytest.approx(sums["analytic_block_length"] / n_total, rel=1e-6)
+        assert got[budget]["coverage"] == pytest.approx(sums["coverage"] / n_total, rel=1e-6)
+        assert got[budget]["acc"][0] == pytest.approx(sums["acc_d1"] / n_total, rel=1e-6)
+        assert len(got[budget]["exit_mass"]) == 4 and sum(got[budget]["exit_mass"]) == pytest.approx(1.0, abs=1e-5)
+    assert got[8]["tau"] >= got[4]["tau"] - 1e-6  # a larger tree holds at least the smaller one's mass
+    with pytest.raises(ValueError, match="val_fraction"):
+        ab.analytic_tau(cfg, drafter, target, HeldOut([]), [4], anchors=3)

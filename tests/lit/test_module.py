@@ -7,11 +7,13 @@ import math
 import pytest
 import torch
 
-import exittrain.lit.module as lit_module
-from exittrain.core import build_tree, exit_law, exit_node_loss_reference, followed_depth_reference
-from exittrain.lit import ExitTrainModule, WarmupCosine, anchor_generator, sample_anchors
+import exittrain.objective as objective
+from exittrain.core import anchor_generator
+from exittrain.lit import ExitTrainModule
 from exittrain.models import new_drafter
 from tests.lit.helpers import BLOCK, batch_of, collate, loader, make_module, trainer
+from tests.objective_helpers import reference_losses as reference_twin
+from tests.objective_helpers import reference_soft_block_ce as reference_soft_twin
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`"),
@@ -19,59 +21,6 @@ pytestmark = [
 ]
 
 K = BLOCK - 1
-
-# ----------------------------------------------------------------------------------------------
-# anchors
-
-
-def brute_candidates(mask_T: torch.Tensor, length: int, k: int) -> set[int]:
-    return {a for a in range(length) if a + k < length and all(bool(mask_T[a + j]) for j in range(1, k + 1))}
-
-
-def test_sample_anchors_respects_horizon_mask_and_padding():
-    L, T, A = 4, 20, 4
-    lengths = torch.tensor([20, 14, 6, 3])
-    starts = [10, 7, 3, 1]
-    mask = torch.zeros(L, T, dtype=torch.bool)
-    for l, (n, s) in enumerate(zip(lengths.tolist(), starts)):
-        mask[l, s:n] = True
-    anchors, valid = sample_anchors(mask, lengths, A, K, anchor_generator(0, 0))
-    assert anchors.shape == valid.shape == (L, A) and anchors.dtype == torch.long
-    for l in range(L):
-        cand = brute_candidates(mask[l], int(lengths[l]), K)
-        chosen = anchors[l][valid[l]].tolist()
-        assert len(chosen) == min(A, len(cand)) == int(valid[l].sum())
-        assert len(set(chosen)) == len(chosen), "without replacement"
-        assert set(chosen) <= cand
-        assert valid[l].tolist() == sorted(valid[l].tolist(), reverse=True), "valid slots come first"
-        padded = anchors[l][~valid[l]].tolist()
-        assert set(padded) <= (cand or {0}), "padding repeats the sequence's own candidates (or 0 if none)"
-    # sequence 2: the root may be the last prompt token (a = 2, labels 3..5 are the whole response)
-    assert anchors[2, 0].item() == 2 and valid[2].tolist() == [True, False, False, False]
-    assert not valid[3].any() and anchors[3].eq(0).all()
-
-
-def test_sample_anchors_finds_every_candidate_of_random_masks():
-    g = torch.Generator().manual_seed(3)
-    L, T = 6, 30
-    mask = torch.rand(L, T, generator=g) < 0.8
-    lengths = torch.randint(K, T + 1, (L,), generator=g)
-    anchors, valid = sample_anchors(mask, lengths, T, K, anchor_generator(1, 7))
-    for l in range(L):
-        assert set(anchors[l][valid[l]].tolist()) == brute_candidates(mask[l], int(lengths[l]), K)
-
-
-def test_sample_anchors_reproducible_per_seed_and_step():
-    mask = torch.ones(2, 64, dtype=torch.bool)
-    lengths = torch.tensor([64, 64])
-
-    def draw(seed, step):
-        return sample_anchors(mask, lengths, 8, K, anchor_generator(seed, step))[0]
-
-    assert torch.equal(draw(0, 5), draw(0, 5))
-    assert not torch.equal(draw(0, 5), draw(0, 6))
-    assert not torch.equal(draw(0, 5), draw(1, 5))
-
 
 # ----------------------------------------------------------------------------------------------
 # configuration
@@ -106,6 +55,7 @@ def test_sample_anchors_reproducible_per_seed_and_step():
         ("vocab_sample", 2.5),
         ("law_temperature", -1.0),
         ("law_temperature", float("inf")),
+        ("feature_cache", "yes"),
     ],
 )
 def test_bad_config_raises_naming_the_key(target, key, value):
@@ -142,53 +92,15 @@ def test_checkpoint_of_another_target_is_refused(target):
 
 
 # ----------------------------------------------------------------------------------------------
-# schedule
-
-
-def test_warmup_cosine_shape():
-    f = WarmupCosine(total_steps=100, warmup_steps=10, min_ratio=0.1)
-    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0) and f(10) == pytest.approx(1.0)
-    assert f(55) == pytest.approx(0.55) and f(100) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
-    after = [f(s) for s in range(10, 101)]
-    assert all(a >= b for a, b in zip(after, after[1:]))
-    assert WarmupCosine(10, 0, 0.0)(0) == pytest.approx(1.0)
-
-
-# ----------------------------------------------------------------------------------------------
 # losses and gradients
 
 
 def reference_losses(module, batch, generator):
-    """L_tok and L_exit recomputed step by step with the loop twins of core."""
-    hp = module.hparams
-    ids = batch["input_ids"]
-    features = module.target.sequence_features(ids, module.drafter.config.target_layer_ids).float()
-    anchors, valid = sample_anchors(batch["loss_mask"], batch["lengths"], hp.anchors_per_seq, K, generator)
-    logits = module.drafter.forward_anchors(features, ids, anchors)
-    ce, n = 0.0, 0
-    for l in range(anchors.shape[0]):
-        for a in range(anchors.shape[1]):
-            if valid[l, a]:
-                row = logits[l * anchors.shape[1] + a].log_softmax(-1)
-                pos = int(anchors[l, a])
-                ce -= sum(float(row[k, ids[l, pos + 1 + k]]) for k in range(K))
-                n += K
-    trees = build_tree(logits.detach().log_softmax(-1), hp.budget)
-    scores = module.target.score_trees(ids, anchors, trees).logits
-    probs = scores.softmax(-1)
-    T = hp.law_temperature  # the law the node loss reads: one-hot argmax at 0, else softmax(logits / T)
-    law_probs = torch.nn.functional.one_hot(scores.argmax(-1), scores.shape[-1]).float() if T == 0 else (
-        scores / T).softmax(-1)
-    index = valid.reshape(-1).nonzero().squeeze(1)
-    sub = lit_module.select_trees(trees, index)
-    alpha = 0.0 if hp.weight_type == "missing" else hp.alpha
-    law = exit_law(sub, law_probs[index], alpha)
-    exit_loss = exit_node_loss_reference(logits[index], sub, law, hp.weight_type, law_probs[index])
-    A = anchors.shape[1]
-    labels = torch.stack([ids[l, int(anchors[l, a]) + 1 : int(anchors[l, a]) + 1 + K] for l, a in
-                          (divmod(int(i), A) for i in index)])  # (n, K) the rows' own next tokens
-    greedy = 1.0 + followed_depth_reference(sub, labels).float().mean()
-    return ce / n, float(exit_loss), exit_law(sub, probs[index]).expected_block_length.mean(), float(greedy)
+    return reference_twin(module.drafter, module.target, module.hparams, batch, generator)
+
+
+def reference_soft_block_ce(module, batch, generator, weight):
+    return reference_soft_twin(module.drafter, module.target, module.hparams, batch, generator, weight)
 
 
 @pytest.mark.parametrize(
@@ -340,7 +252,7 @@ def test_no_valid_anchor_gives_zero_loss_not_nan(target):
 
 
 def test_nan_loss_raises_naming_step_and_batch(target, monkeypatch):
-    real = lit_module.block_cross_entropy
+    real = objective.block_cross_entropy
     calls = []
 
     def poisoned(*args, **kwargs):
@@ -348,7 +260,7 @@ def test_nan_loss_raises_naming_step_and_batch(target, monkeypatch):
         out = real(*args, **kwargs)
         return out * math.nan if len(calls) == 3 else out
 
-    monkeypatch.setattr(lit_module, "block_cross_entropy", poisoned)
+    monkeypatch.setattr(objective, "block_cross_entropy", poisoned)
     module = make_module(target, stage="pretrain", analytic_every=0)
     weights = [p.detach().clone() for p in module.drafter.parameters()]
     with pytest.raises(RuntimeError, match=r"global step 2, batch index 2"):
@@ -373,35 +285,6 @@ def test_nan_drafter_logits_in_exittrain_raise_at_step_zero(target, monkeypatch)
 
 
 # soft labels
-
-
-def reference_soft_block_ce(module, batch, generator, weight):
-    """The block CE with soft labels, from a plain forward's distributions and the loop twin of core."""
-    from exittrain.core import block_cross_entropy_reference, mix_soft_labels
-
-    hp = module.hparams
-    ids = batch["input_ids"]
-    features = module.target.sequence_features(ids, module.drafter.config.target_layer_ids).float()
-    anchors, valid = sample_anchors(batch["loss_mask"], batch["lengths"], hp.anchors_per_seq, K, generator)
-    logits = module.drafter.forward_anchors(features, ids, anchors)
-    L, A = anchors.shape
-    labels = torch.zeros(L * A, K, dtype=torch.long)
-    top_ids = torch.zeros(L * A, K, hp.soft_label_top_k, dtype=torch.long)
-    top_logp = torch.zeros(L * A, K, hp.soft_label_top_k)
-    for l in range(L):
-        n = int(batch["lengths"][l])
-        with torch.no_grad():
-            logp = module.target.model(input_ids=ids[l : l + 1, :n]).logits[0].float().log_softmax(-1)  # (n, V)
-        for a in range(A):
-            for k in range(K):
-                p = min(int(anchors[l, a]) + 1 + k, ids.shape[1] - 1)  # label position (clamped like the module)
-                labels[l * A + a, k] = ids[l, p]
-                if p - 1 < n - 1:
-                    top_logp[l * A + a, k], top_ids[l * A + a, k] = logp[p - 1].topk(hp.soft_label_top_k)
-    soft_ids, probs = mix_soft_labels(labels, top_ids, top_logp, weight)
-    mask = valid.reshape(-1, 1).expand(-1, K)
-    ce = block_cross_entropy_reference(logits, soft_ids, label_mask=mask, label_probs=probs, gamma=hp.gamma)
-    return float(ce.detach())
 
 
 def soft_block_ce(module, batch) -> float:
@@ -437,41 +320,43 @@ def test_soft_labels_match_the_reference_from_a_plain_forward(target, vocab_samp
         assert abs(float(gated["loss_tok"]) - float(values["loss_tok"])) > 1e-3
 
 
-def test_soft_labels_are_kept_per_row_and_preloaded_rows_need_no_forward(target, monkeypatch):
+def with_top_logprobs(target, batch, k, *, from_response=False):
+    """``batch`` plus ``top_ids`` / ``top_logprobs`` as the feature store's collator gives them: the
+    target's top-k at every real position, or (``from_response``) over the response only, as the
+    regeneration keeps them."""
+    ids, logp = target.token_top_logprobs(batch["input_ids"], k)
+    pad = torch.arange(ids.shape[1]).unsqueeze(0) >= batch["lengths"].unsqueeze(1)  # (L, T)
+    if from_response:
+        pad |= ~batch["loss_mask"]
+    return {**batch, "top_ids": ids.masked_fill(pad.unsqueeze(-1), 0),
+            "top_logprobs": logp.masked_fill(pad.unsqueeze(-1), -torch.inf)}
+
+
+def test_soft_labels_from_the_batch_need_no_forward_and_match_the_target(target, monkeypatch):
     module = make_module(target, stage="pretrain", soft_label_weight=1.0, soft_label_top_k=4)
-    batch = {**batch_of(2, seed=7), "row_id": torch.tensor([11, 12])}
+    batch = batch_of(2, seed=7)
     with torch.no_grad():
-        first = soft_block_ce(module, batch)
-    assert sorted(module._top_cache) == [11, 12]
-    lengths = batch["lengths"].tolist()
-    kept_layout = [(module._top_cache[r][0], module._top_cache[r][1].shape) for r in (11, 12)]
-    assert kept_layout == [(0, (n, 4)) for n in lengths]
-    kept = dict(module._top_cache)
+        first = soft_block_ce(module, batch)  # no soft labels in the batch: one target forward
+    full, response = with_top_logprobs(target, batch, 4), with_top_logprobs(target, batch, 4, from_response=True)
+    other_width = with_top_logprobs(target, batch, 3)
+    calls = []
+    real = target.token_top_logprobs
 
-    # a second module given those rows (as the regeneration's) never asks the target, and agrees
-    other = make_module(target, stage="pretrain", soft_label_weight=1.0, soft_label_top_k=4)
-    other.preload_top_logprobs(kept)
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
 
-    def no_forward(*args, **kwargs):
-        raise AssertionError("the target ran over a row whose top log-probabilities were kept")
-
-    monkeypatch.setattr(target, "token_top_logprobs", no_forward)
+    monkeypatch.setattr(target, "token_top_logprobs", counting)
     with torch.no_grad():
-        again, module_again = soft_block_ce(other, batch), soft_block_ce(module, batch)
-    assert again == pytest.approx(first, rel=1e-6) and module_again == pytest.approx(first, rel=1e-6)
-    with pytest.raises(ValueError, match="soft_label_top_k=4"):
-        other.preload_top_logprobs({13: (0, torch.zeros(5, 3, dtype=torch.int32), torch.zeros(5, 3))})
-    # a row kept from its response on (as the regeneration keeps them) gives the same loss: prompts are never labels
-    n_prompt = [int(m.nonzero()[0]) for m in batch["loss_mask"]]
-    responses = {r: (p, kept[r][1][p:], kept[r][2][p:]) for r, p in zip((11, 12), n_prompt)}
-    third = make_module(target, stage="pretrain", soft_label_weight=1.0, soft_label_top_k=4)
-    third.preload_top_logprobs(responses)
+        again, from_response = soft_block_ce(module, full), soft_block_ce(module, response)
+    assert calls == [], "the target ran over a batch that carried its soft labels"
+    assert again == pytest.approx(first, rel=1e-6)
+    # kept from the response on (as the regeneration keeps them): the same loss, prompts are never labels
+    assert from_response == pytest.approx(first, rel=1e-6)
+    # soft labels of another width than soft_label_top_k are not used: the target computes its own
     with torch.no_grad():
-        assert soft_block_ce(third, batch) == pytest.approx(first, rel=1e-6)
-    short = {**batch, "row_id": torch.tensor([12, 11])}  # row ids swapped: lengths no longer match
-    assert lengths[0] != lengths[1]
-    with pytest.raises(ValueError, match="row_id"):
-        soft_block_ce(other, short)
+        assert soft_block_ce(module, other_width) == pytest.approx(first, rel=1e-6)
+    assert calls == [1]
 
 
 def test_token_top_logprobs_are_the_shifted_distributions(target):
