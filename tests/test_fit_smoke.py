@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from safetensors.torch import load_file
 
-from exittrain.cli import CONF_DIR, register_recipes
+from exittrain.configs import CONF_DIR, register_recipes
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 OVERRIDES = ["+recipe=code", "debug=smoke"]
