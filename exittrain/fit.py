@@ -47,6 +47,12 @@ __all__ = [
     "fit_datamodule",
     "prepare_data",
     "build_callbacks",
+    "build_module",
+    "FitRun",
+    "setup_run",
+    "train_stage",
+    "evaluate_held_out",
+    "finish_run",
 ]
 
 log = logging.getLogger("exittrain")
