@@ -1,20 +1,29 @@
-"""`python -m exittrain <command> [hydra overrides]`.
+"""`python -m exittrain <command> [args]`.
 
 Commands: ``fit`` (train a drafter, conf/fit.yaml), ``eval`` (decode held-out prompts,
 conf/eval.yaml), ``report`` (tables and plots from run directories), ``bench`` (benchmarks).
-Hydra would read a bare ``fit`` as an override, so the first word is rewritten into
-``--config-name=fit`` before Hydra starts; Lightning's DDP relaunch re-enters with that form.
-For ``eval``, ``drafter=PATH`` is rewritten into ``drafter_path=PATH``: conf/drafter/ is a
-config group (fit's drafter architecture), so Hydra would read ``drafter=...`` as a group choice.
+
+The Hydra commands (:data:`HYDRA_COMMANDS`) go through :mod:`exittrain.cli`. Hydra would read a
+bare ``fit`` as an override, so the first word is rewritten into ``--config-name=fit`` before
+Hydra starts; Lightning's DDP relaunch re-enters with that form. For ``eval``, ``drafter=PATH``
+is rewritten into ``drafter_path=PATH``: conf/drafter/ is a config group (fit's drafter
+architecture), so Hydra would read ``drafter=...`` as a group choice. The other commands
+(:data:`PLAIN_COMMANDS`) take their own arguments: ``"module:function"``, called with the rest
+of the command line.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 from exittrain.eval.bench import BENCHES  # a dict of module names: imports nothing heavy
 
 HYDRA_COMMANDS = ("fit", "eval")
+PLAIN_COMMANDS = {
+    "report": "exittrain.eval.report:main",
+    "bench": "exittrain.eval.bench:main",
+}
 USAGE = f"""usage: python -m exittrain {{fit,eval,report,bench}} [args]
 
   fit     train a drafter:         python -m exittrain fit +recipe=code [debug=smoke] [key=value ...]
@@ -24,22 +33,23 @@ USAGE = f"""usage: python -m exittrain {{fit,eval,report,bench}} [args]
 """
 
 
+def _hydra_argv(argv: list[str]) -> list[str]:
+    """The Hydra command line of ``<command> [overrides]``."""
+    rest = [f"--config-name={argv[0]}", *argv[1:]]
+    if argv[0] == "eval":
+        rest = [("drafter_path=" + a.removeprefix("drafter=")) if a.startswith("drafter=") else a for a in rest]
+    return rest
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0].startswith("--config-name"):  # a relaunched child process
         rest = argv
     elif argv and argv[0] in HYDRA_COMMANDS:
-        rest = [f"--config-name={argv[0]}", *argv[1:]]
-        if argv[0] == "eval":
-            rest = [("drafter_path=" + a.removeprefix("drafter=")) if a.startswith("drafter=") else a for a in rest]
-    elif argv and argv[0] == "report":
-        from exittrain.eval.report import main as report_main
-
-        return report_main(argv[1:])
-    elif argv and argv[0] == "bench":
-        from exittrain.eval.bench import main as bench_main
-
-        return bench_main(argv[1:])
+        rest = _hydra_argv(argv)
+    elif argv and argv[0] in PLAIN_COMMANDS:
+        module, name = PLAIN_COMMANDS[argv[0]].split(":")
+        return getattr(importlib.import_module(module), name)(argv[1:])
     else:
         sys.stderr.write(USAGE)
         raise SystemExit(2 if argv and argv[0] not in ("-h", "--help") else 0)

@@ -21,13 +21,14 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
-from hydra.utils import instantiate
 
-from exittrain import cli
+from exittrain import fit as fit_lib
+from exittrain.configs import CONF_DIR, RECIPES_DIR, register_recipes
 from exittrain.core import build_tree
 from exittrain.data.datamodule import ExitTrainDataModule
 from exittrain.data.regenerate import GenerationConfig, cache_path, chat_prompt_ids, read_meta, regenerate
 from exittrain.data.sources import load_domain, load_prompts
+from exittrain.eval.run_eval import run_eval
 from exittrain.lit import ExitTrainModule
 from exittrain.lit.module import check_module_args
 from exittrain.models import DrafterConfig, TargetModel, load_drafter, new_drafter
@@ -338,8 +339,8 @@ def test_tree_budget_below_one_is_an_error(budget):
 
 
 def compose_fit(*overrides: str):
-    cli.register_recipes()
-    with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
+    register_recipes()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("fit", overrides=["+recipe=code", *overrides])
 
 
@@ -360,23 +361,22 @@ def test_bad_config_values_fail_before_the_target_loads(monkeypatch, tmp_path, o
     """`fit` validates every stage's module arguments before loading the target or regenerating."""
     cfg = compose_fit(override, f"paths.output_dir={tmp_path}")
 
-    def no_instantiate(*args, **kwargs):
+    def no_target():
         raise AssertionError("fit built an object before validating the objective")
 
-    monkeypatch.setattr(cli, "instantiate", no_instantiate)
     with pytest.raises(ValueError) as err:
-        cli.run_fit(cfg)
+        fit_lib.fit(cfg, target=no_target)  # the target is the first object fit builds
     assert message in str(err.value)
 
 
-@pytest.mark.parametrize("recipe", sorted(p.stem for p in cli.RECIPES_DIR.glob("*.yaml")))
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
 @pytest.mark.parametrize("extra", [[], ["debug=smoke"]])
 def test_every_shipped_config_passes_the_early_check(recipe, extra):
     """The early check must not refuse a valid run: every recipe, with and without debug=smoke."""
-    cli.register_recipes()
-    with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
+    register_recipes()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("fit", overrides=[f"+recipe={recipe}", *extra])
-    assert cli._check_objective(cfg, list(cli.STAGE_ORDER)) is None  # a bad value would raise ValueError
+    assert fit_lib.check_objective(cfg, list(fit_lib.STAGE_ORDER)) is None  # a bad value would raise ValueError
 
 
 @pytest.mark.parametrize("eval_every, expect", [(None, 150), (20, 20), (0, 0)])
@@ -386,32 +386,27 @@ def test_stage_eval_every_sets_the_decode_check_and_the_checkpoint_interval(tmp_
     from exittrain.lit import DecodeEvalCallback
 
     cfg = compose_fit(f"paths.output_dir={tmp_path}")
-    callbacks = cli._build_callbacks(cfg, "exittrain", [[1, 2, 3]], tmp_path, eval_every)
+    callbacks = fit_lib.build_callbacks(cfg, "exittrain", [[1, 2, 3]], tmp_path, eval_every)
     decode = next(c for c in callbacks if isinstance(c, DecodeEvalCallback))
     ckpt = next(c for c in callbacks if isinstance(c, ModelCheckpoint))
     assert decode.every_n_steps == expect and ckpt._every_n_train_steps == expect
-    assert cli.module_overrides(cfg, "exittrain") == {"lr": 3.0e-4, "anchors_per_seq": 8}  # not eval_every
+    assert fit_lib.module_overrides(cfg, "exittrain") == {"lr": 3.0e-4, "anchors_per_seq": 8}  # not eval_every
 
 
-def test_bad_drafter_settings_fail_before_the_regeneration(monkeypatch, tmp_path, target):
+def test_bad_drafter_settings_fail_before_the_regeneration(tmp_path, target):
     """`fit drafter.block_size=1` stops as soon as the target is there, before any data work."""
-    cfg = compose_fit("drafter.block_size=1", f"paths.output_dir={tmp_path}")
+    cache = tmp_path / "cache"
+    cfg = compose_fit("drafter.block_size=1", f"paths.output_dir={tmp_path / 'run'}", f"paths.cache_dir={cache}")
     built = []
 
-    def instantiate_spy(node, *args, **kwargs):
-        built.append(node._target_)
-        if node._target_ == "exittrain.models.load_target":
-            return target  # the tiny target stands in for the embedded one
-        return instantiate(node, *args, **kwargs)
+    def tiny_target():
+        built.append("target")
+        return target  # the tiny target stands in for the embedded one
 
-    def no_data(*args, **kwargs):
-        raise AssertionError("fit started the data step before building the drafter")
-
-    monkeypatch.setattr(cli, "instantiate", instantiate_spy)
-    monkeypatch.setattr(cli, "_prepare_data", no_data)
     with pytest.raises(ValueError, match=r"block_size=1: need an int >= 2 .*set block_size to K \+ 1"):
-        cli.run_fit(cfg)
-    assert built == ["exittrain.models.load_target", "exittrain.models.new_drafter"]
+        fit_lib.fit(cfg, target=tiny_target)
+    assert built == ["target"]
+    assert not cache.exists(), "fit started the data step before building the drafter"
 
 
 @pytest.mark.parametrize(
@@ -426,8 +421,8 @@ def test_bad_drafter_settings_fail_before_the_regeneration(monkeypatch, tmp_path
 )
 def test_unknown_recipe_group_option_or_key_is_a_composition_error(override, message):
     """Hydra names the group and lists its options; tests/test_cli.py checks the non-zero exit of the CLI."""
-    cli.register_recipes()
-    with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
+    register_recipes()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         with pytest.raises(ConfigCompositionException, match=message):
             compose("fit", overrides=[override])
 
@@ -516,7 +511,7 @@ def ckpt_config(path, tmp_path):
 
 def test_a_good_checkpoint_resumes_its_stage(tmp_path, last_ckpt):
     """The control for the corrupt cases below: the intact file resumes the stage it recorded."""
-    assert cli._stages_to_run(ckpt_config(last_ckpt, tmp_path)) == ["exittrain"]
+    assert fit_lib.plan_stages(ckpt_config(last_ckpt, tmp_path)) == ["exittrain"]
 
 
 def _truncated_half(data: bytes) -> bytes:
@@ -548,7 +543,7 @@ def test_corrupt_ckpt_path_names_the_file_the_fault_and_the_fix(tmp_path, last_c
     bad = tmp_path / "bad.ckpt"
     bad.write_bytes(make(last_ckpt.read_bytes()))
     with pytest.raises(ValueError) as err:
-        cli._stages_to_run(ckpt_config(bad, tmp_path))
+        fit_lib.plan_stages(ckpt_config(bad, tmp_path))
     message = str(err.value)
     assert message.startswith(f"ckpt_path checkpoint {bad} {fault}"), message
     assert CKPT_FIX in message and "or leave ckpt_path unset to re-run the stage from its start" in message
@@ -564,7 +559,7 @@ def test_ckpt_path_that_is_missing_a_folder_or_not_a_dict(tmp_path, kind):
         torch.save(torch.zeros(3), path)  # loads safely, but is no Lightning checkpoint
     fault = {"missing": "does not exist", "folder": "is a folder, not a file", "tensor": "holds a Tensor, not a"}[kind]
     with pytest.raises(ValueError) as err:
-        cli._stages_to_run(ckpt_config(path, tmp_path))
+        fit_lib.plan_stages(ckpt_config(path, tmp_path))
     message = str(err.value)
     assert message.startswith(f"ckpt_path checkpoint {path} {fault}"), message
     assert CKPT_FIX in message
@@ -575,12 +570,11 @@ def test_a_corrupt_ckpt_path_fails_before_the_target_loads(monkeypatch, tmp_path
     bad = tmp_path / "torn.ckpt"
     bad.write_bytes(_truncated_tail(last_ckpt.read_bytes()))
 
-    def no_instantiate(*args, **kwargs):
+    def no_target():
         raise AssertionError("fit built an object before checking ckpt_path")
 
-    monkeypatch.setattr(cli, "instantiate", no_instantiate)
     with pytest.raises(ValueError, match=r"ckpt_path checkpoint .*torn\.ckpt is corrupt or truncated"):
-        cli.run_fit(ckpt_config(bad, tmp_path))
+        fit_lib.fit(ckpt_config(bad, tmp_path), target=no_target)
 
 
 def test_drafter_from_a_corrupt_checkpoint_names_the_file_and_the_fix(tmp_path, target, last_ckpt):
@@ -671,7 +665,7 @@ def test_a_local_warm_start_that_is_no_drafter_folder_fails_before_the_target_lo
     elif kind == "a file":
         path.write_text("not a drafter")
     with pytest.raises(ValueError) as err:
-        cli._stages_to_run(compose_fit(f"warm_start={path}", f"paths.output_dir={tmp_path}"))
+        fit_lib.plan_stages(compose_fit(f"warm_start={path}", f"paths.output_dir={tmp_path}"))
     what = "does not exist" if kind == "missing" else "is not a saved drafter folder (no config.json in it)"
     assert str(err.value) == (
         f"warm_start={path} {what}: pass RUN_DIR/warmstart_drafter or RUN_DIR/drafter of an earlier fit run"
@@ -680,15 +674,18 @@ def test_a_local_warm_start_that_is_no_drafter_folder_fails_before_the_target_lo
 
 def test_a_hub_id_as_warm_start_is_left_to_the_loader(tmp_path):
     cfg = compose_fit("warm_start=some-org/some-drafter", f"paths.output_dir={tmp_path}")
-    assert cli._stages_to_run(cfg) == ["exittrain"]
+    assert fit_lib.plan_stages(cfg) == ["exittrain"]
 
 
 def test_eval_of_a_folder_that_is_no_drafter_names_it_before_the_target_loads(tmp_path):
-    cli.register_recipes()
-    with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
+    register_recipes()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("eval", overrides=["+recipe=code", f"drafter_path={tmp_path}", f"paths.output_dir={tmp_path}"])
+    def no_target():
+        raise AssertionError("eval loaded the target before checking the drafter folder")
+
     with pytest.raises(ValueError) as err:
-        cli.run_eval(cfg)
+        run_eval(cfg, target=no_target)
     assert str(err.value) == (
         f"drafter={tmp_path} is not a saved drafter folder (no config.json in it): "
         "pass drafter=RUN_DIR/drafter of a fit run"

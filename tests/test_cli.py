@@ -8,7 +8,7 @@ import torch
 import yaml
 from hydra import compose, initialize_config_dir
 
-from exittrain.cli import CONF_DIR, RECIPES_DIR, register_recipes
+from exittrain.configs import CONF_DIR, RECIPES_DIR, register_recipes
 from exittrain.eval.bench import BENCHES
 
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
@@ -22,7 +22,7 @@ def test_all_three_recipes_exist():
     assert RECIPES == ["code", "dialogue", "math"]
 
 
-# a subprocess each (~5 s of imports): the fast tier types one recipe, the slow tier the other two;
+# a subprocess each (the imports dominate): the fast tier types one recipe, the slow tier the other two;
 # test_debug_smoke_wins_over_every_recipe composes all three in process
 @pytest.mark.parametrize("recipe", [r if r == "code" else pytest.param(r, marks=pytest.mark.slow) for r in RECIPES])
 def test_recipe_resolves_as_typed_on_the_command_line(recipe):
@@ -91,3 +91,20 @@ def test_gpu_targets_load_on_the_rank_s_own_gpu(monkeypatch, target, env, device
         cfg = compose("fit", overrides=["+recipe=code", f"target={target}", "target.name_or_path=org/model"])
     assert cfg.target.device == device
     assert torch.device(cfg.target.device).index == int(device[-1])  # what load_target's model.to() gets
+
+
+def test_every_hydra_command_has_its_config_and_its_library_function():
+    """__main__'s Hydra words, cli's dispatch table and conf/<command>.yaml agree; each target is a function."""
+    import importlib
+
+    from exittrain import cli
+    from exittrain.__main__ import HYDRA_COMMANDS, PLAIN_COMMANDS
+
+    assert set(HYDRA_COMMANDS) == set(cli.COMMANDS) and not set(HYDRA_COMMANDS) & set(PLAIN_COMMANDS)
+    for where in {**cli.COMMANDS, **PLAIN_COMMANDS}.values():
+        module, name = where.split(":")
+        assert callable(getattr(importlib.import_module(module), name)), where
+    for command in HYDRA_COMMANDS:
+        assert (CONF_DIR / f"{command}.yaml").is_file(), command
+    with pytest.raises(ValueError, match=r"unknown command config 'train'; use one of \['eval', 'fit'\]"):
+        cli.run_command("train", None)

@@ -1,11 +1,12 @@
 """`fit` on a process that is not global rank 0 trains and leaves the rest to rank 0, which
 regenerates the data, evaluates and writes every file.
 
-tests/lit/test_ddp.py runs two processes but builds its own trainer, not ``run_fit``. These tests
+tests/lit/test_ddp.py runs two processes but builds its own trainer, not ``fit``. These tests
 instead set Lightning's ``rank_zero_only.rank``, the rank that
-``exittrain.cli`` and Lightning's loggers read, in one CPU process. Lightning changes it only
+``exittrain.fit`` and Lightning's loggers read, in one CPU process. Lightning changes it only
 when a multi-process strategy builds its world; the single-device trainer used here leaves it
-alone, so the whole of ``run_fit`` runs as rank 1 would. Everything is tiny and offline.
+alone, so the whole of ``fit`` runs as rank 1 would. The tiny target is passed to ``fit``.
+Everything is tiny and offline.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from lightning.pytorch.utilities import rank_zero_only
 
-from exittrain import cli
+from exittrain.configs import CONF_DIR, register_recipes
+from exittrain.fit import fit, prepare_data
+from exittrain.lit.run_logging import close_logger, make_logger
 from exittrain.models import TargetModel
 from tests.models.helpers import VOCAB, tiny_target
 
@@ -42,7 +45,7 @@ def one_thread():
 
 @pytest.fixture()
 def rank(monkeypatch):
-    """Set this process's global rank as Lightning (and exittrain.cli) see it; restored afterwards."""
+    """Set this process's global rank as Lightning (and exittrain.fit) see it; restored afterwards."""
 
     def set_rank(value: int) -> None:
         monkeypatch.setattr(rank_zero_only, "rank", value)
@@ -61,12 +64,12 @@ def test_wandb_logger_is_not_configured_on_ranks_above_zero(rank, tmp_path, monk
     monkeypatch.setenv("WANDB_MODE", "offline")
     rank(1)
     cfg = _compose("logger=wandb", f"paths.output_dir={tmp_path}")
-    logger = cli._make_logger(cfg, "code-pretrain")
+    logger = make_logger(cfg, "code-pretrain")
     try:
         assert type(logger).__name__ == "WandbLogger"
         assert wandb.run is None, "a rank above 0 started a W&B run"
     finally:
-        cli._close_logger(logger)
+        close_logger(logger)
     assert not (tmp_path / "wandb").exists()
 
 
@@ -75,7 +78,7 @@ def test_wandb_logger_is_not_configured_on_ranks_above_zero(rank, tmp_path, monk
 
 
 class FakeData:
-    """What cli._prepare_data uses of the DataModule: prepare_data() and cache_path."""
+    """What fit.prepare_data uses of the DataModule: prepare_data() and cache_path."""
 
     def __init__(self, path: Path):
         self.cache_path = path
@@ -89,7 +92,7 @@ class FakeData:
 def test_rank_zero_regenerates(rank, tmp_path):
     rank(0)
     data = FakeData(tmp_path / "entry")
-    cli._prepare_data(data, wait_s=0)
+    prepare_data(data, wait_s=0)
     assert data.prepared == 1
 
 
@@ -99,7 +102,7 @@ def test_other_ranks_wait_for_the_complete_entry(rank, tmp_path):
     timer = threading.Timer(0.3, data.cache_path.mkdir)  # "rank 0" finishes a moment later
     timer.start()
     try:
-        cli._prepare_data(data, wait_s=30, poll_s=0.02)
+        prepare_data(data, wait_s=30, poll_s=0.02)
     finally:
         timer.cancel()
     assert data.prepared == 0 and data.cache_path.is_dir()
@@ -109,17 +112,17 @@ def test_other_ranks_give_up_with_a_clear_error(rank, tmp_path):
     rank(2)
     data = FakeData(tmp_path / "entry")
     with pytest.raises(TimeoutError, match=r"rank 2: no regenerated data at .*entry after data_wait_s=0.05 s"):
-        cli._prepare_data(data, wait_s=0.05, poll_s=0.01)
+        prepare_data(data, wait_s=0.05, poll_s=0.01)
     assert data.prepared == 0
 
 
 # ----------------------------------------------------------------------------------------------
-# run_fit end to end as rank 1
+# fit end to end as rank 1
 
 
 def _compose(*overrides: str):
-    cli.register_recipes()
-    with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
+    register_recipes()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("fit", overrides=["+recipe=code", "debug=smoke", *overrides])
 
 
@@ -153,8 +156,8 @@ def _sources(tmp_path: Path) -> tuple[str, str]:
     return f"data.train_sources=[jsonl:{train}:text]", f"data.eval_sources=[jsonl:{evals}:text]"
 
 
-def _tiny_fit(tmp_path: Path, monkeypatch):
-    """A fit config of a few steps on a tiny target (swapped in for load_target); returns (cfg, target)."""
+def _tiny_fit(tmp_path: Path):
+    """A fit config of a few steps, and the tiny target to pass to ``fit``: returns (cfg, target)."""
     cfg = _compose(
         *_sources(tmp_path),
         f"paths.output_dir={tmp_path / 'run'}",
@@ -176,23 +179,14 @@ def _tiny_fit(tmp_path: Path, monkeypatch):
         "drafter.block_size=3",
         "data_wait_s=0",
     )
-    target = _word_target()
-    real_instantiate = cli.instantiate
-
-    def instantiate(node, *args, **kwargs):
-        if node.get("_target_") == "exittrain.models.load_target":
-            return target
-        return real_instantiate(node, *args, **kwargs)
-
-    monkeypatch.setattr(cli, "instantiate", instantiate)
-    return cfg, target
+    return cfg, _word_target()
 
 
 RANK_ZERO_FILES = ("eval_warm_start.json", "eval_exittrain.json", "tree_example.json", "metrics.json", "drafter")
 
 
-def test_run_fit_on_rank_zero_regenerates_evaluates_and_writes(rank, tmp_path, monkeypatch):
-    cfg, _ = _tiny_fit(tmp_path, monkeypatch)
+def test_fit_on_rank_zero_regenerates_evaluates_and_writes(rank, tmp_path, monkeypatch):
+    cfg, target = _tiny_fit(tmp_path)
     from exittrain.eval import decode_eval
 
     baselines = []
@@ -204,7 +198,7 @@ def test_run_fit_on_rank_zero_regenerates_evaluates_and_writes(rank, tmp_path, m
 
     monkeypatch.setattr(decode_eval, "autoregressive_generate", counting_ar)
     rank(0)
-    summary = cli.run_fit(cfg)
+    summary = fit(cfg, target=target)
     assert set(summary["tables"]) == {"warm_start", "exittrain"}
     for name in RANK_ZERO_FILES:
         assert (tmp_path / "run" / name).exists(), name
@@ -214,8 +208,8 @@ def test_run_fit_on_rank_zero_regenerates_evaluates_and_writes(rank, tmp_path, m
     assert ar["warm_start"] == ar["exittrain"]
 
 
-def test_run_fit_on_rank_one_trains_and_leaves_evaluation_and_files_to_rank_zero(rank, tmp_path, monkeypatch):
-    cfg, target = _tiny_fit(tmp_path, monkeypatch)
+def test_fit_on_rank_one_trains_and_leaves_evaluation_and_files_to_rank_zero(rank, tmp_path, monkeypatch):
+    cfg, target = _tiny_fit(tmp_path)
 
     def rank_zero_only_work(*args, **kwargs):
         raise AssertionError("rank 1 ran rank 0's evaluation or export")
@@ -226,7 +220,7 @@ def test_run_fit_on_rank_one_trains_and_leaves_evaluation_and_files_to_rank_zero
 
     # an empty cache: rank 1 never regenerates, it waits (here 0 s) for rank 0 and says so
     with pytest.raises(TimeoutError, match="global rank 0 writes it"):
-        cli.run_fit(cfg)
+        fit(cfg, target=target)
     assert not list((tmp_path / "cache").rglob("*")), "rank 1 wrote to the regeneration cache"
 
     # rank 0's regeneration, then rank 1's whole fit
@@ -234,7 +228,7 @@ def test_run_fit_on_rank_one_trains_and_leaves_evaluation_and_files_to_rank_zero
         target=lambda: (target.model, target.tokenizer), tokenizer=target.tokenizer, target_name=target.name
     )
     datamodule.prepare_data()
-    summary = cli.run_fit(cfg)
+    summary = fit(cfg, target=target)
 
     assert summary["stages"] == ["pretrain", "exittrain"] and summary["tables"] == {}
     assert summary["exittrain_metrics"]["train/loss_tok"] > 0
@@ -246,7 +240,7 @@ def test_run_fit_on_rank_one_trains_and_leaves_evaluation_and_files_to_rank_zero
 def test_an_entry_without_features_has_every_stage_compute_them(rank, tmp_path, monkeypatch, caplog):
     """A cache entry regenerated without feature_layers keeps no features: the DataModule says so, and
     every step of both stages has the target compute its rows' features (nothing is kept between steps)."""
-    cfg, target = _tiny_fit(tmp_path, monkeypatch)
+    cfg, target = _tiny_fit(tmp_path)
     cfg.stages.pretrain.max_steps = 8  # several epochs over the few rows
     cfg.stages.exittrain.max_steps = 2
     rank(0)
@@ -254,7 +248,7 @@ def test_an_entry_without_features_has_every_stage_compute_them(rank, tmp_path, 
         target=lambda: (target.model, target.tokenizer), tokenizer=target.tokenizer, target_name=target.name
     ).prepare_data()
     with caplog.at_level("WARNING", logger="exittrain.data.datamodule"):
-        cli.run_fit(cfg)
+        fit(cfg, target=target)
     assert "keeps no target features of layers" in caplog.text
     pretrain = json.loads((tmp_path / "run" / "metrics_pretrain.json").read_text())["final"]
     exittrain = json.loads((tmp_path / "run" / "metrics_exittrain.json").read_text())["final"]
@@ -265,7 +259,7 @@ def test_an_entry_without_features_has_every_stage_compute_them(rank, tmp_path, 
 def test_fit_trains_on_the_features_kept_by_the_regeneration(rank, tmp_path, monkeypatch):
     """A fresh regeneration keeps the drafter's target features and the soft labels' top-k
     log-probabilities: no stage runs the target over a row."""
-    cfg, target = _tiny_fit(tmp_path, monkeypatch)
+    cfg, target = _tiny_fit(tmp_path)
     assert cfg.objective.soft_label_weight > 0  # the defaults train on soft labels
 
     def no_forward(*args, **kwargs):
@@ -274,7 +268,7 @@ def test_fit_trains_on_the_features_kept_by_the_regeneration(rank, tmp_path, mon
     monkeypatch.setattr(target, "sequence_features", no_forward)
     monkeypatch.setattr(target, "token_top_logprobs", no_forward)
     rank(0)
-    summary = cli.run_fit(cfg)
+    summary = fit(cfg, target=target)
     assert summary["pretrain_metrics"]["train/feature_rows_computed"] == 0
     assert summary["exittrain_metrics"]["train/feature_rows_computed"] == 0
     assert summary["exittrain_metrics"]["train/loss_exit"] > 0

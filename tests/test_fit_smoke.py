@@ -1,14 +1,19 @@
 """`python -m exittrain fit +recipe=code debug=smoke` end to end on the embedded SmolLM2 target.
 
-Slow tier (a subprocess fit of both stages, 1-3 min on 2 cores): tests/decoding/test_real_model.py
-is the fast tier's real-model test.
+Slow tier (a subprocess fit of both stages each): tests/decoding/test_real_model.py is the fast
+tier's real-model test. The second test runs the same fit from a non-editable install of the
+wheel in a fresh virtual environment, outside any checkout.
 """
 
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
+import venv
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +21,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from safetensors.torch import load_file
 
-from exittrain.cli import CONF_DIR, register_recipes
+from exittrain.configs import CONF_DIR, register_recipes
+from tests.test_packaging import REPO, copy_sources
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 OVERRIDES = ["+recipe=code", "debug=smoke"]
@@ -91,3 +97,41 @@ def test_fit_smoke_on_the_embedded_target(tmp_path):
     assert list((run_dir / "checkpoints").rglob("*.ckpt"))
     assert list((run_dir / "wandb").glob("offline-run-*"))
     assert "Held-out decoding" in proc.stdout
+
+
+def test_the_installed_wheel_runs_the_smoke_fit_without_a_checkout(tmp_path):
+    """`pip install .` (not editable) into a fresh venv, then the smoke fit from a folder outside the checkout.
+
+    Offline: the venv has no packages of its own but this one (the dependencies come from the running
+    environment through a .pth file, which processes no .pth of its own, so its editable exittrain stays
+    out), and pip builds with the running environment's setuptools (no build isolation)."""
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=False)
+    python = env_dir / "bin" / "python"
+    site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    (site / "running-environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    src = copy_sources(tmp_path / "src")
+    install = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                              str(src)], capture_output=True, text=True, timeout=600)
+    assert install.returncode == 0, install.stdout + install.stderr
+    shutil.rmtree(src)  # nothing of the sources is left to find
+
+    away = tmp_path / "elsewhere"
+    away.mkdir()
+    where = subprocess.run([python, "-c", "import exittrain, exittrain.configs as c; print(exittrain.__file__); "
+                            "print(c.CONF_DIR)"], capture_output=True, text=True, cwd=away, check=True)
+    package, conf = map(Path, where.stdout.split())
+    assert package.is_relative_to(site) and conf == package.parent / "conf", where.stdout
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path),
+           "EXITTRAIN_CACHE": str(REPO / "data" / "cache")}  # the other smoke test's regeneration, when it ran
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([python, "-m", "exittrain", "fit", *OVERRIDES, f"hydra.run.dir={run_dir}"],
+                          capture_output=True, text=True, timeout=1200, env=env, cwd=away)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["stages"] == ["pretrain", "exittrain"] and set(metrics["tables"]) == {"warm_start", "exittrain"}
+    assert (run_dir / "drafter" / "config.json").is_file() and (run_dir / ".hydra" / "config.yaml").is_file()
+    assert not list(away.iterdir()), "the run wrote into the working folder instead of its run directory"

@@ -135,16 +135,16 @@ def test_interactive_asks_stdout_and_survives_odd_streams(monkeypatch, tmp_path)
 def test_fit_callbacks_use_the_bar_on_a_terminal_and_log_lines_otherwise(monkeypatch, tmp_path, tty):
     from lightning.pytorch.callbacks import ProgressBar
 
-    from exittrain.cli import _build_callbacks
+    from exittrain.fit import build_callbacks
     from exittrain.lit import ProgressLogCallback
 
     monkeypatch.setattr(progress, "interactive", lambda stream=None: tty)
     cfg = OmegaConf.create({"callbacks": {}, "trainer": {}})
-    kinds = [type(cb) for cb in _build_callbacks(cfg, "pretrain", [], tmp_path)]
+    kinds = [type(cb) for cb in build_callbacks(cfg, "pretrain", [], tmp_path)]
     assert any(issubclass(k, ProgressBar) for k in kinds) is tty
     assert (ProgressLogCallback in kinds) is not tty
     off = OmegaConf.create({"callbacks": {}, "trainer": {"enable_progress_bar": False}})
-    kinds = [type(cb) for cb in _build_callbacks(off, "pretrain", [], tmp_path)]
+    kinds = [type(cb) for cb in build_callbacks(off, "pretrain", [], tmp_path)]
     assert not any(issubclass(k, (ProgressBar, ProgressLogCallback)) for k in kinds), "switched off: no progress"
 
 

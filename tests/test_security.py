@@ -30,8 +30,10 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import OmegaConf, open_dict
 
 import exittrain
-from exittrain import cli
+from exittrain import configs
+from exittrain.fit import plan_stages
 from exittrain.lit import ExportDrafterCallback, MetricsFileCallback, save_drafter
+from exittrain.lit.run_logging import close_logger, make_logger
 from exittrain.models import load_drafter, load_target, new_drafter
 from tests.lit.helpers import loader, make_module
 from tests.lit.helpers import trainer as make_trainer
@@ -189,11 +191,11 @@ def test_torch_own_refusal_advises_the_unsafe_retry(tmp_path):
 def test_ckpt_path_pickling_a_class_is_refused_in_our_words(tmp_path):
     path = tmp_path / "smuggled.ckpt"
     torch.save({"hyper_parameters": {"stage": "exittrain"}, "state_dict": {}, "x": Smuggled()}, path)
-    cli.register_recipes()
-    with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
+    configs.register_recipes()
+    with initialize_config_dir(config_dir=str(configs.CONF_DIR), version_base="1.3"):
         cfg = compose("fit", overrides=["+recipe=code", f"ckpt_path={path}", f"paths.output_dir={tmp_path}"])
     with pytest.raises(ValueError) as err:
-        cli._stages_to_run(cfg)
+        plan_stages(cfg)
     assert_refused_in_our_words(err, path, "tests.test_security.Smuggled")
     assert str(err.value).startswith(f"ckpt_path checkpoint {path} holds objects")
     assert "point ckpt_path at another checkpoint written by exittrain" in str(err.value)
@@ -222,7 +224,7 @@ def test_load_target_defaults_to_no_remote_code():
     import inspect
 
     assert inspect.signature(load_target).parameters["trust_remote_code"].default is False
-    for path in sorted((cli.CONF_DIR / "target").glob("*.yaml")):
+    for path in sorted((configs.CONF_DIR / "target").glob("*.yaml")):
         assert yaml.safe_load(path.read_text())["trust_remote_code"] is False, path
 
 
@@ -326,8 +328,8 @@ ALLOWED_TARGETS = ("exittrain.", "lightning.")
 
 
 def test_repository_configs_instantiate_only_exittrain_and_lightning():
-    files = sorted(cli.CONF_DIR.rglob("*.yaml")) + sorted(cli.RECIPES_DIR.glob("*.yaml"))
-    found = {str(p.relative_to(cli.REPO_ROOT)): _targets(yaml.safe_load(p.read_text())) for p in files}
+    files = sorted(configs.CONF_DIR.rglob("*.yaml")) + sorted(configs.RECIPES_DIR.glob("*.yaml"))
+    found = {str(p.relative_to(configs.CONF_DIR.parent)): _targets(yaml.safe_load(p.read_text())) for p in files}
     targets = [t for ts in found.values() for t in ts]
     assert "exittrain.lit.ExitTrainModule" in targets and "exittrain.models.load_target" in targets
     bad = {f: outside for f, ts in found.items() if (outside := [t for t in ts if not t.startswith(ALLOWED_TARGETS)])}
@@ -364,8 +366,8 @@ def composed_fit_config(monkeypatch, tmp_path):
     for key, value in SECRETS.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("EXITTRAIN_CACHE", str(tmp_path / "cache"))  # the one env value the config reads
-    cli.register_recipes()
-    with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
+    configs.register_recipes()
+    with initialize_config_dir(config_dir=str(configs.CONF_DIR), version_base="1.3"):
         cfg = compose("fit", overrides=["+recipe=code", f"paths.output_dir={tmp_path}"], return_hydra_config=True)
     hydra_yaml = OmegaConf.to_yaml(cfg.hydra)  # Hydra saves it apart, as .hydra/hydra.yaml
     HydraConfig.instance().set_config(cfg)
@@ -394,11 +396,11 @@ def test_wandb_offline_run_files_hold_no_environment_secrets(monkeypatch, tmp_pa
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     with composed_fit_config(monkeypatch, tmp_path) as (cfg, _):
-        logger = cli._make_logger(cfg, "secrets-check")
+        logger = make_logger(cfg, "secrets-check")
         try:
             make_trainer(2, logger=logger).fit(make_module(target, stage="pretrain"), loader(4))
         finally:
-            cli._close_logger(logger)
+            close_logger(logger)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(p.suffix == ".wandb" for p in runs[0].iterdir()), runs
     assert files_containing(tmp_path / "wandb", ["exittrain"]), "the scan must see the run's own config"
@@ -414,7 +416,7 @@ def test_fit_outputs_hold_no_environment_secrets(monkeypatch, tmp_path, target):
     callbacks = [
         ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True),
         ExportDrafterCallback(tmp_path, name="drafter"),
-        MetricsFileCallback(tmp_path / "metrics_exittrain.json"),
+        MetricsFileCallback(tmp_path, "exittrain"),
     ]
     trainer = make_trainer(2, callbacks=callbacks, logger=CSVLogger(tmp_path / "logs"), checkpointing=True)
     trainer.fit(module, loader(4))

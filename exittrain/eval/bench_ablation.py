@@ -109,7 +109,7 @@ def compose_fit_config(domain: str, out: Path, overrides: Sequence[str] = ()):
     """The fit config of ``+recipe=<domain>`` as ``fit`` would compose it, with paths set for a bench."""
     from hydra import compose, initialize_config_dir
 
-    from exittrain.cli import CONF_DIR, register_recipes
+    from exittrain.configs import CONF_DIR, register_recipes
 
     cache = os.environ.get("EXITTRAIN_CACHE", str(Path.cwd() / "data" / "cache"))
     register_recipes()
@@ -125,7 +125,7 @@ def stage_args(cfg, settings: Settings) -> tuple[dict, dict]:
     """The module arguments ``fit`` would give its stages (``stages.<stage>`` without the stage's own
     keys), adapted to the bench: ``(warm start, arms)``. The warm start scores no trees; every arm
     (the control included) uses the ExitTrain stage's lr with ``settings.arm_anchors`` anchors."""
-    from exittrain.cli import module_overrides
+    from exittrain.fit import module_overrides
 
     pre = {**module_overrides(cfg, "pretrain"), "analytic_every": 0}  # the arms are measured after training
     arms = {**module_overrides(cfg, "exittrain"), "anchors_per_seq": settings.arm_anchors}
@@ -297,8 +297,8 @@ def run_domain(domain: str, settings: Settings, out: Path, target=None) -> tuple
     """
     from hydra.utils import instantiate
 
-    from exittrain.cli import fit_datamodule
     from exittrain.eval.decode_eval import evaluate_prompts, summarize
+    from exittrain.fit import fit_datamodule
     from exittrain.lit import save_drafter
     from exittrain.models import load_drafter
     from exittrain.models.drafter import default_layer_ids

@@ -25,6 +25,7 @@ import torch
 from exittrain.core import build_tree, build_tree_reference, exit_law, exit_law_reference
 from exittrain.core.verify import verify_predraw, verify_sequential, verify_tev
 from exittrain.eval.bench import write_results
+from exittrain.tables import markdown_table
 
 
 def median_seconds(fn, repeats: int, warmup: int = 1, sync=lambda: None) -> float:
@@ -129,23 +130,26 @@ def run(quick: bool, device: str) -> dict:
 
 def to_markdown(rows: dict, meta: dict) -> str:
     out = [f"# Core micro-benchmarks ({meta['device']}, torch {meta['torch']}, {meta['threads']} threads)", ""]
-    out += ["## Tree construction (K = 15, V = 49152)", "",
-            "| N | B | batched (ms) | heap (ms) | heap / batched |", "|---|---|---|---|---|"]
-    out += [f"| {r['N']} | {r['B']} | {r['batched_ms']:.2f} | {r['heap_ms']:.2f} | {r['speedup']:.2f}x |"
-            for r in rows["tree"]]
+    out += ["## Tree construction (K = 15, V = 49152)", ""]
+    out += markdown_table(
+        ["N", "B", "batched (ms)", "heap (ms)", "heap / batched"],
+        ([r["N"], r["B"], f"{r['batched_ms']:.2f}", f"{r['heap_ms']:.2f}", f"{r['speedup']:.2f}x"]
+         for r in rows["tree"]),
+    )
     r = rows["exit_law"][0]
-    out += ["", f"## Exit law (N = {r['N']}, B = {r['B']}, V = {r['V']})", "",
-            "| vectorised (ms) | per-anchor loop (ms) | node loop (ms, from 16 trees) | vs per-anchor | vs node loop |",
-            "|---|---|---|---|---|",
-            f"| {r['vectorised_ms']:.2f} | {r['per_anchor_loop_ms']:.1f} | {r['node_loop_ms']:.0f} | "
-            f"{r['speedup_vs_per_anchor']:.1f}x | {r['speedup_vs_node_loop']:.0f}x |"]
-    out += ["", "## Verifier decision (B = 64, V = 49152, temperature 1)", "",
-            "| N | TEV (ms) | sequential (ms) | predraw (ms) | sequential / TEV | predraw / TEV | mean block length |",
-            "|---|---|---|---|---|---|---|"]
-    for r in rows["verify"]:
-        lengths = ", ".join(f"{k} {v:.2f}" for k, v in r["mean_block_length"].items())
-        out.append(f"| {r['N']} | {r['tev_ms']:.2f} | {r['sequential_ms']:.2f} | {r['predraw_ms']:.2f} | "
-                   f"{r['sequential_over_tev']:.2f}x | {r['predraw_over_tev']:.2f}x | {lengths} |")
+    out += ["", f"## Exit law (N = {r['N']}, B = {r['B']}, V = {r['V']})", ""]
+    out += markdown_table(
+        ["vectorised (ms)", "per-anchor loop (ms)", "node loop (ms, from 16 trees)", "vs per-anchor", "vs node loop"],
+        [[f"{r['vectorised_ms']:.2f}", f"{r['per_anchor_loop_ms']:.1f}", f"{r['node_loop_ms']:.0f}",
+          f"{r['speedup_vs_per_anchor']:.1f}x", f"{r['speedup_vs_node_loop']:.0f}x"]],
+    )
+    out += ["", "## Verifier decision (B = 64, V = 49152, temperature 1)", ""]
+    out += markdown_table(
+        ["N", "TEV (ms)", "sequential (ms)", "predraw (ms)", "sequential / TEV", "predraw / TEV", "mean block length"],
+        ([r["N"], f"{r['tev_ms']:.2f}", f"{r['sequential_ms']:.2f}", f"{r['predraw_ms']:.2f}",
+          f"{r['sequential_over_tev']:.2f}x", f"{r['predraw_over_tev']:.2f}x",
+          ", ".join(f"{k} {v:.2f}" for k, v in r["mean_block_length"].items())] for r in rows["verify"]),
+    )
     return "\n".join(out) + "\n"
 
 

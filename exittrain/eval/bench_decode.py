@@ -20,6 +20,7 @@ from exittrain.data import chat_prompt_ids, load_domain
 from exittrain.decoding import STAGES, SpeculativeDecoder, autoregressive_generate
 from exittrain.eval.bench import write_results
 from exittrain.models import load_drafter, load_target, new_drafter
+from exittrain.tables import markdown_table
 
 
 def run(drafter_path: str | None, budgets: list[int], n_prompts: int, new_tokens: int, domain: str) -> dict:
@@ -56,22 +57,19 @@ def run(drafter_path: str | None, budgets: list[int], n_prompts: int, new_tokens
 
 
 def to_markdown(result: dict) -> str:
+    rows = (
+        [r["budget"], f"{r['tau']:.2f}", f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x", f"{r['ms_per_round']:.1f}",
+         *(f"{r['stage_ms_per_round'][s]:.1f}" for s in STAGES), f"{100 * r['overhead_share']:.1f}%", r["lossless"]]
+        for r in result["rows"]
+    )
     lines = [
         f"Decoding on the embedded SmolLM2-135M-Instruct, CPU, {result['threads']} threads; drafter: "
         f"{result['drafter']}; {result['prompts']} {result['domain']} prompts x {result['new_tokens']} new tokens, "
         f"T=0, TEV. Autoregressive: {result['ar_tokens_per_s']:.1f} tok/s.",
         "",
-        "| B | tau | tok/s | speedup | ms/round | "
-        + " | ".join(f"{s} ms" for s in STAGES)
-        + " | overhead | lossless |",
-        "|---" * (8 + len(STAGES)) + "|",
+        *markdown_table(["B", "tau", "tok/s", "speedup", "ms/round", *(f"{s} ms" for s in STAGES), "overhead",
+                         "lossless"], rows),
     ]
-    for r in result["rows"]:
-        stages = " | ".join(f"{r['stage_ms_per_round'][s]:.1f}" for s in STAGES)
-        lines.append(
-            f"| {r['budget']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
-            f"{r['ms_per_round']:.1f} | {stages} | {100 * r['overhead_share']:.1f}% | {r['lossless']} |"
-        )
     return "\n".join(lines) + "\n"
 
 

@@ -29,6 +29,7 @@ import argparse
 import torch
 
 from exittrain.eval.bench import write_results
+from exittrain.tables import markdown_table
 
 
 def answer_with_features(target, prompts: list[list[int]], layers: list[int], max_new_tokens: int, batch: int):
@@ -132,24 +133,25 @@ def run(
 
 def to_markdown(result: dict) -> str:
     K = len(result["rows"][0]["accuracy_by_depth"])
+
+    def vs_first(r: dict) -> str:
+        pair = r.get("vs_first")
+        return "-" if pair is None else f"{pair['delta']:+.3f} ({pair['ci95'][0]:+.3f} to {pair['ci95'][1]:+.3f})"
+
+    rows = (
+        [r["drafter"], r["anchors"], f"{r['greedy_block_length']:.3f}", f"{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}",
+         vs_first(r), *(f"{a:.2f}" for a in r["accuracy_by_depth"])]
+        for r in result["rows"]
+    )
+    header = ["drafter", "anchors", "greedy tau", "95% CI (prompts)", "vs the first (paired 95% CI)",
+              *(f"acc d{k}" for k in range(1, K + 1))]
     lines = [
         f"T = 0 block length at every answer position of the fp32 target's greedy answers to {result['prompts']} "
         f"{result['domain']} evaluation prompts (from #{result['skip']}), {result['max_new_tokens']} new tokens "
         f"at most, B = {result['budget']}.",
         "",
-        "| drafter | anchors | greedy tau | 95% CI (prompts) | vs the first (paired 95% CI) | "
-        + " | ".join(f"acc d{k}" for k in range(1, K + 1))
-        + " |",
-        "|---|---|---|---|---|" + "---|" * K,
+        *markdown_table(header, rows),
     ]
-    for r in result["rows"]:
-        acc = " | ".join(f"{a:.2f}" for a in r["accuracy_by_depth"])
-        pair = r.get("vs_first")
-        vs = "-" if pair is None else f"{pair['delta']:+.3f} ({pair['ci95'][0]:+.3f} to {pair['ci95'][1]:+.3f})"
-        lines.append(
-            f"| {r['drafter']} | {r['anchors']} | {r['greedy_block_length']:.3f} | "
-            f"{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f} | {vs} | {acc} |"
-        )
     return "\n".join(lines) + "\n"
 
 

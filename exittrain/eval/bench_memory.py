@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from exittrain.eval.bench import write_results
+from exittrain.tables import markdown_table
 
 DEPTH = 7  # K, the tree depth: drafted tokens per block (block_size 8, the drafter default)
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4)
@@ -205,20 +206,18 @@ def run(points: list[dict], *, tiny: bool, target: str | None, device: str, dtyp
 
 def to_markdown(result: dict) -> str:
     unit = "peak GPU memory allocated" if result["device"] != "cpu" else "peak RSS growth"
+    rows = (
+        [r["length"], r["budget"], r["anchors"], r["chunk"] if r["chunk"] is not None else "all", r["rows_per_forward"],
+         f"{r['peak_mb']:.0f}", f"{r['logits_mb']:.0f}", f"{r['seconds']:.1f}"]
+        for r in result["rows"]
+    )
     lines = [
         f"Exact tree scoring on {result['target']} ({result['device']}, {result['dtype']}, "
         f"{result['threads']} threads): {unit} of one `score_trees` call over 1 sequence, trees of depth "
         f"{result['depth']}. rows = tree rows per target forward; logits = the returned (A, B+1, V) tensor.",
         "",
-        "| T | B | A | chunk | rows | peak (MB) | logits (MB) | time (s) |",
-        "|---|---|---|---|---|---|---|---|",
+        *markdown_table(["T", "B", "A", "chunk", "rows", "peak (MB)", "logits (MB)", "time (s)"], rows),
     ]
-    for r in result["rows"]:
-        chunk = r["chunk"] if r["chunk"] is not None else "all"
-        lines.append(
-            f"| {r['length']} | {r['budget']} | {r['anchors']} | {chunk} | {r['rows_per_forward']} | "
-            f"{r['peak_mb']:.0f} | {r['logits_mb']:.0f} | {r['seconds']:.1f} |"
-        )
     methods = sorted({r["method"] for r in result["rows"]})
     lines += ["", f"Measured with: {', '.join(methods)}."]
     return "\n".join(lines) + "\n"

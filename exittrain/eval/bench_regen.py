@@ -34,6 +34,7 @@ import time
 import torch
 
 from exittrain.eval.bench import write_results
+from exittrain.tables import markdown_table
 
 
 def run(prompts: int, max_new_tokens: int, batch: int, domain: str) -> dict:
@@ -114,6 +115,12 @@ def run(prompts: int, max_new_tokens: int, batch: int, domain: str) -> dict:
 
 
 def to_markdown(result: dict) -> str:
+    def cells(r: dict) -> list[str]:
+        if "speedup" not in r:
+            return ["1.00x", "-", "-"]
+        agreement = f"{100 * r['fp32_next_token_agreement']:.1f}%"
+        return [f"{r['speedup']:.2f}x", f"{100 * r['same_answer']:.0f}%", agreement]
+
     lines = [
         f"Greedy regeneration of {result['prompts']} {result['domain']} prompts (mean "
         f"{result['mean_prompt_tokens']:.0f} templated tokens, of which a batch shares "
@@ -121,16 +128,11 @@ def to_markdown(result: dict) -> str:
         f"batches of {result['batch']}, embedded SmolLM2 target, CPU ({result.get('cpu_capability', '?')}), "
         f"{result['threads']} threads.",
         "",
-        "| arm | s / answer | new tok/s | speedup | same answer as fp32 | fp32 next-token agreement |",
-        "|---|---|---|---|---|---|",
+        *markdown_table(
+            ["arm", "s / answer", "new tok/s", "speedup", "same answer as fp32", "fp32 next-token agreement"],
+            ([r["arm"], f"{r['s_per_answer']:.2f}", f"{r['new_tok_per_s']:.0f}", *cells(r)] for r in result["rows"]),
+        ),
     ]
-    for r in result["rows"]:
-        extra = (
-            f"{r['speedup']:.2f}x | {100 * r['same_answer']:.0f}% | {100 * r['fp32_next_token_agreement']:.1f}%"
-            if "speedup" in r
-            else "1.00x | - | -"
-        )
-        lines.append(f"| {r['arm']} | {r['s_per_answer']:.2f} | {r['new_tok_per_s']:.0f} | {extra} |")
     return "\n".join(lines) + "\n"
 
 

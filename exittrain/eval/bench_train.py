@@ -19,6 +19,7 @@ import statistics
 import torch
 
 from exittrain.eval.bench import write_results
+from exittrain.tables import markdown_table
 
 PARTS = ("features", "draft", "tree", "score", "exit", "backward")
 
@@ -80,18 +81,19 @@ def run(steps: int, budgets: list[int], anchors: int, batch: int, prompts: int) 
 
 
 def to_markdown(result: dict) -> str:
+    rows = (
+        [r["budget"], f"{r['step_ms']:.0f}", f"{r['anchors_per_s']:.1f}",
+         *(f"{100 * r['share'][p]:.0f}%" for p in PARTS), f"{100 * r['tree_and_exit_share']:.1f}%",
+         f"{r['peak_rss_mb']:.0f}"]
+        for r in result["rows"]
+    )
     lines = [
         f"ExitTrain steps on the embedded SmolLM2 (CPU, {result['threads']} threads, precision "
         f"{result.get('precision', 'bf16-mixed')}), batch "
         f"{result['batch']} x {result['anchors_per_seq']} anchors, median over {result['steps'] - 2} steps.",
         "",
-        "| B | step (ms) | anchors/s | " + " | ".join(PARTS) + " | tree + exit law | peak RSS (MB) |",
-        "|---" * (5 + len(PARTS)) + "|",
+        *markdown_table(["B", "step (ms)", "anchors/s", *PARTS, "tree + exit law", "peak RSS (MB)"], rows),
     ]
-    for r in result["rows"]:
-        shares = " | ".join(f"{100 * r['share'][p]:.0f}%" for p in PARTS)
-        lines.append(f"| {r['budget']} | {r['step_ms']:.0f} | {r['anchors_per_s']:.1f} | {shares} | "
-                     f"{100 * r['tree_and_exit_share']:.1f}% | {r['peak_rss_mb']:.0f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -161,15 +161,13 @@ def optional_cell(row: dict, key: str, fmt: str = "{:.2f}") -> str:
 
 def format_table(table: list[dict]) -> str:
     """A markdown table of :func:`summarize` rows."""
-    head = "| run | B | T | prompts | tau | 95% CI | tau_oracle | tau/oracle | tok/s | AR tok/s | speedup |"
-    lines = [head, "|---" * (head.count("|") - 1) + "|"]
-    for r in table:
-        def f(key, fmt="{:.2f}", r=r):
-            return optional_cell(r, key, fmt)
+    from exittrain.tables import markdown_table
 
-        lines.append(
-            f"| {r['label'] or '-'} | {r['budget']} | {r['temperature']:g} | {r['prompts']} | {r['tau']:.2f} | "
-            f"{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f} | {f('tau_oracle')} | {f('efficiency')} | "
-            f"{r['tokens_per_s']:.1f} | {f('ar_tokens_per_s', '{:.1f}')} | {f('speedup')}x |"
-        )
-    return "\n".join(lines)
+    header = ["run", "B", "T", "prompts", "tau", "95% CI", "tau_oracle", "tau/oracle", "tok/s", "AR tok/s", "speedup"]
+    rows = (
+        [r["label"] or "-", r["budget"], f"{r['temperature']:g}", r["prompts"], f"{r['tau']:.2f}",
+         f"{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}", optional_cell(r, "tau_oracle"), optional_cell(r, "efficiency"),
+         f"{r['tokens_per_s']:.1f}", optional_cell(r, "ar_tokens_per_s", "{:.1f}"), optional_cell(r, "speedup") + "x"]
+        for r in table
+    )
+    return "\n".join(markdown_table(header, rows))

@@ -5,17 +5,10 @@ folder above some (a Hydra multirun sweep): every folder below it that holds one
 below is read as one run (hidden folders, checkpoints, drafters, wandb and lightning_logs folders
 and the output folder are not searched).
 
-Files read (the layouts written by ``exittrain.cli`` and ``exittrain.lit.callbacks``):
-
-- ``metrics.json`` of a ``fit`` run: ``recipe``, ``tables`` {label: summary rows} (labels
-  ``warm_start`` / ``exittrain``), ``<stage>_metrics`` {metric: value}. A ``metrics.json`` in the
-  :class:`~exittrain.lit.callbacks.MetricsFileCallback` layout (``final``, ``decode_eval``) is read
-  as the metrics of a stage named ``train``.
-- ``eval_<label>.json``: per-prompt rows of :func:`~exittrain.eval.decode_eval.evaluate_prompts`.
-- ``metrics_<stage>.json``: ``final`` {metric: value} (``train/exit_mass_d{d}``, ...) and
-  ``decode_eval.history`` [{step, block_length, ...}].
-- ``results.json`` of an ``eval`` run: ``rows`` (per prompt), ``summary`` (summary rows).
-- ``tree_example.json``: one draft tree (:func:`exittrain.eval.tree_example.save_tree_example`).
+Files read: those of :mod:`exittrain.run_dir` (its docstring gives their one layout each):
+``metrics.json`` (a ``fit`` run's summary), ``metrics_<stage>.json`` (the training callbacks'
+metrics per stage), ``eval_<label>.json`` (per-prompt rows), ``results.json`` (an ``eval`` run)
+and ``tree_example.json``. A ``metrics.json`` that is not a fit summary is an error naming the file.
 
 The recipe of a run is ``metrics.json["recipe"]``, else ``recipe_name`` in ``.hydra/config.yaml``,
 else the label of its eval rows, else the folder name. Summary rows come from the files'
@@ -45,9 +38,10 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from exittrain.eval import plots
+from exittrain.run_dir import EXPECTED_FILES, STAGE_LABELS, RunDir
+from exittrain.tables import cell, markdown_table
 
 __all__ = [
     "main", "Run", "load_run", "discover_runs", "build_report", "format_markdown", "table_rows", "training_rows",
@@ -56,11 +50,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-EXPECTED_FILES = (
-    "metrics.json (fit run), results.json (eval run), eval_<label>.json, metrics_<stage>.json or tree_example.json"
-)
 SKIP_DIRS = {"wandb", "checkpoints", "ckpt", "lightning_logs", "drafter", "drafter-best", "__pycache__"}
-STAGE_LABEL = {"pretrain": "warm_start", "exittrain": "exittrain"}
 _ORDER = {"pretrain": 0, "warm_start": 0, "exittrain": 1}
 
 
@@ -97,18 +87,6 @@ class Run:
 # reading
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"cannot read {path}: {err}") from err
-
-
-def _is_run_dir(path: Path) -> bool:
-    names = ("metrics.json", "results.json", "tree_example.json")
-    return any((path / n).is_file() for n in names) or any(path.glob("eval_*.json")) or any(path.glob("metrics_*.json"))
-
-
 def _hydra_recipe(path: Path) -> str | None:
     cfg = path / ".hydra" / "config.yaml"
     if not cfg.is_file():
@@ -124,60 +102,35 @@ def _hydra_recipe(path: Path) -> str | None:
     return str(name) if name else None
 
 
-def _need_list_of_dicts(value: Any, path: Path, what: str) -> list[dict]:
-    if not isinstance(value, list) or not all(isinstance(r, dict) for r in value):
-        raise ValueError(f"{path}: {what} must be a list of objects, got {type(value).__name__}")
-    return value
-
-
 def load_run(path: str | os.PathLike, name: str | None = None) -> Run:
-    """Parse the run files in ``path`` (module docstring); ValueError if there are none or one is malformed."""
+    """Parse the run files in ``path`` (:class:`~exittrain.run_dir.RunDir`); ValueError if there are
+    none or one is malformed."""
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"run directory {path} does not exist (expected a folder with {EXPECTED_FILES})")
+    files = RunDir(path)
     run = Run(path=path, name=name or path.name)
-    metrics = path / "metrics.json"
-    if metrics.is_file():
-        data = _read_json(metrics)
-        if not isinstance(data, dict):
-            raise ValueError(f"{metrics}: expected a JSON object")
-        run.files.append(metrics.name)
-        if "tables" in data or "recipe" in data:
-            run.fit, run.kind = data, "fit"
-            run.recipe = str(data.get("recipe") or "")
-            for label, table in (data.get("tables") or {}).items():
-                for row in _need_list_of_dicts(table, metrics, f"tables[{label!r}]"):
-                    run.summary.append({**row, "label": row.get("label") or label})
-        elif "final" in data:
-            run.stage_metrics["train"] = data
-        else:
-            log.warning("%s has neither 'tables' (fit summary) nor 'final' (callback metrics); ignored", metrics)
-    for f in sorted(path.glob("metrics_*.json")):
-        data = _read_json(f)
-        if not isinstance(data, dict):
-            raise ValueError(f"{f}: expected a JSON object with 'final' and 'decode_eval'")
-        run.files.append(f.name)
-        run.stage_metrics[f.stem.removeprefix("metrics_")] = data
-    for f in sorted(path.glob("eval_*.json")):
-        rows = _need_list_of_dicts(_read_json(f), f, "per-prompt rows")
-        run.files.append(f.name)
-        label = f.stem.removeprefix("eval_")
+    summary = files.read_fit_summary()
+    if summary is not None:
+        run.files.append(files.fit_summary_path.name)
+        run.fit, run.kind = summary, "fit"
+        run.recipe = str(summary.get("recipe") or "")
+        for label, table in summary["tables"].items():
+            run.summary.extend({**row, "label": row.get("label") or label} for row in table)
+    run.stage_metrics = files.read_stage_metrics()
+    run.files += [files.stage_metrics_path(stage).name for stage in run.stage_metrics]
+    for label, rows in files.read_eval_rows().items():
+        run.files.append(files.eval_rows_path(label).name)
         run.rows.extend({**r, "label": r.get("label") or label} for r in rows)
-    results = path / "results.json"
-    if results.is_file():
-        data = _read_json(results)
-        if not isinstance(data, dict):
-            raise ValueError(f"{results}: expected a JSON object with 'rows' and 'summary'")
-        run.files.append(results.name)
+    results = files.read_results()
+    if results is not None:
+        run.files.append(files.results_path.name)
         run.kind = run.kind or "eval"
-        run.rows.extend(_need_list_of_dicts(data.get("rows", []), results, "rows"))
-        run.summary.extend(_need_list_of_dicts(data.get("summary", []), results, "summary"))
-    tree = path / "tree_example.json"
-    if tree.is_file():
-        from exittrain.eval.tree_example import load_tree_example
-
-        run.tree_example = load_tree_example(tree)
-        run.files.append(tree.name)
+        run.rows.extend(results["rows"])
+        run.summary.extend(results["summary"])
+    run.tree_example = files.read_tree_example()
+    if run.tree_example is not None:
+        run.files.append(files.tree_example_path.name)
     if not run.files:
         raise ValueError(f"run directory {path} holds none of the expected files: {EXPECTED_FILES}")
     run.kind = run.kind or "files"
@@ -207,7 +160,7 @@ def discover_runs(root: str | os.PathLike, exclude: Path | None = None) -> list[
             d for d in dirnames
             if not d.startswith(".") and d not in SKIP_DIRS and (exclude is None or (here / d).resolve() != exclude)
         )
-        if _is_run_dir(here):
+        if RunDir(here).has_run_files():
             found.append(here)
     if not found:
         raise ValueError(f"run directory {root} holds none of the expected files, nor does any folder below it: "
@@ -273,8 +226,16 @@ def training_rows(runs: list[Run]) -> list[dict]:
     return out
 
 
-def _f(x: float | None, fmt: str = "{:.2f}") -> str:
-    return "-" if x is None else fmt.format(x)
+DECODING_HEADER = ["run", "label", "B", "T", "prompts", "tau", "95% CI", "tau_oracle", "tau/oracle", "tok/s",
+                   "AR tok/s", "speedup"]
+
+
+def _decoding_cells(r: dict) -> list:
+    ci = f"{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}" if r["ci95"] else "-"
+    temp = cell(None if r["temperature"] is None else float(r["temperature"]), "{:g}")
+    return [r["run"], r["label"], r["budget"], temp, r["prompts"] or "-", cell(r["tau"]), ci, cell(r["tau_oracle"]),
+            cell(r["efficiency"]), cell(r["tokens_per_s"], "{:.1f}"), cell(r["ar_tokens_per_s"], "{:.1f}"),
+            cell(r["speedup"], "{:.2f}x")]
 
 
 def format_markdown(rows: list[dict], train: list[dict], plots_by_recipe: dict[str, list[str]]) -> str:
@@ -287,28 +248,16 @@ def format_markdown(rows: list[dict], train: list[dict], plots_by_recipe: dict[s
         lines += [f"## recipe: {recipe}", ""]
         mine = [r for r in rows if r["recipe"] == recipe]
         if mine:
-            head = ("| run | label | B | T | prompts | tau | 95% CI | tau_oracle | tau/oracle | tok/s | AR tok/s "
-                    "| speedup |")
-            lines += [head, "|---" * (head.count("|") - 1) + "|"]
-            for r in mine:
-                ci = f"{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}" if r["ci95"] else "-"
-                temp = "-" if r["temperature"] is None else f"{float(r['temperature']):g}"
-                speed = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
-                lines.append(
-                    f"| {r['run']} | {r['label']} | {r['budget']} | {temp} | {r['prompts'] or '-'} | {_f(r['tau'])} | "
-                    f"{ci} | {_f(r['tau_oracle'])} | {_f(r['efficiency'])} | {_f(r['tokens_per_s'], '{:.1f}')} | "
-                    f"{_f(r['ar_tokens_per_s'], '{:.1f}')} | {speed} |"
-                )
-            lines.append("")
+            lines += markdown_table(DECODING_HEADER, (_decoding_cells(r) for r in mine)) + [""]
         mine = [t for t in train if t["recipe"] == recipe]
         if mine:
-            head = "| run | stage | step | " + " | ".join(n for _, n in TRAINING_KEYS) + " | best val tau |"
-            lines += ["Training (last logged values):", "", head, "|---" * (head.count("|") - 1) + "|"]
-            for t in mine:
-                vals = " | ".join(_f(t[k], "{:.3f}") for k, _ in TRAINING_KEYS)
-                step = t["global_step"] if t["global_step"] is not None else "-"
-                lines.append(f"| {t['run']} | {t['stage']} | {step} | {vals} | {_f(t['best val/block_length'])} |")
-            lines.append("")
+            header = ["run", "stage", "step", *(n for _, n in TRAINING_KEYS), "best val tau"]
+            cells = (
+                [t["run"], t["stage"], cell(t["global_step"], "{}"), *(cell(t[k], "{:.3f}") for k, _ in TRAINING_KEYS),
+                 cell(t["best val/block_length"])]
+                for t in mine
+            )
+            lines += ["Training (last logged values):", "", *markdown_table(header, cells), ""]
         for png in plots_by_recipe.get(recipe, []):
             lines += [f"![{Path(png).stem}]({png})", ""]
     return "\n".join(lines).rstrip() + "\n"
@@ -393,7 +342,7 @@ class _Plotter:
             for stage, final in sorted(sources.items(), key=lambda kv: _order(kv[0])):
                 depths = sorted(int(m.group(1)) for k in final if (m := re.fullmatch(r"train/exit_mass_d(\d+)", k)))
                 if depths:
-                    label = _series_prefix(runs, run) + STAGE_LABEL.get(stage, stage)
+                    label = _series_prefix(runs, run) + STAGE_LABELS.get(stage, stage)
                     series[label] = [float(final.get(f"train/exit_mass_d{d}") or 0.0) for d in range(depths[-1] + 1)]
         if not series:
             return self.skip(what, f"recipe {recipe!r}: no train/exit_mass_d* in metrics_<stage>.json 'final' or "
@@ -411,7 +360,7 @@ class _Plotter:
                 data = run.stage_metrics[stage]
                 hist = ((data.get("decode_eval") or {}).get("history")) or []
                 if hist:
-                    label = _series_prefix(runs, run) + STAGE_LABEL.get(stage, stage)
+                    label = _series_prefix(runs, run) + STAGE_LABELS.get(stage, stage)
                     history[label] = [{**h, "step": float(h["step"]) + offset} for h in hist if "step" in h]
                     starts[label] = offset
                 offset += float(data.get("global_step") or 0)

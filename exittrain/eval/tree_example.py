@@ -17,7 +17,8 @@ Two temperatures, on purpose:
   target law (temperature 1, the law behind the "analytic tau" of ALGORITHM.md section 8).
   Pass ``law_temperature=0.0`` for the exact greedy law.
 
-The JSON layout (``format = "exittrain.tree_example/1"``), padding columns of the tree dropped,
+The layout (``format = "exittrain.tree_example/1"``; written and read as ``tree_example.json`` by
+:mod:`exittrain.run_dir`), padding columns of the tree dropped,
 nodes renumbered so that node j (1-based) is list index j-1 and row j in the root-first lists:
 
 - ``budget``, ``max_depth``, ``num_nodes``, ``temperature``, ``law_temperature``, ``seed``
@@ -36,17 +37,14 @@ characters escaped); with no tokenizer (``target.tokenizer is None``) they are `
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
 from exittrain.core import build_tree, exit_law, verify_greedy, verify_tev, warp_probs
 
-__all__ = ["tree_example", "save_tree_example", "load_tree_example", "printable_token", "FORMAT"]
+__all__ = ["tree_example", "printable_token", "FORMAT"]
 
 FORMAT = "exittrain.tree_example/1"
 _ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
@@ -175,25 +173,3 @@ def tree_example(
         "bonus_text": _decode(tok, bonus),
         "block_length": n_accept + 1,
     }
-
-
-def save_tree_example(example: dict, path: str | os.PathLike) -> Path:
-    """Write ``example`` (from :func:`tree_example`) as indented JSON to ``path``; returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(example, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    return path
-
-
-def load_tree_example(path: str | os.PathLike) -> dict:
-    """Read a file written by :func:`save_tree_example`; ValueError if it is not one."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"cannot read the tree example {path}: {err}") from err
-    keys = ("tokens", "parents", "depths", "reach", "exit_mass")
-    missing = [k for k in keys if not isinstance(data, dict) or k not in data]
-    if missing:
-        raise ValueError(f"{path} is not a tree example (missing keys {missing}); write it with save_tree_example")
-    return data

@@ -1,17 +1,11 @@
 """Lightning glue only: the training LightningModule and its callbacks (no math, no models here)."""
 
-from exittrain.lit.callbacks import (
-    DecodeEvalCallback,
-    ExportDrafterCallback,
-    MetricsFileCallback,
-    ProgressLogCallback,
-    save_drafter,
-    stage_progress_bar,
-    write_json_atomic,
-)
+from exittrain.lit.callbacks import DecodeEvalCallback, ExportDrafterCallback, MetricsFileCallback, save_drafter
 from exittrain.lit.module import TIMED_PARTS, ExitTrainModule
+from exittrain.lit.progress_callbacks import ProgressLogCallback, stage_progress_bar
 from exittrain.lit.schedule import WarmupCosine
 from exittrain.lit.sharding import DrafterFSDPStrategy, full_drafter, is_sharded, shard_drafter
+from exittrain.run_dir import write_json_atomic  # not Lightning: kept here for the callers of exittrain.lit
 
 __all__ = [
     "TIMED_PARTS",

@@ -1,4 +1,6 @@
-"""Fake run directories with the exact file layouts of `fit` and `eval` runs (no model needed)."""
+"""Fake run directories with the exact file layouts of `fit` and `eval` runs (no model needed).
+
+The files are written through :class:`exittrain.run_dir.RunDir`, as `fit`, `eval` and the callbacks write them."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import random
 from pathlib import Path
 
 from exittrain.eval.decode_eval import summarize
+from exittrain.run_dir import RunDir
 
 STAGES_FINAL = {
     "pretrain": {"train/exit_mass_d0": 0.5, "train/exit_mass_d1": 0.3, "train/exit_mass_d2": 0.15,
@@ -80,34 +83,34 @@ def tree_example_dict() -> dict:
 
 def make_fit_run(path: Path, recipe: str = "code", *, tree: bool = True) -> Path:
     """A `fit` run directory: metrics.json, eval_<label>.json, metrics_<stage>.json, tree_example.json."""
+    files = RunDir(path)
     tables, metrics = {}, {}
     for label, stage, mean in (("warm_start", "pretrain", 1.8), ("exittrain", "exittrain", 2.4)):
         rows = prompt_rows(label, mean, seed=len(label))
-        write_json(path / f"eval_{label}.json", rows)
+        files.write_eval_rows(label, rows)
         tables[label] = _roundtrip(summarize(rows))
         history = [{"step": float(s), "block_length": mean - 0.5 + 0.1 * k, "tokens_per_s": 10.0, "rounds": 16.0,
                     "tokens": 30.0, "seconds": 1.0} for k, s in enumerate((10, 20, 30))]
-        write_json(path / f"metrics_{stage}.json", {
+        files.write_stage_metrics(stage, {
             "global_step": 30, "epoch": 0, "final": STAGES_FINAL[stage],
             "best": [{"monitor": "val/block_length", "mode": "max", "score": history[-1]["block_length"],
                       "path": str(path / "checkpoints" / "x.ckpt")}],
             "decode_eval": {"best": history[-1], "history": history},
         })
         metrics[f"{stage}_metrics"] = dict(STAGES_FINAL[stage])
-    write_json(path / "metrics.json", {
+    files.write_fit_summary({
         "recipe": recipe, "stages": ["pretrain", "exittrain"], "target": "tiny-llama", "tables": tables,
         "timings": {"total_s": 12.0}, "drafter": str(path / "drafter"), **metrics,
     })
     (path / ".hydra").mkdir(parents=True, exist_ok=True)
     (path / "checkpoints").mkdir(exist_ok=True)
     if tree:
-        write_json(path / "tree_example.json", tree_example_dict())
+        files.write_tree_example(tree_example_dict())
     return path
 
 
 def make_eval_run(path: Path, recipe: str = "math", budgets=(4, 8, 16)) -> Path:
     """An `eval` run directory: results.json with rows and summary."""
     rows = prompt_rows(recipe, 2.0, budgets=budgets, temperatures=(0.0, 1.0), seed=3)
-    write_json(path / "results.json", {"rows": rows, "summary": _roundtrip(summarize(rows)),
-                                        "drafter": str(path / "drafter")})
+    RunDir(path).write_results(rows, _roundtrip(summarize(rows)), path / "drafter")
     return path

@@ -9,6 +9,7 @@ import types
 import pytest
 
 from exittrain.eval import report
+from exittrain.run_dir import RunDir
 
 from .helpers import make_eval_run, make_fit_run, write_json
 from .test_plots import assert_png
@@ -77,17 +78,30 @@ def test_sweep_directory(tmp_path, monkeypatch):
     assert_png(tmp_path / "multirun" / "report" / "exit_mass_code.png")
 
 
-def test_callback_layout_metrics_json(tmp_path):
+CALLBACK_METRICS = {"global_step": 6, "epoch": 2, "best": [],
+                    "final": {"train/exit_mass_d0": 0.9, "train/exit_mass_d1": 0.1,
+                              "train/analytic_block_length": 1.1},
+                    "decode_eval": {"best": {"step": 3.0, "block_length": 1.0},
+                                    "history": [{"step": 3.0, "block_length": 1.0}]}}
+
+
+def test_a_callback_metrics_file_alone_is_a_run(tmp_path):
+    """A run directory of MetricsFileCallback(dir, "train") only (a custom trainer, no `fit` summary)."""
     run = tmp_path / "smoke"
-    write_json(run / "metrics.json", {"global_step": 6, "epoch": 2, "best": [],
-                                      "final": {"train/exit_mass_d0": 0.9, "train/exit_mass_d1": 0.1,
-                                                "train/analytic_block_length": 1.1},
-                                      "decode_eval": {"best": {"step": 3.0, "block_length": 1.0},
-                                                      "history": [{"step": 3.0, "block_length": 1.0}]}})
+    RunDir(run).write_stage_metrics("train", CALLBACK_METRICS)
     rep = report.main([str(run), "--out", str(tmp_path / "o")])
-    assert rep["runs"][0]["recipe"] == "smoke"
+    assert rep["runs"][0]["recipe"] == "smoke" and rep["runs"][0]["files"] == ["metrics_train.json"]
     assert {"exit_mass_smoke.png", "training_curves_smoke.png"} <= set(rep["plots"])
     assert rep["training"][0]["stage"] == "train" and rep["training"][0]["train/analytic_block_length"] == 1.1
+
+
+def test_a_metrics_json_that_is_no_fit_summary_names_the_file(tmp_path):
+    """metrics.json has one layout, the fit summary: the callbacks' layout there is refused, not guessed."""
+    run = tmp_path / "smoke"
+    write_json(run / "metrics.json", CALLBACK_METRICS)
+    with pytest.raises(ValueError, match=r"smoke/metrics\.json is not a fit summary \(missing keys \['recipe', "
+                                         r"'stages', 'tables'\].*rename a callback file to metrics_<stage>\.json"):
+        report.main([str(run), "--out", str(tmp_path / "o")])
 
 
 def test_bad_run_dirs(tmp_path):

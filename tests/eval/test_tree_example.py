@@ -7,8 +7,9 @@ import json
 import pytest
 
 from exittrain.eval.plots import plot_draft_tree, tree_layout
-from exittrain.eval.tree_example import load_tree_example, printable_token, save_tree_example, tree_example
+from exittrain.eval.tree_example import printable_token, tree_example
 from exittrain.models import new_drafter
+from exittrain.run_dir import load_tree_example, save_tree_example
 from tests.models.helpers import tiny_target
 
 from .test_plots import assert_png

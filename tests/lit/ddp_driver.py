@@ -6,7 +6,7 @@ launcher re-runs this same command for ranks 1.., so everything here runs on eve
 ``--devices 1`` is the single-process reference (also callable in-process: :func:`train`).
 
 Run directory ``DIR/run``: a CSV logger, ``ModelCheckpoint`` (``save_last``), the drafter export,
-``metrics.json`` and a one-prompt decoding evaluation (decoded on rank 0, broadcast), i.e. every
+``metrics_exittrain.json`` and a one-prompt decoding evaluation (decoded on rank 0, broadcast), i.e. every
 writer of a real ``fit``. Results ``DIR/rank{r}.json`` and ``DIR/rank{r}.pt``, per rank:
 
 - ``row_ids``: the rows each training step saw on this rank (the dataset carries its index);
@@ -146,7 +146,7 @@ def train(
         DecodeEvalCallback(PROMPTS, every_n_steps=0, budget=4, max_new_tokens=4, on_validation=False),
         ModelCheckpoint(dirpath=run / "ckpt", save_last=True),
         ExportDrafterCallback(run / "export"),
-        MetricsFileCallback(run / "metrics.json"),
+        MetricsFileCallback(run, "exittrain"),
     ]
     trainer = pl.Trainer(
         accelerator="cpu",

@@ -10,7 +10,7 @@ no-op there), the same code otherwise.
 Two fits in the same processes:
 
 1. **fit**: :data:`STEPS` steps from a fresh drafter with every writer of a real ``fit`` under
-   ``DIR/run``: a CSV logger, ``ModelCheckpoint`` (``save_last``), the drafter export, ``metrics.json``
+   ``DIR/run``: a CSV logger, ``ModelCheckpoint`` (``save_last``), the drafter export, ``metrics_exittrain.json``
    and a one-prompt decoding evaluation at step 2, after validation and at fit end (each one
    gathers the sharded drafter on rank 0).
 2. **resume**: a new module (a fresh drafter from the same seed) resumes from ``run/ckpt/last.ckpt``
@@ -167,7 +167,7 @@ def train(
     record, decode = Record(), DecodeEvalCallback(PROMPTS, every_n_steps=2, budget=4, max_new_tokens=4)
     export = ExportDrafterCallback(run / "export")
     checkpoint = ModelCheckpoint(dirpath=run / "ckpt", save_last=True)
-    callbacks = [record, decode, checkpoint, export, MetricsFileCallback(run / "metrics.json")]
+    callbacks = [record, decode, checkpoint, export, MetricsFileCallback(run, "exittrain")]
     trainer = make_trainer(STEPS, callbacks, logger=CSVLogger(run / "logs", name="csv"))
     train_loader = DataLoader(rows, batch_size=batch_size, sampler=order, collate_fn=collate_indexed)
     val_loader = DataLoader(val_rows, batch_size=batch_size, shuffle=False, collate_fn=collate_indexed)

@@ -10,8 +10,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from exittrain.decoding import SpeculativeDecoder
-from exittrain.lit import DecodeEvalCallback, ExportDrafterCallback, save_drafter, write_json_atomic
+from exittrain.lit import DecodeEvalCallback, ExportDrafterCallback, MetricsFileCallback, save_drafter
 from exittrain.models import load_drafter
+from exittrain.run_dir import write_json_atomic
 from tests.lit.helpers import ListLogger, loader, make_module, trainer
 
 pytestmark = [
@@ -137,6 +138,25 @@ def test_write_json_atomic(tmp_path):
         write_json_atomic(path, {"a": object()})
     assert json.loads(path.read_text()) == {"a": 1.5, "b": None}, "a failed write keeps the old file"
     assert sorted(p.name for p in path.parent.iterdir()) == ["metrics.json"]
+
+
+def test_metrics_file_callback_writes_the_stage_file_of_the_run_directory(tmp_path):
+    """Its one layout goes to metrics_<stage>.json: it cannot write the fit summary's metrics.json."""
+    from types import SimpleNamespace
+
+    callback = MetricsFileCallback(tmp_path / "run", "pretrain")
+    assert callback.path == tmp_path / "run" / "metrics_pretrain.json"
+    trainer = SimpleNamespace(
+        callback_metrics={"train/loss": torch.tensor(2.5), "val/x": torch.tensor(float("nan")), "v": torch.ones(2)},
+        checkpoint_callbacks=[], callbacks=[], global_step=3, current_epoch=1, is_global_zero=True,
+        strategy=SimpleNamespace(barrier=lambda name: None),
+    )
+    callback.on_fit_end(trainer, None)
+    saved = json.loads(callback.path.read_text())
+    assert saved == {"global_step": 3, "epoch": 1, "final": {"train/loss": 2.5, "val/x": None}, "best": []}
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["metrics_pretrain.json"]
+    with pytest.raises(ValueError, match=r"stage='\.\./x': need a plain name"):
+        MetricsFileCallback(tmp_path, "../x")
 
 
 def test_stage_progress_bar_shows_the_stages_steps():

@@ -27,7 +27,7 @@ step (taken after the all-reduce), and the weights only as a second check.
 
 Writes are observed through a ``sys.audit`` hook in each process (any file opened for writing,
 any folder made, any rename under the run directory), so "only rank 0 writes" covers the
-logger, checkpoints, the drafter export and metrics.json without trusting their own guards.
+logger, checkpoints, the drafter export and metrics_exittrain.json without trusting their own guards.
 """
 
 from __future__ import annotations
@@ -180,14 +180,14 @@ def test_only_rank_zero_writes(runs):
     r0, r1 = runs["ranks"]
     assert r1["writes"] == [], f"rank 1 wrote under the run directory: {r1['writes']}"
     written = {path for _, path in r0["writes"]}
-    for expected in ("logs/csv/version_0/metrics.csv", "ckpt/last.ckpt", "metrics.json"):
+    for expected in ("logs/csv/version_0/metrics.csv", "ckpt/last.ckpt", "metrics_exittrain.json"):
         assert expected in written, (expected, sorted(written))
     assert any(path.startswith("export/") for path in written)
     run = runs["out"] / "run"
     assert (run / "export" / "drafter" / "config.json").is_file()
     assert (run / "ckpt" / "last.ckpt").is_file()
     assert len(list((run / "logs" / "csv").iterdir())) == 1, "one logger version: a second rank would add one"
-    metrics = json.loads((run / "metrics.json").read_text())
+    metrics = json.loads((run / "metrics_exittrain.json").read_text())
     assert metrics["global_step"] == ddp_driver.STEPS and metrics["decode_eval"]["history"]
 
 

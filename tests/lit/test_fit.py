@@ -45,7 +45,7 @@ def test_fit_smoke_exittrain(target, tmp_path):
     decode = DecodeEvalCallback(lambda: PROMPTS, every_n_steps=3, budget=8, max_new_tokens=8)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val/block_length", mode="max", save_last=True)
     export = ExportDrafterCallback(tmp_path / "export", export_best=True)
-    metrics_file = MetricsFileCallback(tmp_path / "metrics.json")
+    metrics_file = MetricsFileCallback(tmp_path, "exittrain")
     trainer = make_trainer(
         6, callbacks=[decode, ckpt, export, metrics_file], logger=logger, checkpointing=True, num_sanity_val_steps=1
     )
@@ -81,8 +81,8 @@ def test_fit_smoke_exittrain(target, tmp_path):
     assert trainer.callback_metrics["val/block_length"] == pytest.approx(decode.history[-1]["block_length"])
     assert ckpt.best_model_score is not None and math.isfinite(float(ckpt.best_model_score))
 
-    # metrics.json: final and best
-    saved = json.loads((tmp_path / "metrics.json").read_text())
+    # metrics_exittrain.json: final and best
+    saved = json.loads((tmp_path / "metrics_exittrain.json").read_text())
     assert saved["global_step"] == 6
     assert saved["final"]["val/block_length"] == pytest.approx(decode.history[-1]["block_length"])
     assert saved["final"]["train/loss"] == pytest.approx(logger.values("train/loss")[-1])

@@ -199,11 +199,11 @@ def test_only_rank_zero_writes(runs):
     r0, r1 = runs["ranks"]
     assert r1["writes"] == [], f"rank 1 wrote under the run directory: {r1['writes']}"
     written = {path for _, path in r0["writes"]}
-    for expected in ("logs/csv/version_0/metrics.csv", "ckpt/last.ckpt", "metrics.json", "export/drafter"):
+    for expected in ("logs/csv/version_0/metrics.csv", "ckpt/last.ckpt", "metrics_exittrain.json", "export/drafter"):
         assert expected in written, (expected, sorted(written))
     run = runs["out"] / "run"
     assert len(list((run / "logs" / "csv").iterdir())) == 1, "one logger version: a second rank would add one"
-    metrics = json.loads((run / "metrics.json").read_text())
+    metrics = json.loads((run / "metrics_exittrain.json").read_text())
     assert metrics["global_step"] == STEPS and len(metrics["decode_eval"]["history"]) == 2
 
 
@@ -271,13 +271,13 @@ def test_sharded_checkpoint_folders_are_refused(tmp_path, target):
 def test_trainer_fsdp_config_builds_the_sharded_strategy_on_cpu(tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from exittrain import cli
+    from exittrain import configs
     from exittrain.lit import DrafterFSDPStrategy
     from exittrain.lit.trainer import build_trainer
 
-    cli.register_recipes()
+    configs.register_recipes()
     overrides = ["+recipe=code", "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2"]
-    with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(configs.CONF_DIR), version_base="1.3"):
         cfg = compose("fit", overrides=[*overrides, f"paths.output_dir={tmp_path}"])
     trainer = build_trainer(cfg.trainer, max_steps=1, logger=False, enable_checkpointing=False)
     assert isinstance(trainer.strategy, DrafterFSDPStrategy)

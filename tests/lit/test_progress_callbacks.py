@@ -10,7 +10,7 @@ from lightning.pytorch import Callback
 
 from exittrain import progress
 from exittrain.lit import ProgressLogCallback
-from exittrain.lit.callbacks import StageRichProgressBar, StageTQDMProgressBar
+from exittrain.lit.progress_callbacks import StageRichProgressBar, StageTQDMProgressBar
 from tests.lit.helpers import StepLosses, loader, make_module, trainer
 
 pytestmark = [

@@ -1,0 +1,77 @@
+"""The run's rank, seed and stage loggers: the Lightning pieces that ``fit`` and ``eval`` need.
+
+Kept here so that :mod:`exittrain.fit` and :mod:`exittrain.eval.run` never import Lightning.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = ["global_rank", "seed_everything", "make_logger", "close_logger", "log_table"]
+
+
+def global_rank() -> int:
+    """This process's global rank, as Lightning's ``rank_zero_only`` (and so every logger) sees it.
+
+    Lightning reads it from the launcher's environment at import (``RANK`` under torchrun,
+    ``LOCAL_RANK`` in the processes its own launcher starts on one node, ``SLURM_PROCID`` under
+    srun; 0 in a plain process) and sets it to the strategy's global rank when a Trainer is
+    built. It is therefore right before the first Trainer exists too, where ``fit`` needs it
+    (the logger, the data, a given warm start's evaluation).
+    """
+    from lightning.pytorch.utilities import rank_zero_only
+
+    return rank_zero_only.rank
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch, and the data loader workers (Lightning's ``seed_everything``)."""
+    import lightning as L
+
+    L.seed_everything(seed, workers=True)
+
+
+def make_logger(cfg: DictConfig, run_name: str):
+    """The configured logger (``cfg.logger``) for one stage, or None; W&B gets max/last summaries for block length."""
+    if cfg.get("logger") is None:
+        return None
+    kwargs = {}
+    if "WandbLogger" in str(cfg.logger.get("_target_", "")):
+        kwargs["name"] = run_name
+        os.environ.setdefault("WANDB_SILENT", "true")
+    logger = instantiate(cfg.logger, **kwargs)
+    # The W&B run exists on global rank 0 only: on the other ranks `experiment` is Lightning's
+    # dummy, whose `config` is a method, so `config.update` would raise AttributeError there.
+    if "WandbLogger" in type(logger).__name__ and global_rank() == 0:
+        exp = logger.experiment
+        exp.define_metric("val/block_length", summary="max")
+        exp.define_metric("val/analytic_block_length", summary="max")
+        exp.define_metric("val/greedy_block_length", summary="max")
+        exp.define_metric("train/analytic_block_length", summary="last")
+        exp.config.update(OmegaConf.to_container(cfg, resolve=True), allow_val_change=True)
+    return logger
+
+
+def close_logger(logger) -> None:
+    """Finish a W&B run (sequential runs in one process would share it otherwise); other loggers need nothing."""
+    if logger is not None and "WandbLogger" in type(logger).__name__:
+        import wandb
+
+        wandb.finish()
+
+
+def log_table(logger, name: str, table: list[dict]) -> None:
+    """Log the summary rows of one held-out evaluation as ``<name>/B<budget>_T<temperature>/<metric>``."""
+    if logger is None:
+        return
+    flat = {}
+    for row in table:
+        key = f"{name}/B{row['budget']}_T{row['temperature']:g}"
+        flat[f"{key}/tau"] = row["tau"]
+        for extra in ("tau_oracle", "speedup", "tokens_per_s"):
+            if extra in row:
+                flat[f"{key}/{extra}"] = row[extra]
+    logger.log_metrics(flat)

@@ -1,0 +1,38 @@
+"""Markdown tables: the one builder behind every table exittrain prints or writes.
+
+:func:`markdown_table` takes a header and rows of cells and returns the lines of a GitHub
+markdown table; :func:`cell` formats one value, with ``-`` for a missing one. The report, the
+held-out tables and every benchmark's ``to_markdown`` build their tables with these two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+__all__ = ["markdown_table", "cell"]
+
+MISSING = "-"
+
+
+def cell(value: Any, fmt: str = "{:.2f}", missing: str = MISSING) -> str:
+    """``value`` formatted with ``fmt``; ``missing`` for None (a value a row does not have)."""
+    return missing if value is None else fmt.format(value)
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
+    """The lines of a markdown table: ``| a | b |``, ``|---|---|``, then one line per row.
+
+    Cells are written with ``str``; format numbers first (:func:`cell`). ValueError when a row has
+    another number of cells than the header, naming the row.
+    """
+    width = len(header)
+    if width == 0:
+        raise ValueError("a markdown table needs at least one column")
+    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * width]
+    for i, row in enumerate(rows):
+        row = list(row)
+        if len(row) != width:
+            raise ValueError(f"table row {i} has {len(row)} cells for {width} columns: {row!r}")
+        lines.append("| " + " | ".join(map(str, row)) + " |")
+    return lines
