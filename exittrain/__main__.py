@@ -1,7 +1,8 @@
 """`python -m exittrain <command> [args]`.
 
 Commands: ``fit`` (train a drafter, conf/fit.yaml), ``eval`` (decode held-out prompts,
-conf/eval.yaml), ``report`` (tables and plots from run directories), ``bench`` (benchmarks).
+conf/eval.yaml), ``report`` (tables and plots from run directories), ``bench`` (benchmarks),
+``export`` (a saved drafter in a serving format, :mod:`exittrain.export`).
 
 The Hydra commands (:data:`HYDRA_COMMANDS`) go through :mod:`exittrain.cli`. Hydra would read a
 bare ``fit`` as an override, so the first word is rewritten into ``--config-name=fit`` before
@@ -23,13 +24,15 @@ HYDRA_COMMANDS = ("fit", "eval")
 PLAIN_COMMANDS = {
     "report": "exittrain.eval.report:main",
     "bench": "exittrain.eval.bench:main",
+    "export": "exittrain.export:main",
 }
-USAGE = f"""usage: python -m exittrain {{fit,eval,report,bench}} [args]
+USAGE = f"""usage: python -m exittrain {{fit,eval,report,bench,export}} [args]
 
   fit     train a drafter:         python -m exittrain fit +recipe=code [debug=smoke] [key=value ...]
   eval    decode held-out prompts: python -m exittrain eval +recipe=code drafter=RUN_DIR/drafter
   report  tables and plots:        python -m exittrain report RUN_DIR [RUN_DIR ...]
   bench   benchmarks:              python -m exittrain bench {{{",".join(BENCHES)}}} [--help]
+  export  for serving engines:     python -m exittrain export RUN_DIR/drafter OUT --format dflash
 """
 
 

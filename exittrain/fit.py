@@ -410,11 +410,13 @@ def finish_run(run: FitRun) -> dict:
     """Rank 0: export the drafter, write the tree example and ``metrics.json``, print the tables."""
     from exittrain.eval.decode_eval import format_table
     from exittrain.eval.tree_example import tree_example
+    from exittrain.export import export_beside
     from exittrain.lit import save_drafter
 
     out = run.run_dir
     drafter_dir = out.drafter_path("exittrain")
     save_drafter(run.full, drafter_dir)
+    run.summary["drafter_dflash"] = export_beside(run.full, out.path)  # the served format, beside drafter/ (or why not)
     budget = max(run.settings["budgets"])
     out.write_tree_example(tree_example(run.target, run.full, run.eval_prompts[0], budget=budget))
     run.timings["total_s"] = time.perf_counter() - run.started
