@@ -22,6 +22,7 @@ import torch
 
 from exittrain.core import VERIFIERS, build_tree
 from exittrain.core.verify import sample_categorical, warp_probs
+from exittrain.decoding.drafter_context import drafter_context
 
 __all__ = ["RoundStats", "GenerationResult", "SpeculativeDecoder", "autoregressive_generate", "STAGES"]
 
@@ -117,11 +118,14 @@ class SpeculativeDecoder:
     """Tree speculative decoding of one sequence with a block drafter and an exact verifier.
 
     ``verifier`` is one of ``"tev"``, ``"predraw"``, ``"sequential"``, ``"greedy"`` (the last only at
-    temperature 0). ``budget`` is the number of draft nodes per round. Oracle trees, which need
-    no drafter, are :func:`exittrain.decoding.oracle_generate`.
+    temperature 0). ``budget`` is the number of draft nodes per round. ``drafter_cache`` (default
+    True) keeps the drafter's context K/V and projects only each round's newly committed
+    positions (:class:`~exittrain.decoding.drafter_context.CachedDrafterContext`); False re-reads
+    the whole context every round, the slow reference twin. Both decode the same tokens. Oracle
+    trees, which need no drafter, are :func:`exittrain.decoding.oracle_generate`.
     """
 
-    def __init__(self, target, drafter, budget: int = 16, verifier: str = "tev"):
+    def __init__(self, target, drafter, budget: int = 16, verifier: str = "tev", drafter_cache: bool = True):
         if verifier not in VERIFIERS:
             raise ValueError(f"verifier must be one of {sorted(VERIFIERS)}, got {verifier!r}")
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
@@ -131,6 +135,7 @@ class SpeculativeDecoder:
         if not drafter.has_target:
             drafter.attach_target(target)
         self.target, self.drafter, self.budget, self.verifier = target, drafter, budget, verifier
+        self.drafter_cache = bool(drafter_cache)
         self.layers = list(drafter.config.target_layer_ids)
 
     def _verify(self, tree, logits, temperature, top_k, top_p, generator):
@@ -142,10 +147,10 @@ class SpeculativeDecoder:
             tree, logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, validate=False
         )
 
-    def _draft_tree(self, features_1CF, root_1, context_ids_1C):
-        """(tree, drafter time, build time) for the current root; ``context_ids_1C`` the committed ids before it."""
+    def _draft_tree(self, context, root_1):
+        """(tree, stage times) for the current root, drafted over the committed ``context``."""
         clock = _Clock(self.target.device)
-        logits_1KV = self.drafter(features_1CF, root_1, context_ids=context_ids_1C)
+        logits_1KV = context.draft(root_1)
         logq = torch.log_softmax(logits_1KV.float(), dim=-1)
         clock.lap("draft")
         tree = build_tree(logq, self.budget, validate=False)
@@ -165,16 +170,17 @@ class SpeculativeDecoder:
         """Decode up to ``max_new_tokens`` new tokens; stops after an EOS token (which is kept)."""
         ids, generator, eos = _prepare(self.target, input_ids, max_new_tokens, temperature, seed, self.budget + 1)
         device = self.target.device
-        window = self.drafter.config.context_window
 
         start = time.perf_counter()
         pre = self.target.prefill(ids[:, :-1], layers=self.layers)
-        cache, features = pre.cache, pre.features  # features (1, C, F) of the committed positions
+        cache = pre.cache
+        # the drafter's context: features (1, C, F) and ids of the committed positions before the root
+        context = drafter_context(self.drafter, pre.features, ids[:, :-1], cached=self.drafter_cache)
         root = ids[:, -1]
         tokens: list[int] = []
         result = GenerationResult(tokens)
         while True:
-            tree, times = self._draft_tree(features, root, ids[:, :-1])
+            tree, times = self._draft_tree(context, root)
             clock = _Clock(device)
             C = cache.get_seq_length()
             out = self.target.tree_forward(cache, root, tree, layers=self.layers)
@@ -182,19 +188,18 @@ class SpeculativeDecoder:
             verdict = self._verify(tree, out.logits, temperature, top_k, top_p, generator)
             n_accept = int(verdict.accept_length[0])  # the round's one host transfer
             clock.lap("verify")
-            rows = verdict.accepted_rows[0, :n_accept]
-            self.target.commit(cache, C, rows)
-            new_rows = torch.cat([rows.new_zeros(1), rows])  # root, then the accepted nodes
-            features = torch.cat([features, out.features[:, new_rows]], dim=1)
-            if window is not None:
-                features = features[:, -window:]
             new_1N = torch.cat([verdict.accepted_tokens[:, :n_accept], verdict.bonus.view(1, 1)], dim=1)
-            new = new_1N[0].tolist()
-            root = verdict.bonus
-            ids = torch.cat([ids, new_1N], dim=1)  # every committed id, the new root last
+            done = _finish(tokens, new_1N[0].tolist(), eos, max_new_tokens)
+            if not done:  # the last round's commit would feed no further round
+                rows = verdict.accepted_rows[0, :n_accept]
+                self.target.commit(cache, C, rows)
+                new_rows = torch.cat([rows.new_zeros(1), rows])  # root, then the accepted nodes
+                # the round committed the root and the accepted path: they enter the drafter's context
+                context.extend(out.features[:, new_rows], torch.cat([root.view(1, 1), new_1N[:, :-1]], dim=1))
+                root = verdict.bonus
             clock.lap("commit")
             result.rounds.append(RoundStats(n_accept + 1, n_accept, {**times, **clock.times}))
-            if _finish(tokens, new, eos, max_new_tokens):
+            if done:
                 break
         result.seconds = time.perf_counter() - start
         return result
