@@ -33,7 +33,7 @@ def _check(logprobs_NKV: torch.Tensor, budget: int) -> None:
         raise ValueError(f"logprobs must be a (N, K, V) tensor of drafter log-probabilities, got {shape}")
     K = logprobs_NKV.shape[1]
     if not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget <= K:
-        raise ValueError(f"a chain's budget must be an int in [1, K={K}] (one node per drafter position), got {budget!r}")
+        raise ValueError(f"a chain's budget must be an int in [1, K={K}] (one node per drafter row), not {budget!r}")
 
 
 def chain_tree(logprobs_NKV: torch.Tensor, budget: int | None = None) -> DraftTree:

@@ -148,9 +148,8 @@ def to_markdown(result: dict) -> str:
     ]
     for label, acc in (("vLLM DFlash", result["vllm_acceptance"]), ("ours (chain, budget K)", ours["acceptance"])):
         per_pos = " ".join(str(v) for v in acc["accepted_per_position"]) or "-"
-        lines.append(
-            f"| {label} | {acc['drafts']} | {acc['accepted_tokens']} | {acc['mean_acceptance_length']:.3f} | {per_pos} |"
-        )
+        mean = acc["mean_acceptance_length"]
+        lines.append(f"| {label} | {acc['drafts']} | {acc['accepted_tokens']} | {mean:.3f} | {per_pos} |")
     lines += [
         "",
         "| run | startup s | generate s |",
