@@ -93,9 +93,11 @@ def run_worker(vllm_python: str, request: dict, workdir: Path, name: str, timeou
     req.write_text(json.dumps(request))
     res.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    # absolute, not resolved: a venv's python is a symlink whose target would lose the venv
+    python = os.path.abspath(vllm_python)
     with open(log, "w") as out:
         proc = subprocess.run(
-            [vllm_python, str(WORKER), str(req), str(res)],
+            [python, str(WORKER), str(req), str(res)],
             stdout=out, stderr=subprocess.STDOUT, cwd=workdir, env=env, timeout=timeout, check=False,
         )
     if proc.returncode != 0 or not res.is_file():
