@@ -55,6 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt")
     parser.add_argument("--domain", default="code", help="prompt domain; its evaluation set is used")
     parser.add_argument("--memory-fraction", type=float, default=0.5, help="vLLM gpu_memory_utilization")
+    parser.add_argument(
+        "--kv-cache-gib", type=float, default=1.0,
+        help="vLLM's KV cache in GiB, sized for these few prompts (0: let --memory-fraction size it)",
+    )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per vLLM run")
     parser.add_argument("--out", default="results/serve_check", help="writes <out>.json, <out>.md, <out>_work/")
@@ -76,6 +80,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--memory-fraction {args.memory_fraction}: vLLM's share of memory must lie in (0, 1]")
     if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:
         raise ValueError(f"--num-speculative-tokens {args.num_speculative_tokens}: need K >= 1")
+    if args.kv_cache_gib < 0:
+        raise ValueError(f"--kv-cache-gib {args.kv_cache_gib}: need a size >= 0 (0 = from --memory-fraction)")
     if args.timeout <= 0:
         raise ValueError(f"--timeout {args.timeout}: need a positive number of seconds")
     if args.drafter is not None and not Path(args.drafter, "config.json").is_file():
@@ -180,6 +186,7 @@ def run(args: argparse.Namespace) -> dict:
     request = {
         "target": str(target_dir), "prompts": prompts, "max_tokens": args.max_tokens,
         "max_model_len": args.max_model_len, "memory_fraction": args.memory_fraction, "dtype": "float32",
+        "kv_cache_gib": args.kv_cache_gib or None,
     }
     plain = run_worker(args.vllm_python, {**request, "drafter": None}, workdir, "vllm_plain", args.timeout)
     spec = run_worker(

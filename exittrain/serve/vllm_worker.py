@@ -10,7 +10,9 @@ starts this script once per mode and reads the result.
 Request (JSON object): ``target`` (HF folder), ``drafter`` (DFlash-format folder, or null for
 plain decoding), ``num_speculative_tokens`` (K, with a drafter), ``prompts`` (lists of token
 ids), ``max_tokens``, ``max_model_len``, ``memory_fraction`` (vLLM's
-``gpu_memory_utilization``: on a CPU the share of host memory it reserves), ``dtype``.
+``gpu_memory_utilization``: on a CPU the share of host memory it reserves),
+``kv_cache_gib`` (optional: a fixed KV cache size, which then replaces that share's KV part),
+``dtype``.
 
 Result (JSON object): ``mode`` ("plain" or "dflash"), ``vllm_version``, ``startup_s`` (the
 ``LLM(...)`` constructor: load, warm-up, worker start), ``generate_s``, ``outputs`` (new token
@@ -67,6 +69,7 @@ def run(request: dict) -> dict:
             "model": request["drafter"],
             "num_speculative_tokens": request["num_speculative_tokens"],
         }
+    kv_bytes = None if request.get("kv_cache_gib") is None else int(request["kv_cache_gib"] * 2**30)
     start = time.perf_counter()
     llm = LLM(
         model=request["target"],
@@ -74,6 +77,7 @@ def run(request: dict) -> dict:
         dtype=request["dtype"],
         enforce_eager=True,
         gpu_memory_utilization=request["memory_fraction"],
+        kv_cache_memory_bytes=kv_bytes,
         max_model_len=request["max_model_len"],
         disable_log_stats=False,  # the acceptance counters are stats
         seed=0,

@@ -33,6 +33,7 @@ def _worker_module():
         (["--memory-fraction", "1.5"], "--memory-fraction"),
         (["--num-speculative-tokens", "0"], "K >= 1"),
         (["--timeout", "0"], "--timeout"),
+        (["--kv-cache-gib", "-1"], "--kv-cache-gib"),
     ],
 )
 def test_bad_arguments_name_the_flag(flags, match):
