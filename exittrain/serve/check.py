@@ -15,7 +15,9 @@ target's chat template, passed to vLLM as token ids):
    with ``num_speculative_tokens`` K = block_size - 1 (the block the drafter was trained on);
 4. in this process: the target's own greedy decoding, and our chain decoder
    (:class:`~exittrain.serve.chain.ChainDecoder`, a chain of budget K with the greedy verifier)
-   running the same drafter folder through :class:`~exittrain.serve.dflash_reference.ReferenceDFlashDrafter`.
+   running the same drafter folder twice (``--ours``): read into exittrain's own drafter by
+   :func:`~exittrain.models.load_drafter`, and through the ``dflash`` package's module
+   (:class:`~exittrain.serve.dflash_reference.ReferenceDFlashDrafter`).
    vLLM emits the first new token from the prefill without drafting, so our decoder starts from
    the prompt plus that token and both sides draft from the same roots;
 5. write ``<out>.json`` and ``<out>.md``: agreement of vLLM with and without speculation (the
@@ -43,6 +45,8 @@ from pathlib import Path
 __all__ = ["WORKER", "check_args", "main", "parse_args", "run", "run_worker"]
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
+# exittrain: our BlockDrafter reading the DFlash folder; reference: the dflash package's module
+OURS = ("exittrain", "reference")
 _SETUP = "make vllm-setup"
 
 
@@ -51,6 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="interpreter of the vLLM venv")
     parser.add_argument("--drafter", default=None, help="DFlash-format drafter folder (default: random weights)")
     parser.add_argument("--num-speculative-tokens", type=int, default=None, help="K (default: block_size - 1)")
+    parser.add_argument(
+        "--ours", nargs="+", default=list(OURS), choices=OURS,
+        help="drafter implementations our chain decoder runs the folder with (default: both)",
+    )
     parser.add_argument("--prompts", type=int, default=4, help="held-out prompts")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt")
     parser.add_argument("--domain", default="code", help="prompt domain; its evaluation set is used")
@@ -126,31 +134,42 @@ def _host() -> dict:
     return {"cpu": cpu, "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
 
 
-def _ours(drafter_dir: Path, prompts: list[list[int]], max_tokens: int, K: int) -> dict:
-    """Our target's greedy decoding and our chain decoder on the drafter folder."""
+def _load_drafter(kind: str, drafter_dir: Path, target):
+    """The drafter folder as our decoder runs it: exittrain's own drafter, or the reference module."""
+    if kind == "exittrain":
+        from exittrain.models import load_drafter
+
+        return load_drafter(str(drafter_dir), target)  # reads a DFlash folder into a BlockDrafter
+    from exittrain.serve.dflash_reference import ReferenceDFlashDrafter
+
+    return ReferenceDFlashDrafter(drafter_dir).attach_target(target)
+
+
+def _ours(drafter_dir: Path, prompts: list[list[int]], max_tokens: int, K: int, kinds: list[str]) -> dict:
+    """Our target's greedy decoding, then our chain decoder with each drafter implementation."""
     from exittrain.decoding import autoregressive_generate
     from exittrain.models import load_target
     from exittrain.serve.chain import ChainDecoder
-    from exittrain.serve.dflash_reference import ReferenceDFlashDrafter
 
     target = load_target(None)
-    drafter = ReferenceDFlashDrafter(drafter_dir).attach_target(target)
-    decoder = ChainDecoder(target, drafter, budget=K, verifier="greedy")
-    greedy, chain, accepts = [], [], []
     start = time.perf_counter()
-    for ids in prompts:
-        plain = autoregressive_generate(target, ids, max_tokens).tokens
-        greedy.append(plain)
-        first = plain[0]
-        if first in target.eos_token_ids:  # vLLM stops after the prefill's token too: no round to draft
-            chain.append([first])
-            accepts.append([])
-            continue
-        res = decoder.generate(list(ids) + [first], max_tokens - 1)
-        chain.append([first] + res.tokens)
-        accepts.append([r.accept_length for r in res.rounds])
-    seconds = time.perf_counter() - start
-    return {"greedy": greedy, "chain": chain, "accept_lengths": accepts, "seconds": seconds}
+    greedy = [autoregressive_generate(target, ids, max_tokens).tokens for ids in prompts]
+    result = {"greedy": greedy, "greedy_seconds": time.perf_counter() - start, "runs": {}}
+    for kind in kinds:
+        decoder = ChainDecoder(target, _load_drafter(kind, drafter_dir, target), budget=K, verifier="greedy")
+        chain, accepts = [], []
+        start = time.perf_counter()
+        for ids, plain in zip(prompts, greedy):
+            first = plain[0]
+            if first in target.eos_token_ids:  # vLLM stops after the prefill's token too: no round to draft
+                chain.append([first])
+                accepts.append([])
+                continue
+            res = decoder.generate(list(ids) + [first], max_tokens - 1)
+            chain.append([first] + res.tokens)
+            accepts.append([r.accept_length for r in res.rounds])
+        result["runs"][kind] = {"chain": chain, "accept_lengths": accepts, "seconds": time.perf_counter() - start}
+    return result
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -193,13 +212,15 @@ def run(args: argparse.Namespace) -> dict:
         args.vllm_python, {**request, "drafter": str(drafter_dir.resolve()), "num_speculative_tokens": K},
         workdir, "vllm_dflash", args.timeout,
     )
-    ours = _ours(drafter_dir, prompts, args.max_tokens, K)
+    ours = _ours(drafter_dir, prompts, args.max_tokens, K, args.ours)
     agreement = {
         "vllm_dflash_vs_plain": compare_outputs(plain["outputs"], spec["outputs"]),
-        "ours_vs_vllm_plain": compare_outputs(plain["outputs"], ours["chain"]),
         "hf_greedy_vs_vllm_plain": compare_outputs(plain["outputs"], ours["greedy"]),
-        "ours_vs_hf_greedy": compare_outputs(ours["greedy"], ours["chain"]),
     }
+    for kind, run_ in ours["runs"].items():
+        agreement[f"ours_{kind}_vs_vllm_plain"] = compare_outputs(plain["outputs"], run_["chain"])
+        agreement[f"ours_{kind}_vs_hf_greedy"] = compare_outputs(ours["greedy"], run_["chain"])
+        run_["acceptance"] = our_acceptance(run_["accept_lengths"], K)
     return {
         "target": EMBEDDED_TARGET_NAME,
         "target_dir": str(target_dir),
@@ -214,7 +235,7 @@ def run(args: argparse.Namespace) -> dict:
         "host": _host(),
         "agreement": agreement,
         "vllm_acceptance": acceptance_from_metrics(spec["metrics"]),
-        "ours": {**ours, "acceptance": our_acceptance(ours["accept_lengths"], K)},
+        "ours": ours,
         "vllm_plain": {k: plain[k] for k in ("startup_s", "generate_s", "outputs", "finish_reasons")},
         "vllm_dflash": {k: spec[k] for k in ("startup_s", "generate_s", "outputs", "finish_reasons",
                                              "speculative_config")},

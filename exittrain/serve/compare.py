@@ -117,6 +117,9 @@ def our_acceptance(accept_lengths_per_prompt: Sequence[Sequence[int]], num_draft
     }
 
 
+_OURS_LABEL = {"exittrain": "exittrain's drafter", "reference": "dflash's module"}
+
+
 def to_markdown(result: dict) -> str:
     """The report: agreement, then acceptance side by side, then startup and throughput."""
     spec, plain, ours = result["vllm_dflash"], result["vllm_plain"], result["ours"]
@@ -132,11 +135,13 @@ def to_markdown(result: dict) -> str:
         "| agreement | equal | prompts equal | tokens agreeing |",
         "|---|---|---|---|",
     ]
-    for name, label in (
-        ("vllm_dflash_vs_plain", "vLLM DFlash vs vLLM plain"),
-        ("ours_vs_vllm_plain", "our chain decoder vs vLLM plain"),
-        ("hf_greedy_vs_vllm_plain", "our target's greedy vs vLLM plain"),
-    ):
+    rows = [("vllm_dflash_vs_plain", "vLLM DFlash vs vLLM plain"),
+            ("hf_greedy_vs_vllm_plain", "our target's greedy vs vLLM plain")]
+    for kind in ours["runs"]:
+        label = _OURS_LABEL.get(kind, kind)
+        rows += [(f"ours_{kind}_vs_vllm_plain", f"our chain decoder ({label}) vs vLLM plain"),
+                 (f"ours_{kind}_vs_hf_greedy", f"our chain decoder ({label}) vs our target's greedy")]
+    for name, label in rows:
         a = agree[name]
         lines.append(
             f"| {label} | {a['equal']} | {a['prompts_equal']}/{a['prompts']} | {a['tokens_agreeing']}/{a['tokens']} |"
@@ -146,7 +151,9 @@ def to_markdown(result: dict) -> str:
         "| acceptance | drafts | accepted tokens | mean acceptance length | accepted per position |",
         "|---|---|---|---|---|",
     ]
-    for label, acc in (("vLLM DFlash", result["vllm_acceptance"]), ("ours (chain, budget K)", ours["acceptance"])):
+    sides = [("vLLM DFlash", result["vllm_acceptance"])]
+    sides += [(f"ours: chain of K, {_OURS_LABEL.get(k, k)}", r["acceptance"]) for k, r in ours["runs"].items()]
+    for label, acc in sides:
         per_pos = " ".join(str(v) for v in acc["accepted_per_position"]) or "-"
         mean = acc["mean_acceptance_length"]
         lines.append(f"| {label} | {acc['drafts']} | {acc['accepted_tokens']} | {mean:.3f} | {per_pos} |")
@@ -156,8 +163,8 @@ def to_markdown(result: dict) -> str:
         "|---|---|---|",
         f"| vLLM plain | {plain['startup_s']:.1f} | {plain['generate_s']:.1f} |",
         f"| vLLM DFlash | {spec['startup_s']:.1f} | {spec['generate_s']:.1f} |",
-        f"| ours (chain) | - | {ours['seconds']:.1f} |",
-        "",
-        "Timings come from a shared machine; read them as orders of magnitude.",
+        f"| our target's greedy | - | {ours['greedy_seconds']:.1f} |",
     ]
-    return "\n".join(lines) + "\n"
+    lines += [f"| ours: chain, {_OURS_LABEL.get(k, k)} | - | {r['seconds']:.1f} |" for k, r in ours["runs"].items()]
+    lines += ["", "Timings come from a shared machine; read them as orders of magnitude.", ""]
+    return "\n".join(lines)

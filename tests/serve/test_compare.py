@@ -70,13 +70,15 @@ def test_markdown_shows_both_acceptance_lengths():
     result = {
         "vllm_version": "0.32.0", "target": "t", "drafter": "d", "drafter_kind": "given", "domain": "code",
         "max_tokens": 2, "num_speculative_tokens": 7, "host": {"cpu": "cpu", "capability": "AVX2", "threads": 2},
-        "agreement": {k: agree for k in ("vllm_dflash_vs_plain", "ours_vs_vllm_plain", "hf_greedy_vs_vllm_plain")},
+        "agreement": {k: agree for k in ("vllm_dflash_vs_plain", "hf_greedy_vs_vllm_plain",
+                                         "ours_exittrain_vs_vllm_plain", "ours_exittrain_vs_hf_greedy")},
         "vllm_acceptance": vllm_acc,
-        "ours": {"acceptance": our_acceptance([[1, 0, 0, 1]], 7), "seconds": 1.0},
+        "ours": {"greedy_seconds": 1.0,
+                 "runs": {"exittrain": {"acceptance": our_acceptance([[1, 0, 0, 1]], 7), "seconds": 1.0}}},
         "vllm_plain": {"startup_s": 30.0, "generate_s": 2.0},
         "vllm_dflash": {"startup_s": 40.0, "generate_s": 3.0},
     }
     text = to_markdown(result)
     assert "| vLLM DFlash | 4 | 2 | 1.500 |" in text
-    assert "| ours (chain, budget K) | 4 | 2 | 1.500 |" in text
+    assert "| ours: chain of K, exittrain's drafter | 4 | 2 | 1.500 |" in text
     assert "| vLLM DFlash vs vLLM plain | True | 1/1 | 2/2 |" in text
