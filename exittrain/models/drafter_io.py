@@ -1,0 +1,70 @@
+"""Checks on a saved drafter folder before Hugging Face reads it, in our words.
+
+A folder saved by exittrain holds ``config.json`` and safetensors weights named as in a DFlash
+draft model (``layers.{i}.self_attn.q_proj.weight``, ``fc.weight``, ...) plus our extensions.
+Folders written before the drafter took that layout (``context_proj.weight``,
+``layers.{i}.attn.*``) compute another function (no per-head Q/K norms) and are refused with the
+fix, never loaded into a model whose norms they do not fill.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+
+from exittrain.safe_io import check_safetensors, load_json_object
+
+__all__ = ["DRAFTER_FIX", "check_saved_files"]
+
+# what to do about a saved drafter folder whose files are bad (exittrain.safe_io adds the file and the cause)
+DRAFTER_FIX = (
+    "point warm_start= (fit) or drafter= (eval) at another drafter folder saved by exittrain (RUN_DIR/drafter of a "
+    "fit run) or at a DFlash drafter folder, or re-export this one with exittrain.lit.save_drafter(drafter, path)"
+)
+
+# tensor names only the drafter layout before the DFlash one used
+_OLD_LAYOUT = ("context_proj.weight", "context_norm.weight")
+
+
+def check_saved_files(folder: str | os.PathLike, *, config_too: bool = True) -> list[str]:
+    """Check the files Hugging Face will read from the saved drafter ``folder``; return the tensor names.
+
+    ``config.json`` (when ``config_too``) must be a JSON object; the weights (``model.safetensors``,
+    or every shard named by ``model.safetensors.index.json``) must exist and be whole
+    safetensors files (:func:`exittrain.safe_io.check_safetensors`: header and size, no tensor
+    data read). Raises ValueError naming the bad file and :data:`DRAFTER_FIX`; a folder with no
+    ``*.safetensors`` at all (only a pickled ``.bin``/``.pt``) raises ValueError saying drafters
+    load from safetensors only; weights in the layout before the DFlash one raise ValueError
+    saying to retrain. A missing ``config.json`` is left to Hugging Face's own error.
+    """
+    folder = Path(folder)
+    if config_too and (folder / "config.json").is_file():
+        load_json_object(folder / "config.json", what="drafter config", fix=DRAFTER_FIX)
+    if not any(folder.glob("*.safetensors")):
+        found = sorted(p.name for p in folder.iterdir())
+        raise ValueError(
+            f"drafter folder {folder} holds no *.safetensors weights (found {found}); drafters are loaded "
+            "from safetensors only, never from pickled .bin/.pt files: re-export it with "
+            "exittrain.lit.save_drafter(drafter, path) or drafter.save_pretrained(path)"
+        )
+    index = folder / SAFE_WEIGHTS_INDEX_NAME
+    if index.is_file():
+        weight_map = load_json_object(index, what="drafter weights index", fix=DRAFTER_FIX).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"drafter weights index {index} has no 'weight_map' object: {DRAFTER_FIX}")
+        files = sorted(set(weight_map.values()))
+    else:
+        files = [SAFE_WEIGHTS_NAME]
+    names: list[str] = []
+    for name in files:
+        names += check_safetensors(folder / name, what="drafter weights", fix=DRAFTER_FIX)
+    old = [n for n in _OLD_LAYOUT if n in names]
+    if old:
+        raise ValueError(
+            f"drafter folder {folder} was saved by an earlier exittrain (it holds {old}): that drafter had no "
+            "per-head query/key norms and cannot be loaded as the current, DFlash-shaped drafter; train a new "
+            "one (python -m exittrain fit ...) or warm-start from a DFlash drafter folder"
+        )
+    return names
