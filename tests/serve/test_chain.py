@@ -132,3 +132,22 @@ def test_reference_drafter_reads_the_layers_dflash_reads(tiny_pair):
     assert ours.shape == (1, drafter.config.num_draft_tokens, VOCAB)
     assert torch.allclose(ours, drafter(reference_1CF, ids[:, -1]), atol=1e-6)
     assert not torch.allclose(ours, drafter(shifted_1CF, ids[:, -1]), atol=1e-3)  # an off-by-one shows
+
+
+def test_exittrain_drafter_reads_the_folder_as_the_reference_does(tiny_pair, one_thread):
+    """The same DFlash folder through load_drafter (exittrain's drafter) and through dflash's module:
+    equal draft logits, and so the chain decoder's rounds."""
+    from exittrain.models import load_drafter
+
+    target, drafter_dir = tiny_pair
+    ours, reference = load_drafter(str(drafter_dir), target), ReferenceDFlashDrafter(drafter_dir).attach_target(target)
+    assert list(ours.config.target_layer_ids) == reference.config.target_layer_ids
+    ids = torch.tensor([[3, 1, 4, 1, 5, 2, 6, 5, 3]])
+    features_1CF = target.prefill(ids[:, :-1], layers=reference.config.target_layer_ids).features
+    with torch.no_grad():
+        assert torch.allclose(ours(features_1CF, ids[:, -1]), reference(features_1CF, ids[:, -1]), atol=1e-5)
+    prompt = [3, 1, 4, 1, 5, 2, 6]
+    a = ChainDecoder(target, ours).generate(prompt, 20)
+    b = ChainDecoder(target, reference).generate(prompt, 20)
+    assert a.tokens == b.tokens
+    assert [r.accept_length for r in a.rounds] == [r.accept_length for r in b.rounds]
