@@ -136,12 +136,12 @@ def _train(cfg, drafter, target, datamodule, stage: str, steps: int, **overrides
     """Fit ``drafter`` for ``steps`` of ``stage`` on ``datamodule``; returns the module (its metrics inside).
 
     Every arm reads the same target features and soft labels from the DataModule's store."""
-    import lightning as L
     from hydra.utils import instantiate
 
+    from exittrain.lit.run_logging import seed_everything
     from exittrain.lit.trainer import build_trainer
 
-    L.seed_everything(cfg.seed, workers=True)  # the same data order and anchors for every arm
+    seed_everything(cfg.seed)  # the same data order and anchors for every arm
     module = instantiate(cfg.objective)(drafter=drafter, target=target, stage=stage, **overrides)
     trainer = build_trainer(
         cfg.trainer, max_steps=steps, logger=False, enable_checkpointing=False, callbacks=[], limit_val_batches=0

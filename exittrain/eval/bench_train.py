@@ -29,11 +29,9 @@ def _peak_rss_mb() -> float:
 
 
 def run(steps: int, budgets: list[int], anchors: int, batch: int, prompts: int) -> dict:
-    import lightning as L
-    from lightning.pytorch.callbacks import Callback
-
     from exittrain.data import ExitTrainDataModule
     from exittrain.lit import ExitTrainModule
+    from exittrain.lit.step_timing import timed_training_steps
     from exittrain.models import load_target, new_drafter
     from exittrain.precision import trainer_precision
 
@@ -46,26 +44,13 @@ def run(steps: int, budgets: list[int], anchors: int, batch: int, prompts: int) 
         generation={"max_new_tokens": 32, "batch_size": 16}, progress=False, feature_layers=layers,
     )
 
-    class Collect(Callback):
-        def __init__(self):
-            self.rows = []
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            m = trainer.callback_metrics
-            self.rows.append({k: float(m[f"train/time_{k}_ms"]) for k in (*PARTS, "step")
-                              if f"train/time_{k}_ms" in m} | {"anchors": float(m.get("train/anchors", 0))})
-
     results = []
     for budget in budgets:
         drafter = new_drafter(target, seed=0)
         module = ExitTrainModule(drafter, target, stage="exittrain", budget=budget, anchors_per_seq=anchors,
                                 feature_cache=True)
-        collect = Collect()
-        trainer = L.Trainer(max_steps=steps, accelerator="cpu", precision=precision, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            callbacks=[collect], limit_val_batches=0, num_sanity_val_steps=0)
-        trainer.fit(module, datamodule=dm)
-        rows = collect.rows[2:] or collect.rows
+        rows = timed_training_steps(module, dm, steps=steps, precision=precision, parts=(*PARTS, "step"))
+        rows = rows[2:] or rows  # the first two steps warm up
         step_ms = statistics.median(r["step"] for r in rows)
         parts = {p: statistics.median(r.get(p, 0.0) for r in rows) for p in PARTS}
         results.append({
