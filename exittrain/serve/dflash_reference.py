@@ -20,10 +20,12 @@ Face ``hidden_states[l + 1]``): the convention of :mod:`exittrain.models.target`
 through unchanged. (vLLM adds one internally: its auxiliary layer ``l + 1`` is the residual
 stream after ``l + 1`` decoder layers, the same tensor.)
 
-**Limits.** The adapter re-encodes the whole context every round (no drafter cache) and reads the
-block with the target's embedding of ``mask_token_id`` (a shipped ``mask_embedding.pt``, which
-vLLM would read, is refused rather than ignored). ``dflash`` must be installed
-(``pip install --no-deps dflash==0.1.0``: it pins an older ``datasets``).
+**Mask rows.** The block's mask rows are the target's embedding of ``mask_token_id``, or the
+vector of a shipped ``mask_embedding.pt`` (a tensor, or ``{"embedding", "mask_token_id"}``),
+which vLLM reads in its place and the ``dflash`` package ignores.
+
+**Limits.** The adapter re-encodes the whole context every round (no drafter cache). ``dflash``
+must be installed (``pip install --no-deps dflash==0.1.0``: it pins an older ``datasets``).
 """
 
 from __future__ import annotations
@@ -136,6 +138,24 @@ def write_random_dflash_drafter(
     return out
 
 
+def _read_mask_embedding(folder: Path, mask_token_id: int, hidden: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The optional ``mask_embedding.pt`` (H,): a tensor, or ``{"embedding": (H,), "mask_token_id": M}``."""
+    path = folder / "mask_embedding.pt"
+    if not path.is_file():
+        return None
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(state, dict):
+        if state.get("mask_token_id", mask_token_id) != mask_token_id:
+            raise ValueError(
+                f"{path}: mask_token_id {state.get('mask_token_id')} differs from dflash_config.mask_token_id "
+                f"{mask_token_id}; re-export the drafter"
+            )
+        state = state.get("embedding")
+    if not torch.is_tensor(state) or state.numel() != hidden:
+        raise ValueError(f"{path}: need a tensor of {hidden} values (the mask row), got {type(state).__name__}")
+    return state.reshape(hidden).to(dtype)
+
+
 class ReferenceDFlashDrafter(nn.Module):
     """A DFlash-format folder, run by ``dflash.DFlashDraftModel``, behind our drafter interface.
 
@@ -146,14 +166,10 @@ class ReferenceDFlashDrafter(nn.Module):
     def __init__(self, folder: str | os.PathLike, *, dtype: torch.dtype = torch.float32):
         super().__init__()
         raw = read_dflash_config(folder)
-        if (Path(folder) / "mask_embedding.pt").exists():
-            raise ValueError(
-                f"{folder}: holds mask_embedding.pt, a learned mask row this adapter does not apply; "
-                "remove it or compare with a drafter that reads the mask token's embedding"
-            )
         self.model = _dflash_model_class().from_pretrained(folder, dtype=dtype).eval()
         self.model.requires_grad_(False)
         self.mask_token_id = int(raw["dflash_config"]["mask_token_id"])
+        self.mask_embedding = _read_mask_embedding(Path(folder), self.mask_token_id, int(raw["hidden_size"]), dtype)
         self.scale = float(raw["dflash_config"].get("input_embedding_scale", 1.0))
         self.config = SimpleNamespace(
             target_layer_ids=list(raw["dflash_config"]["target_layer_ids"]),
@@ -198,6 +214,8 @@ class ReferenceDFlashDrafter(nn.Module):
         block_1S = torch.full((1, S), self.mask_token_id, dtype=torch.long, device=target.device)
         block_1S[:, 0] = root_1.reshape(-1)[0]
         noise_1SH = target.input_embeddings(block_1S) * self.scale
+        if self.mask_embedding is not None:  # a shipped mask row replaces the mask token's embedding
+            noise_1SH[:, 1:] = self.mask_embedding.to(noise_1SH)
         positions = torch.arange(C + S, device=target.device).unsqueeze(0)
         hidden_1SH = self.model(
             target_hidden=features_1CF.to(noise_1SH.dtype), noise_embedding=noise_1SH, position_ids=positions

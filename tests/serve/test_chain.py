@@ -151,3 +151,27 @@ def test_exittrain_drafter_reads_the_folder_as_the_reference_does(tiny_pair, one
     b = ChainDecoder(target, reference).generate(prompt, 20)
     assert a.tokens == b.tokens
     assert [r.accept_length for r in a.rounds] == [r.accept_length for r in b.rounds]
+
+
+def test_a_shipped_mask_row_is_read_by_both(tiny_pair, tmp_path):
+    """mask_embedding.pt (what vLLM reads for the mask rows) changes the drafts alike in both readers."""
+    import shutil
+
+    from exittrain.models import load_drafter
+
+    target, drafter_dir = tiny_pair
+    folder = tmp_path / "with_mask"
+    shutil.copytree(drafter_dir, folder)
+    mask = torch.randn(32, generator=torch.Generator().manual_seed(5))
+    torch.save({"embedding": mask, "mask_token_id": 0}, folder / "mask_embedding.pt")
+    ids = torch.tensor([[3, 1, 4, 1, 5, 2, 6, 5, 3]])
+    reference = ReferenceDFlashDrafter(folder).attach_target(target)
+    features_1CF = target.prefill(ids[:, :-1], layers=reference.config.target_layer_ids).features
+    with torch.no_grad():
+        with_mask = reference(features_1CF, ids[:, -1])
+        assert torch.allclose(load_drafter(str(folder), target)(features_1CF, ids[:, -1]), with_mask, atol=1e-5)
+        plain = ReferenceDFlashDrafter(drafter_dir).attach_target(target)(features_1CF, ids[:, -1])
+    assert not torch.allclose(with_mask, plain, atol=1e-3)
+    torch.save({"embedding": mask, "mask_token_id": 3}, folder / "mask_embedding.pt")
+    with pytest.raises(ValueError, match="differs from dflash_config.mask_token_id"):
+        ReferenceDFlashDrafter(folder)
