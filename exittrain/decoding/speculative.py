@@ -7,7 +7,10 @@ that the target has not yet processed: the last prompt token in the first round,
 previous round's bonus token. The drafter sees the target features of the positions before the
 root and the root's embedding, and proposes K distributions; :func:`build_tree` turns them into
 a tree of ``budget`` nodes; the target scores root + nodes in one forward; the verifier picks
-the exit node and the bonus; the cache keeps only root + accepted path.
+the exit node and the bonus; the cache keeps only root + accepted path. The drafter keeps its
+own cache of the context's keys and values, to which each round adds only the positions it
+committed (:mod:`exittrain.decoding.drafter_context`), so its cost per round does not grow with
+the context.
 
 Batch size 1 (one sequence). Every verifier is exact, so at temperature 0 the output equals the
 target's own greedy decoding, and at temperature > 0 it is a sample from the warped target.
