@@ -7,7 +7,10 @@ that the target has not yet processed: the last prompt token in the first round,
 previous round's bonus token. The drafter sees the target features of the positions before the
 root and the root's embedding, and proposes K distributions; :func:`build_tree` turns them into
 a tree of ``budget`` nodes; the target scores root + nodes in one forward; the verifier picks
-the exit node and the bonus; the cache keeps only root + accepted path.
+the exit node and the bonus; the cache keeps only root + accepted path. The drafter keeps its
+own cache of the context's keys and values, to which each round adds only the positions it
+committed (:mod:`exittrain.decoding.drafter_context`), so its cost per round does not grow with
+the context.
 
 Batch size 1 (one sequence). Every verifier is exact, so at temperature 0 the output equals the
 target's own greedy decoding, and at temperature > 0 it is a sample from the warped target.
@@ -147,16 +150,6 @@ class SpeculativeDecoder:
             tree, logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, validate=False
         )
 
-    def _draft_tree(self, context, root_1):
-        """(tree, stage times) for the current root, drafted over the committed ``context``."""
-        clock = _Clock(self.target.device)
-        logits_1KV = context.draft(root_1)
-        logq = torch.log_softmax(logits_1KV.float(), dim=-1)
-        clock.lap("draft")
-        tree = build_tree(logq, self.budget, validate=False)
-        clock.lap("tree")
-        return tree, clock.times
-
     @torch.no_grad()
     def generate(
         self,
@@ -180,8 +173,11 @@ class SpeculativeDecoder:
         tokens: list[int] = []
         result = GenerationResult(tokens)
         while True:
-            tree, times = self._draft_tree(context, root)
             clock = _Clock(device)
+            logq_1KV = torch.log_softmax(context.draft(root).float(), dim=-1)
+            clock.lap("draft")
+            tree = build_tree(logq_1KV, self.budget, validate=False)
+            clock.lap("tree")
             C = cache.get_seq_length()
             out = self.target.tree_forward(cache, root, tree, layers=self.layers)
             clock.lap("target")
@@ -193,12 +189,15 @@ class SpeculativeDecoder:
             if not done:  # the last round's commit would feed no further round
                 rows = verdict.accepted_rows[0, :n_accept]
                 self.target.commit(cache, C, rows)
+                clock.lap("commit")
                 new_rows = torch.cat([rows.new_zeros(1), rows])  # root, then the accepted nodes
-                # the round committed the root and the accepted path: they enter the drafter's context
+                # the round committed the root and the accepted path: they enter the drafter's
+                # context, the drafter's work for the next round (booked under draft)
                 context.extend(out.features[:, new_rows], torch.cat([root.view(1, 1), new_1N[:, :-1]], dim=1))
                 root = verdict.bonus
+                clock.lap("draft")
             clock.lap("commit")
-            result.rounds.append(RoundStats(n_accept + 1, n_accept, {**times, **clock.times}))
+            result.rounds.append(RoundStats(n_accept + 1, n_accept, clock.times))
             if done:
                 break
         result.seconds = time.perf_counter() - start
