@@ -163,3 +163,11 @@ def test_a_fit_on_store_batches_never_runs_the_target_over_a_row(target, store_r
     logger = ListLogger()
     trainer(2, logger=logger).fit(plain, train)
     assert logger.values("train/feature_rows_computed") == [2.0, 2.0]
+
+
+def test_the_objective_imports_no_lightning():
+    import subprocess
+    import sys
+
+    code = "import sys, exittrain.objective; sys.exit(int(any(m.split('.')[0] == 'lightning' for m in sys.modules)))"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

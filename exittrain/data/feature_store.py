@@ -18,8 +18,8 @@ target over a row whose features and soft labels the regeneration kept.
 
 Two modes (``mode``):
 
-- ``"memory"``: every row is read at :meth:`FeatureStore.open` and kept in host memory (each process
-  holds all rows: rows x n x F x 2 bytes for the features).
+- ``"memory"``: every row is read at :meth:`FeatureStore.open` and copied into host memory (each
+  process holds all rows: rows x n x F x 2 bytes for the features); training reads no file.
 - ``"disk"``: only the files' headers are read at open; each batch reads its own rows from the
   files (safetensors slices, memory-mapped), so a process holds what its batches need and the page
   cache the rest. Each process (DataLoader workers included) opens the files itself.
@@ -116,7 +116,7 @@ class FeatureStore:
                 for r, layout in rows.items():
                     got = stored.get(r)
                     _check_features(path, layers, r, None if got is None else got.shape[0], layout)
-                    features[r] = got[: layout.kept]
+                    features[r] = got[: layout.kept].clone()  # own memory, not a view of the file's mapping
             stored_top = load_top_logprobs(path, k) if k else None
             top = {} if stored_top is not None else None
             if stored_top is not None:
@@ -124,7 +124,7 @@ class FeatureStore:
                     got = stored_top.get(r)
                     _check_top(path, k, r, None if got is None else got[0].shape[0], layout)
                     kept = max(0, layout.kept - layout.prompt)
-                    top[r] = (got[0][:kept], got[1][:kept])
+                    top[r] = (got[0][:kept].clone(), got[1][:kept].clone())
         store = cls(path, rows, mode=mode, feature_layers=layers, top_k=k, features=features, top=top)
         if mode == "disk":
             store._check_headers()
