@@ -41,18 +41,25 @@ import torch
 from exittrain.data.regenerate import features_file, load_features, load_top_logprobs, top_logprobs_file
 from exittrain.safe_io import check_safetensors
 
-__all__ = ["STORE_MODES", "FeatureStore", "RowLayout"]
+__all__ = ["STORE_MODES", "FeatureStore", "RowLayout", "token_fingerprint"]
 
 STORE_MODES = ("memory", "disk")
 
 
 @dataclass(frozen=True)
 class RowLayout:
-    """A row of the cache entry: ``tokens`` stored, ``prompt`` tokens of them, ``kept`` after the ``max_length`` cut."""
+    """A row of the cache entry: ``tokens`` stored, ``prompt`` tokens of them, ``kept`` after the ``max_length``
+    cut, and optionally the :func:`token_fingerprint` of its ids, checked against every row the collator serves."""
 
     tokens: int
     prompt: int
     kept: int
+    fingerprint: int | None = None
+
+
+def token_fingerprint(ids: Sequence[int]) -> int:
+    """A cheap identity of a row's token ids (the same in every process: ints hash without a random seed)."""
+    return hash(tuple(int(x) for x in ids))
 
 
 class FeatureStore:
@@ -183,6 +190,17 @@ class FeatureStore:
                 "and must come from the same regenerated dataset"
             )
         return layout
+
+    def check_tokens(self, row_id: int, ids: Sequence[int]) -> None:
+        """ValueError when ``ids`` are not the tokens of the stored row ``row_id`` (if its layout has a fingerprint)."""
+        layout = self._layout(row_id)
+        if layout.fingerprint is None:
+            return
+        if len(ids) != layout.tokens or token_fingerprint(ids) != layout.fingerprint:
+            raise ValueError(
+                f"row_id {row_id}: its {len(ids)} tokens are not those of the row the store keeps under that id "
+                f"({self.path}); row ids must be stable and unique across the train and validation data"
+            )
 
     def features(self, row_id: int) -> torch.Tensor:
         """(n, F) bf16 features of the row's kept tokens; ValueError without features or for an unknown row."""
