@@ -13,7 +13,7 @@ One batch (ALGORITHM.md sections 6-8):
 1. ``features`` (L, T, F) = the frozen target's hidden states of the drafter's layers, no grad, fp32.
    With ``feature_cache`` they come from the batch (``features``, bf16, put there by the data's
    feature store, :mod:`exittrain.data.feature_store`); a batch without them has them computed
-   by the target and rounded to bf16 the same way, so a row gives the same loss either way.
+   by the target and rounded to bf16 too, so every step reads bf16-rounded features.
    Without ``feature_cache`` the target computes them for every batch, in fp32.
 2. Anchors: :func:`exittrain.core.sample_anchors` picks A positions per sequence whose K labels
    ``x_{a+1..a+K}`` lie inside the sequence and inside the loss mask, with the caller's generator

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from exittrain.data.feature_store import RowLayout
+from exittrain.data.feature_store import RowLayout, token_fingerprint
 from exittrain.data.regenerate import features_file, top_logprobs_file
 
 
@@ -43,7 +43,10 @@ def write_entry(path: Path, target, rows, layers, k: int) -> dict:
 
 
 def layouts(rows, max_length: int) -> dict[int, RowLayout]:
-    return {r: RowLayout(tokens=len(ids), prompt=p, kept=min(len(ids), max_length)) for r, (ids, p) in rows.items()}
+    return {
+        r: RowLayout(len(ids), p, min(len(ids), max_length), token_fingerprint(ids.tolist()))
+        for r, (ids, p) in rows.items()
+    }
 
 
 def dataset_rows(rows) -> list[dict]:

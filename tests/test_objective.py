@@ -127,10 +127,12 @@ def test_losses_on_stored_features_match_the_computed_ones(target, store_rows, s
     def losses(feature_cache):
         settings = ObjectiveSettings(stage=stage, anchors_per_seq=4, budget=6, feature_cache=feature_cache)
         return compute_losses(drafter, target, batch, settings, anchor_generator(0, 0), exit_loss=exit_loss,
-                              metrics=exit_loss).values
+                              metrics=exit_loss)
 
     with torch.no_grad():
         ref, first, second = losses(False), losses(True), losses(True)
+    assert first.feature_rows_computed == 0 and ref.feature_rows_computed == 2 and first.times_ms["features"] >= 0
+    first, second, ref = first.values, second.values, ref.values
     for key in ("loss_tok", "loss") + (("loss_exit",) if exit_loss else ()):
         assert float(first[key]) == float(second[key]), "a row gives the same loss on every visit"
         assert float(first[key]) == pytest.approx(float(ref[key]), rel=2e-2, abs=1e-3)
@@ -163,3 +165,11 @@ def test_a_fit_on_store_batches_never_runs_the_target_over_a_row(target, store_r
     logger = ListLogger()
     trainer(2, logger=logger).fit(plain, train)
     assert logger.values("train/feature_rows_computed") == [2.0, 2.0]
+
+
+def test_the_objective_imports_no_lightning():
+    import subprocess
+    import sys
+
+    code = "import sys, exittrain.objective; sys.exit(int(any(m.split('.')[0] == 'lightning' for m in sys.modules)))"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

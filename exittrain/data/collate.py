@@ -87,6 +87,8 @@ class Collator:
                 raise ValueError(
                     "a Collator with a feature store needs rows that carry prompt_index (the store's row ids)"
                 )
+            for r, row in zip(batch["row_id"].tolist(), rows):
+                store.check_tokens(r, row["input_ids"])
             batch.update(_stored(store, batch["row_id"].tolist(), lengths))
         return batch
 

@@ -39,7 +39,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from exittrain.data.collate import Collator, truncation_stats
-from exittrain.data.feature_store import STORE_MODES, FeatureStore, RowLayout
+from exittrain.data.feature_store import STORE_MODES, FeatureStore, RowLayout, token_fingerprint
 from exittrain.data.regenerate import (
     GenerationConfig,
     TargetProvider,
@@ -336,7 +336,7 @@ class ExitTrainDataModule(pl.LightningDataModule):
         if not self.feature_layers and not self.top_logprobs:
             return None
         rows = {
-            int(r): RowLayout(tokens=len(ids), prompt=int(p), kept=min(len(ids), self.max_length))
+            int(r): RowLayout(len(ids), int(p), min(len(ids), self.max_length), token_fingerprint(ids))
             for r, ids, p in self._split_rows("prompt_index", "input_ids", "n_prompt_tokens")
         }
         store = FeatureStore.open(

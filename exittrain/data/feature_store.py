@@ -18,8 +18,8 @@ target over a row whose features and soft labels the regeneration kept.
 
 Two modes (``mode``):
 
-- ``"memory"``: every row is read at :meth:`FeatureStore.open` and kept in host memory (each process
-  holds all rows: rows x n x F x 2 bytes for the features).
+- ``"memory"``: every row is read at :meth:`FeatureStore.open` and copied into host memory (each
+  process holds all rows: rows x n x F x 2 bytes for the features); training reads no file.
 - ``"disk"``: only the files' headers are read at open; each batch reads its own rows from the
   files (safetensors slices, memory-mapped), so a process holds what its batches need and the page
   cache the rest. Each process (DataLoader workers included) opens the files itself.
@@ -41,18 +41,25 @@ import torch
 from exittrain.data.regenerate import features_file, load_features, load_top_logprobs, top_logprobs_file
 from exittrain.safe_io import check_safetensors
 
-__all__ = ["STORE_MODES", "FeatureStore", "RowLayout"]
+__all__ = ["STORE_MODES", "FeatureStore", "RowLayout", "token_fingerprint"]
 
 STORE_MODES = ("memory", "disk")
 
 
 @dataclass(frozen=True)
 class RowLayout:
-    """A row of the cache entry: ``tokens`` stored, ``prompt`` tokens of them, ``kept`` after the ``max_length`` cut."""
+    """A row of the cache entry: ``tokens`` stored, ``prompt`` tokens of them, ``kept`` after the ``max_length``
+    cut, and optionally the :func:`token_fingerprint` of its ids, checked against every row the collator serves."""
 
     tokens: int
     prompt: int
     kept: int
+    fingerprint: int | None = None
+
+
+def token_fingerprint(ids: Sequence[int]) -> int:
+    """A cheap identity of a row's token ids (the same in every process: ints hash without a random seed)."""
+    return hash(tuple(int(x) for x in ids))
 
 
 class FeatureStore:
@@ -116,7 +123,7 @@ class FeatureStore:
                 for r, layout in rows.items():
                     got = stored.get(r)
                     _check_features(path, layers, r, None if got is None else got.shape[0], layout)
-                    features[r] = got[: layout.kept]
+                    features[r] = got[: layout.kept].clone()  # own memory, not a view of the file's mapping
             stored_top = load_top_logprobs(path, k) if k else None
             top = {} if stored_top is not None else None
             if stored_top is not None:
@@ -124,7 +131,7 @@ class FeatureStore:
                     got = stored_top.get(r)
                     _check_top(path, k, r, None if got is None else got[0].shape[0], layout)
                     kept = max(0, layout.kept - layout.prompt)
-                    top[r] = (got[0][:kept], got[1][:kept])
+                    top[r] = (got[0][:kept].clone(), got[1][:kept].clone())
         store = cls(path, rows, mode=mode, feature_layers=layers, top_k=k, features=features, top=top)
         if mode == "disk":
             store._check_headers()
@@ -183,6 +190,17 @@ class FeatureStore:
                 "and must come from the same regenerated dataset"
             )
         return layout
+
+    def check_tokens(self, row_id: int, ids: Sequence[int]) -> None:
+        """ValueError when ``ids`` are not the tokens of the stored row ``row_id`` (if its layout has a fingerprint)."""
+        layout = self._layout(row_id)
+        if layout.fingerprint is None:
+            return
+        if len(ids) != layout.tokens or token_fingerprint(ids) != layout.fingerprint:
+            raise ValueError(
+                f"row_id {row_id}: its {len(ids)} tokens are not those of the row the store keeps under that id "
+                f"({self.path}); row ids must be stable and unique across the train and validation data"
+            )
 
     def features(self, row_id: int) -> torch.Tensor:
         """(n, F) bf16 features of the row's kept tokens; ValueError without features or for an unknown row."""

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from exittrain.data.collate import Collator
-from exittrain.data.feature_store import FeatureStore
+from exittrain.data.feature_store import FeatureStore, RowLayout
 from exittrain.data.regenerate import features_file, top_logprobs_file
 from tests.models.helpers import tiny_target
 from tests.store_helpers import dataset_rows, layouts, synthetic_rows, write_entry
@@ -89,6 +89,15 @@ def test_collator_with_a_store_needs_row_ids_and_rows_of_the_stored_length(entry
     short[0] = {**short[0], "input_ids": short[0]["input_ids"][:8], "loss_mask": short[0]["loss_mask"][:8]}
     with pytest.raises(ValueError, match="row_id 10"):
         collate(short)
+    other = dataset_rows(rows)[:1]  # the same length, other tokens
+    other[0] = {**other[0], "input_ids": [x + 1 for x in other[0]["input_ids"]]}
+    with pytest.raises(ValueError, match="row_id 10: its .* tokens are not those of the row the store keeps"):
+        collate(other)
+    # without fingerprints only the lengths are checked: the collator's own check catches a shorter row
+    bare = {r: RowLayout(v.tokens, v.prompt, v.kept) for r, v in layouts(rows, MAX_LENGTH).items()}
+    unchecked = Collator(pad_token_id=0, max_length=MAX_LENGTH, store=FeatureStore.open(path, bare, top_k=K))
+    with pytest.raises(ValueError, match="row_id 10: its kept top log-probabilities end at token"):
+        unchecked(short)
 
 
 @pytest.mark.parametrize("mode", ["memory", "disk"])
