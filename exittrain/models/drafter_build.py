@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -131,10 +132,19 @@ def load_drafter(
     ``path`` is a folder saved by exittrain, or a DFlash drafter folder (``config.json`` with
     ``architectures: ["DFlashDraftModel"]``: z-lab's, speculators', or one exported by
     :func:`exittrain.models.dflash_format.export_dflash`), read by
-    :func:`exittrain.models.dflash_format.load_dflash` with the same pairing checks.
+    :func:`exittrain.models.dflash_format.load_dflash` with the same pairing checks. A hub id
+    (``z-lab/Qwen3-8B-DFlash-b16``) is downloaded first (needs the network or a filled hub cache).
     """
     from exittrain.models.dflash_format import is_dflash_folder, load_dflash
 
+    if isinstance(path, str) and not Path(path).exists() and path.count("/") == 1:
+        # a hub id (org/name): fetch the drafter's files once, then read them like a local folder
+        from huggingface_hub import snapshot_download
+
+        hub = {k: hf_kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only") if k in hf_kwargs}
+        local = snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "mask_embedding.pt"], **hub)
+        if is_dflash_folder(local):
+            path = local
     if is_dflash_folder(path):
         drafter = load_dflash(path, target, dtype=dtype)
     else:

@@ -199,3 +199,16 @@ def test_export_command(target, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["export", str(windowed), str(tmp_path / "out2")])
     assert "context_window" in capsys.readouterr().err
+
+
+def test_fit_writes_drafter_dflash_or_says_why_not(target, tmp_path, caplog):
+    from exittrain.export import export_beside
+
+    done = export_beside(_ours(target, copy_ngrams=[2]), tmp_path / "run")
+    assert done["path"] == str(tmp_path / "run" / "drafter_dflash") and "copy_ngrams=[2]" in done["dropped"][0]
+    assert (tmp_path / "run" / "drafter_dflash" / "config.json").is_file()
+    with caplog.at_level("WARNING", logger="exittrain.export"):
+        skipped = export_beside(_ours(target, context_window=8), tmp_path / "other")
+    assert skipped["path"] is None and "context_window" in skipped["why"]
+    assert "no drafter_dflash/ written" in caplog.text and "python -m exittrain export" in caplog.text
+    assert not (tmp_path / "other" / "drafter_dflash").exists()

@@ -1,0 +1,88 @@
+"""An exported drafter in the reference runtime: on the embedded SmolLM2 target,
+``dflash.model.dflash_generate`` at T = 0 gives exactly the target's greedy tokens, with the same
+acceptance length every round as exittrain's own chain decoding (a chain tree of budget K) of the
+same drafter. This also checks the layer-id convention end to end: DFlash reads Hugging Face's
+``hidden_states[id + 1]``, exittrain its layer-output hooks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from exittrain.core import DraftTree, block_cross_entropy
+from exittrain.data import chat_prompt_ids, load_domain
+from exittrain.decoding import SpeculativeDecoder
+from exittrain.models import load_target, new_drafter
+from exittrain.models.dflash_format import export_dflash
+
+dflash_model = pytest.importorskip("dflash.model", reason="pip install --no-deps dflash==0.1.0 (Makefile setup)")
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+NEW_TOKENS = 40
+
+
+class ChainDecoder(SpeculativeDecoder):
+    """exittrain's decoder with a chain tree: the drafter's argmax at each of the K depths."""
+
+    def _draft_tree(self, features_1CF, root_1, context_ids_1C):
+        logits_1KV = self.drafter(features_1CF, root_1, context_ids=context_ids_1C)
+        K = logits_1KV.shape[1]
+        tokens = logits_1KV.argmax(-1)
+        tree = DraftTree(
+            tokens=tokens, parents=torch.arange(K).view(1, K), depths=torch.arange(1, K + 1).view(1, K),
+            valid=torch.ones(1, K, dtype=torch.bool), max_depth=K,
+        )
+        return tree, {}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(None)
+
+
+def test_dflash_generate_with_an_exported_drafter_matches_greedy_and_our_chain(target, tmp_path, monkeypatch):
+    monkeypatch.setattr(dflash_model, "_cuda_time", time.perf_counter)  # it times itself with cuda.synchronize
+    texts = load_domain("code").eval[:3]
+    prompts = [chat_prompt_ids(target.tokenizer, t) for t in texts]
+    greedy = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                    do_sample=False, eos_token_id=None, pad_token_id=0)
+        greedy.append(out[0, len(p):].tolist())
+    # a drafter in the DFlash format (mask rows = the target embedding of token 0, no window, no copy
+    # branch), fitted briefly on these answers so that rounds accept several tokens
+    drafter = new_drafter(target, block_size=5, num_layers=1, seed=0, mask_token_id=0, learned_mask=False)
+    seqs = [p + g for p, g in zip(prompts, greedy)]
+    T = min(len(s) for s in seqs)
+    ids = torch.tensor([s[-T:] for s in seqs])
+    feats = target.sequence_features(ids, drafter.config.target_layer_ids)
+    K = drafter.config.num_draft_tokens
+    anchors = torch.arange(T - NEW_TOKENS, T - K).expand(len(seqs), -1)
+    labels = torch.stack([ids.gather(1, anchors + k) for k in range(1, K + 1)], -1).reshape(-1, K)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    for _ in range(25):
+        loss = block_cross_entropy(drafter.forward_anchors(feats, ids, anchors), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    drafter.eval()
+    export_dflash(drafter, tmp_path / "dflash")
+    theirs = dflash_model.DFlashDraftModel.from_pretrained(tmp_path / "dflash", dtype=torch.float32).eval()
+
+    ours = ChainDecoder(target, drafter, budget=K, verifier="greedy")
+    accepted = []
+    for p, want in zip(prompts, greedy):
+        stats = dflash_model.dflash_generate(
+            theirs, target.model, torch.tensor([p]), NEW_TOKENS, stop_token_ids=None, temperature=0.0,
+            return_stats=True,
+        )
+        assert stats.output_ids[0, len(p):].tolist() == want
+        mine = ours.generate(p, NEW_TOKENS, temperature=0.0)
+        assert mine.tokens[:NEW_TOKENS] == want
+        rounds = [r.block_length for r in mine.rounds]
+        n = len(stats.acceptance_lengths) - 1  # the last round of each is cut at the token limit
+        assert stats.acceptance_lengths[:n] == rounds[:n]
+        accepted += rounds[:n]
+    assert max(accepted) >= 3, accepted  # rounds did accept drafted tokens: the comparison has teeth
