@@ -217,9 +217,9 @@ def run(args: argparse.Namespace) -> dict:
         "vllm_dflash_vs_plain": compare_outputs(plain["outputs"], spec["outputs"]),
         "hf_greedy_vs_vllm_plain": compare_outputs(plain["outputs"], ours["greedy"]),
     }
-    for kind, run_ in ours["runs"].items():
-        agreement[f"ours_{kind}_vs_vllm_plain"] = compare_outputs(plain["outputs"], run_["chain"])
-        agreement[f"ours_{kind}_vs_hf_greedy"] = compare_outputs(ours["greedy"], run_["chain"])
+    for impl, run_ in ours["runs"].items():
+        agreement[f"ours_{impl}_vs_vllm_plain"] = compare_outputs(plain["outputs"], run_["chain"])
+        agreement[f"ours_{impl}_vs_hf_greedy"] = compare_outputs(ours["greedy"], run_["chain"])
         run_["acceptance"] = our_acceptance(run_["accept_lengths"], K)
     return {
         "target": EMBEDDED_TARGET_NAME,

@@ -113,6 +113,7 @@ def test_serve_check_end_to_end(tmp_path):
     result = json.loads(out.with_suffix(".json").read_text())
     agree = result["agreement"]
     assert agree["vllm_dflash_vs_plain"]["equal"]
+    assert result["drafter_kind"] == "random weights"
     K = result["num_speculative_tokens"]
     vllm_acc = result["vllm_acceptance"]
     assert vllm_acc["drafts"] > 0 and len(vllm_acc["accepted_per_position"]) == K
