@@ -18,10 +18,12 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from exittrain.configs import CONF_DIR
+
 __all__ = ["DATA_CONF_DIR", "DOMAIN_SOURCES", "HUB_SOURCES", "DomainSources", "read_domain_sources"]
 
-DATA_CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "data"
-"""The data config group of a checkout, whose lists are the domains' defaults."""
+DATA_CONF_DIR = CONF_DIR / "data"  # the checkout's conf/data, or the copy packaged in the wheel
+"""The data config group, whose lists are the domains' defaults."""
 
 
 @dataclass(frozen=True)
