@@ -141,6 +141,10 @@ class SpeculativeDecoder:
         self.drafter_cache = bool(drafter_cache)
         self.layers = list(drafter.config.target_layer_ids)
 
+    def _tree(self, logq_1KV: torch.Tensor):
+        """The round's draft tree from the drafter's log-probabilities (1, K, V): best-first, ``budget`` nodes."""
+        return build_tree(logq_1KV, self.budget, validate=False)
+
     def _verify(self, tree, logits, temperature, top_k, top_p, generator):
         if self.verifier == "greedy":
             if temperature != 0:
@@ -176,7 +180,7 @@ class SpeculativeDecoder:
             clock = _Clock(device)
             logq_1KV = torch.log_softmax(context.draft(root).float(), dim=-1)
             clock.lap("draft")
-            tree = build_tree(logq_1KV, self.budget, validate=False)
+            tree = self._tree(logq_1KV)
             clock.lap("tree")
             C = cache.get_seq_length()
             out = self.target.tree_forward(cache, root, tree, layers=self.layers)

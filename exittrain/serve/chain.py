@@ -17,8 +17,6 @@ at the argmax, -inf elsewhere) keeps exactly the K nodes of score 0, shallowest 
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from exittrain.core import DraftTree, build_tree
@@ -73,18 +71,14 @@ class ChainDecoder(SpeculativeDecoder):
     ``budget`` must not exceed the drafter's K (a chain has one node per drafter position).
     """
 
-    def __init__(self, target, drafter, budget: int | None = None, verifier: str = "greedy"):
+    def __init__(
+        self, target, drafter, budget: int | None = None, verifier: str = "greedy", drafter_cache: bool = True
+    ):
         K = int(drafter.config.num_draft_tokens)
         budget = K if budget is None else budget
         if not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget <= K:
             raise ValueError(f"budget={budget!r}: a chain has at most K={K} nodes (the drafter's draft tokens)")
-        super().__init__(target, drafter, budget=budget, verifier=verifier)
+        super().__init__(target, drafter, budget=budget, verifier=verifier, drafter_cache=drafter_cache)
 
-    def _draft_tree(self, features_1CF, root_1, context_ids_1C):
-        # the decoder's timing contract: (tree, {"draft": s, "tree": s}); CPU timing (no device sync)
-        start = time.perf_counter()
-        logits_1KV = self.drafter(features_1CF, root_1, context_ids=context_ids_1C)
-        logq = torch.log_softmax(logits_1KV.float(), dim=-1)
-        drafted = time.perf_counter()
-        tree = chain_tree(logq, self.budget)
-        return tree, {"draft": drafted - start, "tree": time.perf_counter() - drafted}
+    def _tree(self, logq_1KV: torch.Tensor) -> DraftTree:
+        return chain_tree(logq_1KV, self.budget)

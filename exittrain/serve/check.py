@@ -156,7 +156,11 @@ def _ours(drafter_dir: Path, prompts: list[list[int]], max_tokens: int, K: int, 
     greedy = [autoregressive_generate(target, ids, max_tokens).tokens for ids in prompts]
     result = {"greedy": greedy, "greedy_seconds": time.perf_counter() - start, "runs": {}}
     for kind in kinds:
-        decoder = ChainDecoder(target, _load_drafter(kind, drafter_dir, target), budget=K, verifier="greedy")
+        # the reference module re-reads its whole context each round: it has no context K/V cache
+        decoder = ChainDecoder(
+            target, _load_drafter(kind, drafter_dir, target), budget=K, verifier="greedy",
+            drafter_cache=kind == "exittrain",
+        )
         chain, accepts = [], []
         start = time.perf_counter()
         for ids, plain in zip(prompts, greedy):

@@ -11,29 +11,15 @@ import time
 import pytest
 import torch
 
-from exittrain.core import DraftTree, block_cross_entropy
+from exittrain.core import block_cross_entropy
 from exittrain.data import chat_prompt_ids, load_domain
-from exittrain.decoding import SpeculativeDecoder
 from exittrain.models import load_target, new_drafter
 from exittrain.models.dflash_format import export_dflash
+from exittrain.serve.chain import ChainDecoder
 
 dflash_model = pytest.importorskip("dflash.model", reason="pip install --no-deps dflash==0.1.0 (Makefile setup)")
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 NEW_TOKENS = 32
-
-
-class ChainDecoder(SpeculativeDecoder):
-    """exittrain's decoder with a chain tree: the drafter's argmax at each of the K depths."""
-
-    def _draft_tree(self, features_1CF, root_1, context_ids_1C):
-        logits_1KV = self.drafter(features_1CF, root_1, context_ids=context_ids_1C)
-        K = logits_1KV.shape[1]
-        tokens = logits_1KV.argmax(-1)
-        tree = DraftTree(
-            tokens=tokens, parents=torch.arange(K).view(1, K), depths=torch.arange(1, K + 1).view(1, K),
-            valid=torch.ones(1, K, dtype=torch.bool), max_depth=K,
-        )
-        return tree, {}
 
 
 @pytest.fixture(scope="module")
