@@ -13,7 +13,7 @@ import logging
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["export_beside", "main"]
+__all__ = ["export_beside", "main", "spare_token_id"]
 
 FORMATS = ("dflash",)
 
@@ -41,24 +41,49 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def export_beside(drafter, run_dir) -> dict:
+def spare_token_id(tokenizer, vocab_size: int, exclude) -> int | None:
+    """A token id the target does not emit in practice, to name a learned mask embedding by.
+
+    The first embedding row past the tokenizer's vocabulary when the model pads its vocabulary
+    (no text encodes to it), else the highest-numbered added token that is not in ``exclude``
+    (the target's end-of-sequence ids) nor the BOS or padding token; None when there is none.
+    A serving engine swaps the mask embedding in wherever its input is this id, so a target
+    that did emit it would draft worse after it, never decode other tokens.
+    """
+    if vocab_size > len(tokenizer):
+        return len(tokenizer)
+    taken = {*exclude, tokenizer.bos_token_id, tokenizer.pad_token_id}
+    added = [i for i in getattr(tokenizer, "added_tokens_decoder", {}) if i not in taken and 0 <= i < vocab_size]
+    return max(added) if added else None
+
+
+def export_beside(drafter, run_dir, target=None) -> dict:
     """What ``fit`` calls after saving ``RUN_DIR/drafter``: the DFlash export to ``RUN_DIR/drafter_dflash``.
 
-    Returns ``{"path", "dropped"}``; when the drafter has a setting the format cannot express,
-    nothing is written, a warning says why and how to export once fixed, and the result is
-    ``{"path": None, "why": message}`` (the run itself does not fail over it).
+    A learned mask embedding with no ``mask_token_id`` is shipped under :func:`spare_token_id` of
+    ``target``'s tokenizer (logged). Returns ``{"path", "dropped", "mask_token_id"}``; when the
+    drafter has a setting the format cannot express, nothing is written, a warning says why and
+    how to export once fixed, and the result is ``{"path": None, "why": message}`` (the run itself
+    does not fail over it).
     """
     from pathlib import Path
 
     from exittrain.models.dflash_format import export_dflash
 
     run_dir = Path(run_dir)
+    mask_id = None
+    cfg = drafter.config
+    if cfg.learned_mask and cfg.mask_token_id is None and target is not None and target.tokenizer is not None:
+        mask_id = spare_token_id(target.tokenizer, cfg.target_vocab_size, target.eos_token_ids)
+        if mask_id is not None:
+            logger.info("drafter_dflash/: the learned mask embedding ships under token id %d (a token the "
+                        "target does not emit); set drafter.mask_token_id to choose another", mask_id)
     try:
-        report = export_dflash(drafter, run_dir / "drafter_dflash")
+        report = export_dflash(drafter, run_dir / "drafter_dflash", mask_token_id=mask_id)
     except ValueError as e:
         logger.warning(
             "no drafter_dflash/ written: %s. Once fixed: python -m exittrain export %s OUT --format dflash",
             e, run_dir / "drafter",
         )
         return {"path": None, "why": str(e)}
-    return {"path": report["out"], "dropped": report["dropped"]}
+    return {"path": report["out"], "dropped": report["dropped"], "mask_token_id": mask_id}

@@ -348,8 +348,9 @@ def setup_run(cfg: DictConfig, target: TargetArg = None) -> FitRun:
     return run
 
 
-def evaluate_held_out(run: FitRun, label: str) -> list[dict]:
-    """Decode the held-out prompts with ``run.full``; records the table and writes ``eval_<label>.json``.
+def evaluate_held_out(run: FitRun, label: str, drafter=None) -> list[dict]:
+    """Decode the held-out prompts with ``drafter`` (default ``run.full``); records the table and
+    writes ``eval_<label>.json``.
 
     Global rank 0's work: the other ranks go on to the next stage and wait for rank 0 in its first
     collective (the evaluation must finish within the process group's timeout, 30 min by default)."""
@@ -357,7 +358,8 @@ def evaluate_held_out(run: FitRun, label: str) -> list[dict]:
 
     t0 = time.perf_counter()
     prompts = run.eval_prompts[: run.cfg.eval.num_prompts]
-    rows = evaluate_prompts(run.target, run.full, prompts, label=label, ar_cache=run.ar_cache, **run.settings)
+    drafter = run.full if drafter is None else drafter
+    rows = evaluate_prompts(run.target, drafter, prompts, label=label, ar_cache=run.ar_cache, **run.settings)
     table = summarize(rows)
     run.summary["tables"][label] = table
     run.run_dir.write_eval_rows(label, rows)
@@ -416,7 +418,13 @@ def finish_run(run: FitRun) -> dict:
     out = run.run_dir
     drafter_dir = out.drafter_path("exittrain")
     save_drafter(run.full, drafter_dir)
-    run.summary["drafter_dflash"] = export_beside(run.full, out.path)  # the served format, beside drafter/ (or why not)
+    exported = export_beside(run.full, out.path, run.target)  # the served format, beside drafter/ (or why not)
+    run.summary["drafter_dflash"] = exported
+    if exported["path"] and exported["dropped"]:
+        # what a serving engine keeps of the drafter (no copy branch): its tau beside the full drafter's
+        from exittrain.models.dflash_format import load_dflash
+
+        evaluate_held_out(run, "served", load_dflash(exported["path"], run.target))
     budget = max(run.settings["budgets"])
     out.write_tree_example(tree_example(run.target, run.full, run.eval_prompts[0], budget=budget))
     run.timings["total_s"] = time.perf_counter() - run.started

@@ -94,6 +94,11 @@ def test_fit_smoke_on_the_embedded_target(tmp_path):
         assert row["tau"] == pytest.approx(sum(pooled) / len(pooled))
 
     assert (run_dir / "drafter" / "config.json").is_file()
+    # the served format beside it, without the copy branch, and that drafter's own held-out table
+    served = json.loads((run_dir / "drafter_dflash" / "config.json").read_text())
+    assert served["architectures"] == ["DFlashDraftModel"] and metrics["drafter_dflash"]["dropped"]
+    (row,) = metrics["tables"]["served"]
+    assert row["lossless"] is True and 1.0 <= row["tau"] <= block_size
     assert list((run_dir / "checkpoints").rglob("*.ckpt"))
     assert list((run_dir / "wandb").glob("offline-run-*"))
     assert "Held-out decoding" in proc.stdout
@@ -132,6 +137,6 @@ def test_the_installed_wheel_runs_the_smoke_fit_without_a_checkout(tmp_path):
                           capture_output=True, text=True, timeout=1200, env=env, cwd=away)
     assert proc.returncode == 0, proc.stderr[-4000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert metrics["stages"] == ["pretrain", "exittrain"] and set(metrics["tables"]) == {"warm_start", "exittrain"}
+    assert metrics["stages"] == ["pretrain", "exittrain"] and set(metrics["tables"]) == {"warm_start", "exittrain", "served"}
     assert (run_dir / "drafter" / "config.json").is_file() and (run_dir / ".hydra" / "config.yaml").is_file()
     assert not list(away.iterdir()), "the run wrote into the working folder instead of its run directory"

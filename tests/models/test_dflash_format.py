@@ -212,3 +212,39 @@ def test_fit_writes_drafter_dflash_or_says_why_not(target, tmp_path, caplog):
     assert skipped["path"] is None and "context_window" in skipped["why"]
     assert "no drafter_dflash/ written" in caplog.text and "python -m exittrain export" in caplog.text
     assert not (tmp_path / "other" / "drafter_dflash").exists()
+
+
+class _Tokenizer:
+    """What spare_token_id reads of a tokenizer: its length, BOS/pad ids and added tokens."""
+
+    def __init__(self, size, added, bos=None, pad=None):
+        self.size, self.added_tokens_decoder = size, dict.fromkeys(added)
+        self.bos_token_id, self.pad_token_id = bos, pad
+
+    def __len__(self):
+        return self.size
+
+
+def test_the_spare_mask_token_is_a_padding_row_else_an_unused_added_token():
+    from exittrain.export import spare_token_id
+
+    assert spare_token_id(_Tokenizer(60, [0, 1, 2]), 64, exclude=[2]) == 60  # rows 60..63 encode no text
+    assert spare_token_id(_Tokenizer(64, [0, 1, 2, 3, 9]), 64, exclude=[2]) == 9
+    assert spare_token_id(_Tokenizer(64, [0, 1, 2, 9], bos=9, pad=1), 64, exclude=[0]) == 2
+    assert spare_token_id(_Tokenizer(64, [0, 1], bos=1), 64, exclude=[0]) is None
+
+
+def test_fit_ships_a_learned_mask_under_the_targets_spare_token(target, tmp_path, monkeypatch):
+    from exittrain.export import export_beside
+
+    monkeypatch.setattr(target, "tokenizer", _Tokenizer(VOCAB, [0, 1, 3], bos=1), raising=False)
+    monkeypatch.setattr(target, "eos_token_ids", [0], raising=False)
+    drafter = _ours(target, learned_mask=True, mask_token_id=None)
+    done = export_beside(drafter, tmp_path / "run", target)
+    assert done["mask_token_id"] == 3
+    folder = tmp_path / "run" / "drafter_dflash"
+    assert json.loads((folder / "config.json").read_text())["dflash_config"]["mask_token_id"] == 3
+    shipped = torch.load(folder / MASK_EMBEDDING_FILE)
+    assert shipped["mask_token_id"] == 3 and torch.equal(shipped["embedding"], drafter.mask_embedding.detach())
+    without = export_beside(drafter, tmp_path / "bare")  # no target: no id to ship the mask under
+    assert without["path"] is None and "mask_token_id" in without["why"]
