@@ -37,6 +37,15 @@ def tiny_target(kind: str = "llama", *, layers: int = 3, seed: int = 0) -> Targe
     return TargetModel(model, None, name=f"tiny-{kind}")
 
 
+TARGET_KINDS = ["llama", "qwen2", "qwen3"]
+
+
+def random_context(seed: int, length: int) -> list[int]:
+    """``length`` random token ids in [2, VOCAB) (ids 0 and 1 are left to EOS and padding)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, VOCAB, (length,), generator=g).tolist()
+
+
 def random_trees(n: int, k: int, budget: int, *, seed: int = 0, vocab: int = VOCAB) -> DraftTree:
     """n DDTree trees built from random, fairly peaked drafter distributions."""
     g = torch.Generator().manual_seed(seed)

@@ -7,19 +7,12 @@ import pytest
 import torch
 
 from exittrain.models import TargetModel
-from tests.models.helpers import VOCAB, tiny_target
-
-KINDS = ["llama", "qwen2", "qwen3"]
+from tests.models.helpers import TARGET_KINDS, VOCAB, random_context, tiny_target
 
 
-@pytest.fixture(scope="module", params=KINDS)
+@pytest.fixture(scope="module", params=TARGET_KINDS)
 def target(request) -> TargetModel:
     return tiny_target(request.param)
-
-
-def _context(seed: int, length: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(2, VOCAB, (length,), generator=g).tolist()
 
 
 def test_target_is_frozen_and_not_a_module(target):
@@ -64,7 +57,7 @@ def test_rejects_unsupported_attention():
 
 
 def test_layer_ids_follow_hf_hidden_states(target):
-    ids = torch.tensor([_context(4, 7)])
+    ids = torch.tensor([random_context(4, 7)])
     feats = target.sequence_features(ids, [0, 1])
     with torch.no_grad():
         hf = target.model(input_ids=ids, output_hidden_states=True).hidden_states

@@ -8,24 +8,27 @@ import torch
 
 from exittrain.core import DraftTree
 from exittrain.models import TargetModel, load_target
-from tests.models.helpers import VOCAB, last_logits, path_rows, path_tokens, random_trees, tiny_target
+from tests.models.helpers import (
+    TARGET_KINDS,
+    VOCAB,
+    last_logits,
+    path_rows,
+    path_tokens,
+    random_context,
+    random_trees,
+    tiny_target,
+)
 
 ATOL = 2e-5
-KINDS = ["llama", "qwen2", "qwen3"]
 
 
-@pytest.fixture(scope="module", params=KINDS)
+@pytest.fixture(scope="module", params=TARGET_KINDS)
 def target(request) -> TargetModel:
     return tiny_target(request.param)
 
 
-def _context(seed: int, length: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(2, VOCAB, (length,), generator=g).tolist()
-
-
 def test_tree_forward_matches_sequential_paths(target):
-    context = _context(1, 9)
+    context = random_context(1, 9)
     root = 5
     tree = random_trees(1, k=4, budget=12, seed=3)
     prefill = target.prefill(torch.tensor([context]), layers=[0, 2])
@@ -43,7 +46,7 @@ def test_tree_forward_matches_sequential_paths(target):
 
 
 def test_tree_forward_padding_nodes_are_harmless(target):
-    context = _context(2, 6)
+    context = random_context(2, 6)
     full = random_trees(1, k=3, budget=6, seed=4)
     # the same tree padded with 3 columns (token 0, parent 0, depth 0, invalid)
     pad = lambda t, v: torch.cat([t, torch.full((1, 3), v, dtype=t.dtype)], dim=1)  # noqa: E731
@@ -55,7 +58,7 @@ def test_tree_forward_padding_nodes_are_harmless(target):
 
 @pytest.mark.parametrize("leaf_choice", ["deepest", "root_only"])
 def test_commit_equals_fresh_prefill(target, leaf_choice):
-    context = _context(5, 8)
+    context = random_context(5, 8)
     root = 9
     tree = random_trees(1, k=4, budget=10, seed=6)
     pre = target.prefill(torch.tensor([context]))
@@ -80,7 +83,7 @@ def test_commit_equals_fresh_prefill(target, leaf_choice):
 
 
 def test_commit_rejects_bad_columns(target):
-    pre = target.prefill(torch.tensor([_context(1, 4)]))
+    pre = target.prefill(torch.tensor([random_context(1, 4)]))
     target.tree_forward(pre.cache, 3, random_trees(1, k=2, budget=4, seed=1))
     with pytest.raises(ValueError, match="accepted_node_columns"):
         target.commit(pre.cache, 4, [5])
