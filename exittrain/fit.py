@@ -31,6 +31,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from exittrain import progress
+from exittrain.objective import STAGES
 from exittrain.run_dir import DRAFTER_DIRS, STAGE_LABELS, RunDir
 
 __all__ = [
@@ -57,7 +58,7 @@ __all__ = [
 
 log = logging.getLogger("exittrain")
 
-STAGE_ORDER = ("pretrain", "exittrain")
+STAGE_ORDER = STAGES  # the order the stages run in: the objective's
 # keys of stages.<stage> that configure the stage itself; every other key overrides the objective
 STAGE_KEYS = ("max_steps", "eval_every")
 # what to do about a ckpt_path that cannot be resumed from (exittrain.safe_io adds the file and the cause)

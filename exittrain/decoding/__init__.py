@@ -1,10 +1,10 @@
 """Decoding: tree speculative decoding, the autoregressive baseline and oracle trees."""
 
 from .oracle import oracle_generate
-from .speculative import STAGES, GenerationResult, RoundStats, SpeculativeDecoder, autoregressive_generate
+from .speculative import ROUND_PARTS, GenerationResult, RoundStats, SpeculativeDecoder, autoregressive_generate
 
 __all__ = [
-    "STAGES",
+    "ROUND_PARTS",
     "GenerationResult",
     "RoundStats",
     "SpeculativeDecoder",

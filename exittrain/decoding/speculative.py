@@ -27,9 +27,9 @@ from exittrain.core import VERIFIERS, build_tree
 from exittrain.core.verify import sample_categorical, warp_probs
 from exittrain.decoding.drafter_context import drafter_context
 
-__all__ = ["RoundStats", "GenerationResult", "SpeculativeDecoder", "autoregressive_generate", "STAGES"]
+__all__ = ["RoundStats", "GenerationResult", "SpeculativeDecoder", "autoregressive_generate", "ROUND_PARTS"]
 
-STAGES = ("draft", "tree", "target", "verify", "commit")
+ROUND_PARTS = ("draft", "tree", "target", "verify", "commit")
 
 
 @dataclass
@@ -60,7 +60,7 @@ class GenerationResult:
 
     def stage_seconds(self) -> dict[str, float]:
         """Total time per stage over all rounds."""
-        return {s: sum(r.times.get(s, 0.0) for r in self.rounds) for s in STAGES}
+        return {s: sum(r.times.get(s, 0.0) for r in self.rounds) for s in ROUND_PARTS}
 
     def to_dict(self) -> dict:
         return {"tokens": self.tokens, "seconds": self.seconds, "rounds": [asdict(r) for r in self.rounds]}

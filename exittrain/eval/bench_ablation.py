@@ -59,7 +59,8 @@ from typing import Any
 
 import torch
 
-WEIGHT_TYPES = ("flow", "exit", "missing")
+from exittrain.core import WEIGHT_TYPES
+
 VERIFIER_NAMES = ("tev", "predraw", "sequential")
 
 
@@ -375,7 +376,7 @@ def run_domain(domain: str, settings: Settings, out: Path, target=None) -> tuple
     if settings.oracle:
         t0 = time.perf_counter()
         oracle = oracle_rows(target, prompts[: settings.eval_prompts], settings.budgets, settings.temperatures,
-                             settings.new_tokens, drafter.config.block_size - 1, settings.seed)
+                             settings.new_tokens, drafter.config.num_draft_tokens, settings.seed)
         timings["oracle_s"] = time.perf_counter() - t0
         for arm in arms.values():
             for r in arm["table"]:

@@ -37,9 +37,10 @@ from pathlib import Path
 
 import torch
 
-from exittrain.decoding import STAGES, SpeculativeDecoder
+from exittrain.decoding import ROUND_PARTS, SpeculativeDecoder
 from exittrain.decoding.drafter_context import drafter_context
 from exittrain.eval.bench import write_results
+from exittrain.tables import markdown_table
 
 
 def host() -> dict:
@@ -152,7 +153,7 @@ def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int,
     rows = []
     for (budget, cached), results in ours.items():
         rounds = [r for res in results for r in res.rounds]
-        stage = {s: sum(r.times.get(s, 0.0) for r in rounds) for s in STAGES}
+        stage = {s: sum(r.times.get(s, 0.0) for r in rounds) for s in ROUND_PARTS}
         summary = _summary([r.tokens for r in results], [r.seconds for r in results])
         rows.append({
             "budget": budget,
@@ -182,29 +183,34 @@ def to_markdown(result: dict) -> str:
         f"{result['context_window']}). {n} held-out {result['domain']} prompts (from #{result['skip']}) x "
         f"{result['new_tokens']} new tokens, T = 0; methods take turns per prompt, so compare the ratios.",
         "",
-        "| method | tau | tok/s | vs greedy | vs prompt lookup | = greedy | ms/round | "
-        + " | ".join(f"{s} ms" for s in STAGES) + " |",
-        "|---" * (7 + len(STAGES)) + "|",
-        f"| HF greedy generate | 1.00 | {g['tokens_per_s']:.1f} | 1.00x | - | {n}/{n} | - |" + " - |" * len(STAGES),
-        f"| HF prompt lookup ({result['lookup_tokens']}) | - | {pl['tokens_per_s']:.1f} | {pl['vs_greedy']:.2f}x | "
-        f"1.00x | {pl['equals_greedy']}/{n} | - |" + " - |" * len(STAGES),
+    ]
+    dash = ["-"] * len(ROUND_PARTS)
+    rows = [
+        ["HF greedy generate", "1.00", f"{g['tokens_per_s']:.1f}", "1.00x", "-", f"{n}/{n}", "-", *dash],
+        [f"HF prompt lookup ({result['lookup_tokens']})", "-", f"{pl['tokens_per_s']:.1f}", f"{pl['vs_greedy']:.2f}x",
+         "1.00x", f"{pl['equals_greedy']}/{n}", "-", *dash],
     ]
     for r in result["rows"]:
-        stages = " | ".join(f"{r['stage_ms_per_round'][s]:.1f}" for s in STAGES)
-        name = f"ours B={r['budget']}, drafter cache {'on' if r['drafter_cache'] else 'off'}"
-        lines.append(
-            f"| {name} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['vs_greedy']:.2f}x | "
-            f"{r['vs_prompt_lookup']:.2f}x | {r['equals_greedy']}/{n} | {r['ms_per_round']:.1f} | {stages} |"
-        )
+        rows.append([
+            f"ours B={r['budget']}, drafter cache {'on' if r['drafter_cache'] else 'off'}", f"{r['tau']:.2f}",
+            f"{r['tokens_per_s']:.1f}", f"{r['vs_greedy']:.2f}x", f"{r['vs_prompt_lookup']:.2f}x",
+            f"{r['equals_greedy']}/{n}", f"{r['ms_per_round']:.1f}",
+            *(f"{r['stage_ms_per_round'][s]:.1f}" for s in ROUND_PARTS),
+        ])
+    lines += markdown_table(
+        ["method", "tau", "tok/s", "vs greedy", "vs prompt lookup", "= greedy", "ms/round",
+         *(f"{s} ms" for s in ROUND_PARTS)], rows,
+    )
     lines += [
         "",
         f"Drafter work of one round ({result['round_positions']} newly committed positions, one block), median ms:",
         "",
-        "| context tokens | full re-read ms | cached ms | ratio |",
-        "|---|---|---|---|",
+        *markdown_table(
+            ["context tokens", "full re-read ms", "cached ms", "ratio"],
+            ([r["context"], f"{r['full_ms']:.1f}", f"{r['cached_ms']:.1f}", f"{r['speedup']:.1f}x"]
+             for r in result["drafter_round"]),
+        ),
     ]
-    for r in result["drafter_round"]:
-        lines.append(f"| {r['context']} | {r['full_ms']:.1f} | {r['cached_ms']:.1f} | {r['speedup']:.1f}x |")
     return "\n".join(lines) + "\n"
 
 

@@ -54,7 +54,7 @@ def greedy_block_lengths(drafter, rows, layers: list[int], budget: int) -> tuple
     with the features of ``layers`` (a superset of the drafter's, in that order)."""
     from exittrain.core import build_tree, followed_depth
 
-    K, H = drafter.config.block_size - 1, drafter.config.target_hidden_size
+    K, H = drafter.config.num_draft_tokens, drafter.config.target_hidden_size
     slots = [layers.index(x) for x in drafter.config.target_layer_ids]
     pick = torch.cat([torch.arange(s * H, (s + 1) * H) for s in slots])  # the drafter's slices of F
     per_row, hits, anchors_seen = [], torch.zeros(K), 0

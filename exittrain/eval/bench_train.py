@@ -19,9 +19,10 @@ import statistics
 import torch
 
 from exittrain.eval.bench import write_results
+from exittrain.objective import OBJECTIVE_PARTS
 from exittrain.tables import markdown_table
 
-PARTS = ("features", "draft", "tree", "score", "exit", "backward")
+PARTS = (*OBJECTIVE_PARTS, "backward")  # where a step's time goes
 
 
 def _peak_rss_mb() -> float:

@@ -91,7 +91,7 @@ def evaluate_prompts(
                 n = min(len(ar.tokens), len(result.tokens))
                 row["matches_target"] = ar.tokens[:n] == result.tokens[:n]
         if oracle:
-            depth = drafter.config.block_size - 1
+            depth = drafter.config.num_draft_tokens
             ores, analytic = oracle_generate(target, prompt, budget, max_new_tokens, temperature, seed=run_seed,
                                              max_depth=depth)
             row["tau_oracle"] = ores.mean_block_length

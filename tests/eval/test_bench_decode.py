@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exittrain.decoding import STAGES
+from exittrain.decoding import ROUND_PARTS
 from exittrain.eval import bench_decode
 from exittrain.eval.bench import BENCHES
 from exittrain.models import new_drafter
@@ -51,7 +51,7 @@ def test_host_names_the_cpu_and_its_capability():
 
 
 def test_markdown_has_the_baselines_our_rows_and_the_drafter_rounds():
-    stage = {s: float(i) for i, s in enumerate(STAGES)}
+    stage = {s: float(i) for i, s in enumerate(ROUND_PARTS)}
     result = {
         "host": {"cpu_model": "Some CPU", "cpu_capability": "AVX2", "threads": 2, "torch": "2.13.0"},
         "domain": "code", "prompts": 2, "skip": 8, "new_tokens": 16, "drafter": "d", "context_window": 512,
