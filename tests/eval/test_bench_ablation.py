@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from exittrain.eval import ablation_report
 from exittrain.eval import bench_ablation as ab
 from exittrain.eval.decode_eval import summarize
 from exittrain.eval.plots import plot_grouped_bars
@@ -55,7 +56,7 @@ def result():
                           "verify_vs_sequential": ms / 2.5, "p_same_mean_as_sequential": 0.7,
                           "block_lengths": [1, 2, 2, 3] * 5})
     return {"settings": ab.asdict(settings), "threads": 2, "domains": domains, "verifiers": verifiers,
-            "verifier_domain": "code", "summary": ab.summary(domains, settings), "seconds": 60.0}
+            "verifier_domain": "code", "summary": ablation_report.summary(domains, settings), "seconds": 60.0}
 
 
 def test_summary_averages_ratios_over_domains_and_picks_the_best_weight_type(result):
@@ -80,7 +81,7 @@ def test_summary_averages_ratios_over_domains_and_picks_the_best_weight_type(res
 
 
 def test_markdown_holds_every_arm_domain_and_the_verdict(result):
-    md = ab.to_markdown(result)
+    md = ablation_report.to_markdown(result)
     for arm in ARM_MEANS:
         assert f"| {arm} | 64 | 1 |" in md
     assert "### code" in md and "### math" in md
@@ -91,7 +92,7 @@ def test_markdown_holds_every_arm_domain_and_the_verdict(result):
 
 def test_plots_are_written(result, tmp_path):
     trees = {"code": tree_example_dict()}
-    paths = ab.make_plots(result, tmp_path, trees)
+    paths = ablation_report.make_plots(result, tmp_path, trees)
     names = {p.rsplit("/", 1)[-1] for p in paths}
     assert {"code_tau_vs_budget.png", "code_block_lengths.png", "code_exit_mass.png", "code_draft_tree.png",
             "math_tau_vs_budget.png", "tau_vs_control.png", "verifier_ms.png", "verifier_block_lengths.png"} <= names
