@@ -15,7 +15,7 @@ Every config key that takes a compute dtype accepts ``auto``:
   in fp32 even with AMX), bf16 or fp16 on a CUDA device.
 
 On a CPU the decision is measured, not guessed from a model name: :func:`cpu_bf16_check` times
-one bf16 and one fp32 matrix product (a few ms where bf16 is fast, ~0.5 s where it is not) once
+one bf16 and one fp32 matrix product (a few milliseconds where bf16 is fast, longer where it is not) once
 per process, and calls bf16 fast when it is at least :data:`FAST_RATIO` times faster than fp32.
 The CPU flags that explain the answer (``amx_bf16``, ``avx512_bf16``) and torch's
 ``get_cpu_capability()`` are reported beside it. Each ``auto`` is logged once, with what was
