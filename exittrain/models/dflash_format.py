@@ -40,6 +40,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from exittrain.models.drafter import BlockDrafter
 from exittrain.models.drafter_config import DrafterConfig
+from exittrain.models.drafter_io import safetensors_shards
 from exittrain.models.target import as_dtype
 from exittrain.safe_io import check_safetensors, load_checkpoint, load_json_object, load_safetensors
 
@@ -187,18 +188,10 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
     what = "DFlash drafter weights"
-    index = folder / SAFE_WEIGHTS_INDEX_NAME
-    if index.is_file():
-        weight_map = load_json_object(index, what="DFlash weights index", fix=_FIX).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"DFlash weights index {index} has no 'weight_map' object: {_FIX}")
-        names = sorted(set(weight_map.values()))
-    elif (folder / SAFE_WEIGHTS_NAME).is_file():
-        names = [SAFE_WEIGHTS_NAME]
-    else:
+    if not (folder / SAFE_WEIGHTS_INDEX_NAME).is_file() and not (folder / SAFE_WEIGHTS_NAME).is_file():
         raise ValueError(f"DFlash drafter folder {folder} has no {SAFE_WEIGHTS_NAME} (safetensors only): {_FIX}")
     out: dict[str, torch.Tensor] = {}
-    for name in names:
+    for name in safetensors_shards(folder, what="DFlash weights", fix=_FIX):
         check_safetensors(folder / name, what=what, fix=_FIX)
         out.update(load_safetensors(folder / name, what=what, fix=_FIX))
     return out

@@ -28,6 +28,18 @@ DRAFTER_FIX = (
 _OLD_LAYOUT = ("context_proj.weight", "context_norm.weight")
 
 
+def safetensors_shards(folder: Path, *, what: str, fix: str) -> list[str]:
+    """The weight files of a saved Hugging Face folder: every shard ``model.safetensors.index.json``
+    names, else ``model.safetensors``. A bad index raises ValueError naming it (``what``) and ``fix``."""
+    index = folder / SAFE_WEIGHTS_INDEX_NAME
+    if not index.is_file():
+        return [SAFE_WEIGHTS_NAME]
+    weight_map = load_json_object(index, what=f"{what} index", fix=fix).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{what} index {index} has no 'weight_map' object: {fix}")
+    return sorted(set(weight_map.values()))
+
+
 def check_saved_files(folder: str | os.PathLike, *, config_too: bool = True) -> list[str]:
     """Check the files Hugging Face will read from the saved drafter ``folder``; return the tensor names.
 
@@ -49,16 +61,8 @@ def check_saved_files(folder: str | os.PathLike, *, config_too: bool = True) -> 
             "from safetensors only, never from pickled .bin/.pt files: re-export it with "
             "exittrain.lit.save_drafter(drafter, path) or drafter.save_pretrained(path)"
         )
-    index = folder / SAFE_WEIGHTS_INDEX_NAME
-    if index.is_file():
-        weight_map = load_json_object(index, what="drafter weights index", fix=DRAFTER_FIX).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"drafter weights index {index} has no 'weight_map' object: {DRAFTER_FIX}")
-        files = sorted(set(weight_map.values()))
-    else:
-        files = [SAFE_WEIGHTS_NAME]
     names: list[str] = []
-    for name in files:
+    for name in safetensors_shards(folder, what="drafter weights", fix=DRAFTER_FIX):
         names += check_safetensors(folder / name, what="drafter weights", fix=DRAFTER_FIX)
     old = [n for n in _OLD_LAYOUT if n in names]
     if old:
