@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,16 +55,27 @@ class Bf16Check:
     reason: str
 
 
-def _cpu_flags() -> set[str]:
-    """The CPU feature flags of /proc/cpuinfo (empty where there is none, e.g. macOS)."""
+def _cpuinfo_field(name: str) -> str | None:
+    """The first ``name : value`` of /proc/cpuinfo, or None (no such field, or no file, e.g. macOS)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return None
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
+        if line.startswith(name):
+            return line.partition(":")[2].strip()
+    return None
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where there is none)."""
+    return set((_cpuinfo_field("flags") or "").split())
+
+
+def cpu_model() -> str:
+    """The CPU's model name, for the host line of every reported figure (platform's name where
+    /proc/cpuinfo has none)."""
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine() or "unknown"
 
 
 def _matmul_seconds(dtype: torch.dtype, repeats: int = 3) -> float:

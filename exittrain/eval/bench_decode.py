@@ -30,10 +30,8 @@ threads. Writes ``<out>.json`` and ``<out>.md``.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -45,15 +43,10 @@ from exittrain.tables import markdown_table
 
 def host() -> dict:
     """The machine the figures come from: CPU model, torch's CPU capability, threads, torch version."""
-    model = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+    from exittrain.precision import cpu_model
+
     return {
-        "cpu_model": model,
+        "cpu_model": cpu_model(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -328,17 +328,13 @@ def write_page(root: str | Path = ".", check: bool = False) -> str:
 
 def host_info(cpu_model: str | None = None, gpu: str | None = None) -> dict:
     """The rendering machine: CPU model (``/proc/cpuinfo``), torch's CPU capability, GPU name, torch."""
-    import platform
 
     import torch
 
     if cpu_model is None:
-        try:
-            text = Path("/proc/cpuinfo").read_text()
-            m = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
-            cpu_model = m.group(1).strip() if m else platform.processor()
-        except OSError:
-            cpu_model = platform.processor() or platform.machine()
+        from exittrain.precision import cpu_model as read_cpu_model
+
+        cpu_model = read_cpu_model()
     if gpu is None and torch.cuda.is_available():
         gpu = torch.cuda.get_device_name(0)
     return {"cpu_model": cpu_model, "cores": __import__("os").cpu_count(),

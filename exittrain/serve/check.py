@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -123,15 +122,10 @@ def run_worker(vllm_python: str, request: dict, workdir: Path, name: str, timeou
 def _host() -> dict:
     import torch
 
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+    from exittrain.precision import cpu_model
+
+    capability, threads = torch.backends.cpu.get_cpu_capability(), torch.get_num_threads()
+    return {"cpu": cpu_model(), "capability": capability, "threads": threads}
 
 
 def _load_drafter(kind: str, drafter_dir: Path, target):
