@@ -35,7 +35,6 @@ from exittrain.objective import STAGES
 from exittrain.run_dir import DRAFTER_DIRS, STAGE_LABELS, RunDir
 
 __all__ = [
-    "STAGE_ORDER",
     "fit",
     "plan_stages",
     "check_objective",
@@ -58,7 +57,6 @@ __all__ = [
 
 log = logging.getLogger("exittrain")
 
-STAGE_ORDER = STAGES  # the order the stages run in: the objective's
 # keys of stages.<stage> that configure the stage itself; every other key overrides the objective
 STAGE_KEYS = ("max_steps", "eval_every")
 # what to do about a ckpt_path that cannot be resumed from (exittrain.safe_io adds the file and the cause)
@@ -75,10 +73,10 @@ TargetArg = Any  # a TargetModel, a function returning one, or None (build cfg.t
 
 
 def _check_stage_settings(cfg: DictConfig) -> None:
-    unknown = set(cfg.stages) - set(STAGE_ORDER)
+    unknown = set(cfg.stages) - set(STAGES)
     if unknown:
-        raise ValueError(f"stages has unknown entries {sorted(unknown)}; use {list(STAGE_ORDER)}")
-    for name in STAGE_ORDER:
+        raise ValueError(f"stages has unknown entries {sorted(unknown)}; use {list(STAGES)}")
+    for name in STAGES:
         steps = cfg.stages[name].max_steps
         if not isinstance(steps, int) or steps < 0:
             raise ValueError(f"stages.{name}.max_steps={steps!r} must be an integer >= 0")
@@ -98,7 +96,7 @@ def _resumed_stage(ckpt_path: str) -> str:
 
     saved = load_checkpoint(ckpt_path, what="ckpt_path checkpoint", fix=CKPT_FIX).get("hyper_parameters", {})
     stage = saved.get("stage")
-    if stage not in STAGE_ORDER:
+    if stage not in STAGES:
         raise ValueError(f"ckpt_path={ckpt_path} records no known stage (got {stage!r})")
     return stage
 
@@ -107,14 +105,14 @@ def plan_stages(cfg: DictConfig) -> list[str]:
     """The stages to run, in order: those with ``max_steps > 0``, without ``pretrain`` when a
     ``warm_start`` is given, and from the stage a ``ckpt_path`` recorded on."""
     _check_stage_settings(cfg)
-    stages = [s for s in STAGE_ORDER if cfg.stages[s].max_steps > 0]
+    stages = [s for s in STAGES if cfg.stages[s].max_steps > 0]
     if cfg.warm_start is not None:
         _check_warm_start(str(cfg.warm_start))
         if "pretrain" in stages:
             stages.remove("pretrain")
     if cfg.ckpt_path is not None:
-        first = STAGE_ORDER.index(_resumed_stage(cfg.ckpt_path))
-        stages = [s for s in stages if STAGE_ORDER.index(s) >= first]
+        first = STAGES.index(_resumed_stage(cfg.ckpt_path))
+        stages = [s for s in stages if STAGES.index(s) >= first]
     return stages
 
 

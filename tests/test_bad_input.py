@@ -376,7 +376,7 @@ def test_every_shipped_config_passes_the_early_check(recipe, extra):
     register_recipes()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("fit", overrides=[f"+recipe={recipe}", *extra])
-    assert fit_lib.check_objective(cfg, list(fit_lib.STAGE_ORDER)) is None  # a bad value would raise ValueError
+    assert fit_lib.check_objective(cfg, list(fit_lib.STAGES)) is None  # a bad value would raise ValueError
 
 
 @pytest.mark.parametrize("eval_every, expect", [(None, 150), (20, 20), (0, 0)])

@@ -404,8 +404,8 @@ def run_domain(domain: str, settings: Settings, out: Path, target=None) -> tuple
 
 def run(settings: Settings, out: Path) -> dict:
     from exittrain.eval.tree_example import tree_example
-    from exittrain.lit import write_json_atomic
     from exittrain.models import load_drafter
+    from exittrain.run_dir import write_json_atomic
 
     started = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)

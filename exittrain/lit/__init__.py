@@ -5,7 +5,6 @@ from exittrain.lit.module import TIMED_PARTS, ExitTrainModule
 from exittrain.lit.progress_callbacks import ProgressLogCallback, stage_progress_bar
 from exittrain.lit.schedule import WarmupCosine
 from exittrain.lit.sharding import DrafterFSDPStrategy, full_drafter, is_sharded, shard_drafter
-from exittrain.run_dir import write_json_atomic  # not Lightning: kept here for the callers of exittrain.lit
 
 __all__ = [
     "TIMED_PARTS",
@@ -21,5 +20,4 @@ __all__ = [
     "save_drafter",
     "shard_drafter",
     "stage_progress_bar",
-    "write_json_atomic",
 ]

@@ -35,9 +35,10 @@ from safetensors.torch import load_file
 from exittrain.data import ExitTrainDataModule
 from exittrain.data.regenerate import GenerationConfig, cache_path, regenerate
 from exittrain.data.sampler import ResumableSampler
-from exittrain.lit import ExitTrainModule, save_drafter, write_json_atomic
+from exittrain.lit import ExitTrainModule, save_drafter
 from exittrain.lit.checkpoint_io import AtomicCheckpointIO
 from exittrain.models import load_drafter, load_target, new_drafter
+from exittrain.run_dir import write_json_atomic
 from tests.data.helpers import CountingTarget
 from tests.lit.crash_helpers import REPO_ROOT, fit_command, prepare_workdir, read_records, subprocess_env
 from tests.lit.helpers import make_module
