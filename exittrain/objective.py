@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, NamedTuple
 
@@ -89,7 +89,17 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_number(x: Any) -> bool:
+def settings_check(values: dict) -> Callable[[bool, str, str], None]:
+    """``need(ok, key, fix)``: raise ``ValueError("key=value: fix")`` over ``values`` unless ``ok``."""
+
+    def need(ok: bool, key: str, fix: str) -> None:
+        if not ok:
+            raise ValueError(f"{key}={values[key]!r}: {fix}")
+
+    return need
+
+
+def is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
@@ -146,20 +156,17 @@ class ObjectiveSettings:
 
     def __post_init__(self) -> None:
         a = asdict(self)
-
-        def need(ok: bool, key: str, fix: str) -> None:
-            if not ok:
-                raise ValueError(f"{key}={a[key]!r}: {fix}")
+        need = settings_check(a)
 
         need(a["stage"] in STAGES, "stage", f"must be one of {STAGES} (pretrain = block CE only)")
         need(_is_int(a["anchors_per_seq"]) and a["anchors_per_seq"] >= 1, "anchors_per_seq", "need an int >= 1")
         need(_is_int(a["budget"]) and a["budget"] >= 1, "budget", "need an int >= 1 (draft nodes per tree)")
         need(a["weight_type"] in WEIGHT_TYPES, "weight_type", f"must be one of {WEIGHT_TYPES}")
-        need(_is_number(a["alpha"]) and 0.0 <= a["alpha"] <= 1.0, "alpha", "need a float in [0, 1] (edge floor)")
-        need(_is_number(a["lambda_tok"]) and a["lambda_tok"] >= 0, "lambda_tok", "need a float >= 0")
-        need(_is_number(a["lambda_exit"]) and a["lambda_exit"] >= 0, "lambda_exit", "need a float >= 0")
+        need(is_number(a["alpha"]) and 0.0 <= a["alpha"] <= 1.0, "alpha", "need a float in [0, 1] (edge floor)")
+        need(is_number(a["lambda_tok"]) and a["lambda_tok"] >= 0, "lambda_tok", "need a float >= 0")
+        need(is_number(a["lambda_exit"]) and a["lambda_exit"] >= 0, "lambda_exit", "need a float >= 0")
         need(
-            a["gamma"] is None or (_is_number(a["gamma"]) and 0 < a["gamma"] <= 1),
+            a["gamma"] is None or (is_number(a["gamma"]) and 0 < a["gamma"] <= 1),
             "gamma",
             "need None or a float in (0, 1], the base of the decay gamma^(k-1); a decay written as a length "
             "scale L, exp(-(k-1)/L) (the reference recipe's 'gamma 7'), is gamma = exp(-1/L) (0.867 for L = 7)",
@@ -193,13 +200,13 @@ class ObjectiveSettings:
             "need a bool (True reads the target features the data keeps, False computes them every step)",
         )
         need(
-            _is_number(a["soft_label_weight"]) and 0 <= a["soft_label_weight"] <= 1,
+            is_number(a["soft_label_weight"]) and 0 <= a["soft_label_weight"] <= 1,
             "soft_label_weight",
             "need a float in [0, 1] (0 = the answer tokens, 1 = the target's top-k distributions)",
         )
         need(_is_int(a["soft_label_top_k"]) and a["soft_label_top_k"] >= 1, "soft_label_top_k", "need an int >= 1")
         need(
-            _is_number(a["law_temperature"]) and a["law_temperature"] >= 0,
+            is_number(a["law_temperature"]) and a["law_temperature"] >= 0,
             "law_temperature",
             "need a float >= 0 (1 = the target's raw law, 0 = its greedy one-hot law)",
         )

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from exittrain.objective import _is_number
+from exittrain.objective import is_number, settings_check
 
 __all__ = ["OptimizerSettings", "WarmupCosine", "adamw_with_schedule"]
 
@@ -27,15 +27,12 @@ class OptimizerSettings:
 
     def __post_init__(self) -> None:
         a = asdict(self)
+        need = settings_check(a)
 
-        def need(ok: bool, key: str, fix: str) -> None:
-            if not ok:
-                raise ValueError(f"{key}={a[key]!r}: {fix}")
-
-        need(_is_number(a["lr"]) and a["lr"] > 0, "lr", "need a float > 0")
-        need(_is_number(a["weight_decay"]) and a["weight_decay"] >= 0, "weight_decay", "need a float >= 0")
-        need(_is_number(a["warmup_ratio"]) and 0 <= a["warmup_ratio"] < 1, "warmup_ratio", "need a float in [0, 1)")
-        need(_is_number(a["min_lr_ratio"]) and 0 <= a["min_lr_ratio"] <= 1, "min_lr_ratio", "need a float in [0, 1]")
+        need(is_number(a["lr"]) and a["lr"] > 0, "lr", "need a float > 0")
+        need(is_number(a["weight_decay"]) and a["weight_decay"] >= 0, "weight_decay", "need a float >= 0")
+        need(is_number(a["warmup_ratio"]) and 0 <= a["warmup_ratio"] < 1, "warmup_ratio", "need a float in [0, 1)")
+        need(is_number(a["min_lr_ratio"]) and 0 <= a["min_lr_ratio"] <= 1, "min_lr_ratio", "need a float in [0, 1]")
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
