@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # pip offline-friendly flags; torch is pinned so the local CPU wheel is taken
 PIP     := $(VPY) -m pip --disable-pip-version-check -q
 
-.PHONY: help setup test test-slow lint bench bench-ablation bench-ablation-quick fit clean
+.PHONY: help setup test test-slow lint bench bench-ablation bench-ablation-quick bench-exittrain fit clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -37,6 +37,9 @@ bench-ablation: setup  ## ExitTrain vs control vs baseline, oracle, verifier lat
 
 bench-ablation-quick: setup  ## the ablation's small setting (code only, a few minutes)
 	$(VPY) -m exittrain bench ablation --quick --out results/ablation_quick
+
+bench-exittrain: setup  ## does ExitTrain help? arms vs matched controls at T = 0, 0.6, 1 (hours; background; WARM=RUN/warmstart_drafter)
+	$(VPY) -m exittrain bench exittrain $(if $(WARM),--warm-start $(WARM)) --out results/exittrain
 
 fit: setup  ## the main job: train a drafter on the code recipe
 	$(VPY) -m exittrain fit +recipe=code

@@ -118,6 +118,10 @@ class ExitTrainDataModule(pl.LightningDataModule):
             (0 disables validation; otherwise at least one row), whole tasks at a time: both
             prompt forms of one CodeI/O task land on the same side (:func:`split_by_task`).
         seed: seed of the prompt sample, the validation split and the shuffling.
+        exclude_seed: leave out every task of the sample that ``max_train_prompts`` draws under this
+            seed, before this run's own sample (both prompt forms of a CodeI/O task go together):
+            data a warm start of seed ``exclude_seed`` never saw (``bench exittrain``'s fresh rows).
+            None (the default) leaves nothing out.
         max_prompt_chars: prompts longer than this are rejected (counted) when sources are read.
         progress: show the regeneration progress bar.
         feature_layers: target layer ids whose outputs regeneration keeps beside the answers
@@ -151,6 +155,7 @@ class ExitTrainDataModule(pl.LightningDataModule):
         max_train_prompts: int | None = None,
         val_fraction: float = 0.05,
         seed: int = 0,
+        exclude_seed: int | None = None,
         max_prompt_chars: int | None = DEFAULT_MAX_CHARS,
         progress: bool = True,
         feature_layers: Sequence[int] | None = None,
@@ -167,6 +172,11 @@ class ExitTrainDataModule(pl.LightningDataModule):
             raise ValueError(f"val_fraction={val_fraction} must be in [0, 1)")
         if max_train_prompts is not None and max_train_prompts < 1:
             raise ValueError(f"max_train_prompts={max_train_prompts} must be positive or None")
+        if exclude_seed is not None and (max_train_prompts is None or exclude_seed == seed):
+            raise ValueError(
+                f"exclude_seed={exclude_seed}: leaves out the max_train_prompts sample of another seed; set "
+                f"max_train_prompts and a seed other than {exclude_seed} (seed={seed})"
+            )
         self.domain = domain
         self.train_sources = list(train_sources) if train_sources is not None else None
         self.eval_sources = list(eval_sources) if eval_sources is not None else None
@@ -183,6 +193,7 @@ class ExitTrainDataModule(pl.LightningDataModule):
         self.max_train_prompts = max_train_prompts
         self.val_fraction = val_fraction
         self.seed = seed
+        self.exclude_seed = exclude_seed
         self.max_prompt_chars = max_prompt_chars
         self.progress = progress
         self.feature_layers = list(feature_layers) if feature_layers is not None else None
@@ -212,12 +223,27 @@ class ExitTrainDataModule(pl.LightningDataModule):
             dp = load_domain(
                 self.domain, train=self.train_sources, eval=self.eval_sources, max_chars=self.max_prompt_chars
             )
+            if self.exclude_seed is not None:
+                tasks = dp.train_tasks()
+                seen = {tasks[i] for i in self._sample(len(dp.train), self.exclude_seed)}
+                unseen = [p for p, t in zip(dp.train, tasks) if t not in seen]
+                logger.info(
+                    "left out %d training prompts: the tasks of seed %d's sample (exclude_seed)",
+                    len(dp.train) - len(unseen), self.exclude_seed,
+                )
+                dp.train = unseen
             if self.max_train_prompts is not None and len(dp.train) > self.max_train_prompts:
-                keep = sorted(random.Random(self.seed).sample(range(len(dp.train)), self.max_train_prompts))
+                keep = self._sample(len(dp.train), self.seed)
                 logger.info("using %d of %d training prompts (max_train_prompts)", len(keep), len(dp.train))
                 dp.train = [dp.train[i] for i in keep]
             self._prompts = dp
         return self._prompts
+
+    def _sample(self, n: int, seed: int) -> list[int]:
+        """The sorted indices of ``max_train_prompts`` of ``n`` prompts drawn under ``seed`` (all when fewer)."""
+        if self.max_train_prompts is None or n <= self.max_train_prompts:
+            return list(range(n))
+        return sorted(random.Random(seed).sample(range(n), self.max_train_prompts))
 
     def _prompt_set_description(self) -> str:
         """Where the training prompts came from; part of the regeneration cache key."""
@@ -230,6 +256,8 @@ class ExitTrainDataModule(pl.LightningDataModule):
                 f"max_chars={self.max_prompt_chars}",
                 f"max_train={self.max_train_prompts}",
                 f"seed={self.seed}",
+                # only when set: the caches of runs without it keep their keys
+                *([f"exclude_seed={self.exclude_seed}"] if self.exclude_seed is not None else []),
             ]
         )
 

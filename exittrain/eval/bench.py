@@ -1,4 +1,4 @@
-"""`python -m exittrain bench {core,decode,train,ablation,memory,regen,heldout} [args]`: dispatch to one benchmark."""
+"""`python -m exittrain bench {core,decode,train,ablation,memory,regen,heldout,exittrain} [args]`: dispatch to one benchmark."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ BENCHES = {
     "memory": "exittrain.eval.bench_memory",
     "regen": "exittrain.eval.bench_regen",
     "heldout": "exittrain.eval.bench_heldout",
+    "exittrain": "exittrain.eval.bench_exittrain",
 }
 
 

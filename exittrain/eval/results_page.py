@@ -17,7 +17,9 @@ Files read, in ``ROOT/results/`` (``--root``, default the current folder, a chec
   validation ``greedy_tau`` and ``analytic_tau``, or null), ``wall_s`` (seconds per stage and
   ``total``) and ``peak_rss_gb`` (or null). An ``ablation`` result adds ``summary``: the
   ``summary`` block of ``bench ablation``'s ``ablation.json`` (``overall_tau_vs_control``,
-  ``analytic_vs_control``, ``best_weight_type``, ``goal_met``) and ``goal`` (the ratio asked).
+  ``analytic_vs_control``, ``best_weight_type``, ``goal_met``) and ``goal`` (the ratio asked). An
+  ``experiment`` result adds the ``summary`` of ``bench exittrain``
+  (:mod:`exittrain.eval.experiment_page`).
 - ``page.json``: the page's text, free of figures: ``recipes`` (the order of the recipe
   sections), ``not_measured`` {recipe: notebook file}, ``ablation`` (``command``, ``notebook``,
   ``verdict``: the line shown while no ablation result exists), ``negatives`` [{``text``,
@@ -28,8 +30,9 @@ Files read, in ``ROOT/results/`` (``--root``, default the current folder, a chec
 Writing a result: ``python -m exittrain report --results --add RUN_DIR --name NAME --command CMD``
 summarises a ``fit`` run directory (its ``metrics.json``, and ``cli.log`` for the date and the CPU
 capability that ``auto`` logged) into ``results/NAME.json``; ``--add-ablation ABLATION_JSON`` does
-the same for ``bench ablation``. Host fields not in the run's files come from the machine that
-runs the command (``--cpu-model``, ``--gpu`` override them), so summarise on the host that ran.
+the same for ``bench ablation``, ``--add-experiment EXITTRAIN_JSON`` for ``bench exittrain``. Host
+fields not in the run's files come from the machine that runs the command (``--cpu-model``,
+``--gpu`` override them), so summarise on the host that ran.
 ``--check`` renders the page and fails if ``RESULTS.md`` differs.
 """
 
@@ -44,6 +47,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from exittrain.eval.experiment_page import check_experiment, experiment_lines, read_experiment, summarize_experiment
+
 __all__ = [
     "SCHEMA", "load_results", "load_page", "render_page", "write_page", "summarize_fit_run",
     "summarize_ablation", "host_info", "main",
@@ -53,7 +58,7 @@ log = logging.getLogger(__name__)
 
 SCHEMA = "exittrain.result/1"
 PAGE = "RESULTS.md"
-KINDS = ("fit", "ablation")
+KINDS = ("fit", "ablation", "experiment")
 _DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 _LOG_DATE = re.compile(r"^\[(\d{4}-\d{2}-\d{2}) ", re.M)
 _LOG_CAPABILITY = re.compile(r"CPU capability (\w+)")
@@ -119,6 +124,8 @@ def check_result(res: Any, where: str) -> dict:
                 _need(row, key, f"{where} tables[{i}]")
         _need(_need(res, "wall_s", where, dict), "total_s", f"{where} wall_s", (int, float))
         _need(res, "heldout", where, (dict, type(None)))
+    elif kind == "experiment":
+        check_experiment(res, where, _need)
     else:
         summary = _need(res, "summary", where, dict)
         for key in ("overall_tau_vs_control", "best_weight_type", "goal_met"):
@@ -295,6 +302,11 @@ def render_page(results: list[dict], page: dict) -> str:
                 lines.append(f"- {_json_link(res)}: {note}")
         lines.append("")
     lines += ["## The ablation: ExitTrain against the block-CE control", ""] + _ablation_lines(results, page) + [""]
+    experiments = [r for r in results if r["kind"] == "experiment"]
+    if experiments:
+        lines += ["## Does exit-guided training help? ExitTrain arms against matched controls", ""]
+        for res in experiments:
+            lines += experiment_lines(res, _json_link(res), _cmd_link(res))
     lines += ["## Known negatives", ""]
     for neg in page["negatives"]:
         refs = ", ".join(_see(ref, names) for ref in neg["see"])
@@ -408,6 +420,14 @@ def summarize_ablation(ablation_json: str | Path, *, name: str, command: str, co
     return check_result(res, f"summary of {ablation_json}")
 
 
+def summarize_experiment_json(path: str | Path, *, name: str, command: str, commit: str, host: dict,
+                              date: str) -> dict:
+    """An ``experiment`` result: the summary of ``bench exittrain``'s ``exittrain.json``."""
+    res = {"schema": SCHEMA, "kind": "experiment", "name": name, "command": command, "commit": commit,
+           "date": date, "host": host, "summary": summarize_experiment(read_experiment(path, _read))}
+    return check_result(res, f"summary of {path}")
+
+
 def _peak_rss_gb(time_log: Path) -> float | None:
     m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", time_log.read_text(errors="replace"))
     return None if m is None else int(m.group(1)) / 1e6
@@ -419,6 +439,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--check", action="store_true", help="fail if RESULTS.md differs from what results/ gives")
     parser.add_argument("--add", metavar="RUN_DIR", help="summarise a fit run directory into results/NAME.json")
     parser.add_argument("--add-ablation", metavar="ABLATION_JSON", help="summarise bench ablation's ablation.json")
+    parser.add_argument("--add-experiment", metavar="EXITTRAIN_JSON", help="summarise bench exittrain's exittrain.json")
     parser.add_argument("--name", help="the result's name (its file results/NAME.json)")
     parser.add_argument("--command", help="the exact command that produced the run, environment variables included")
     parser.add_argument("--commit", help="the commit the run measured (default: the checkout's HEAD)")
@@ -431,9 +452,9 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--note", action="append", default=[], help="a line of context (no figures), repeatable")
     args = parser.parse_args(argv)
     root = Path(args.root)
-    if args.add or args.add_ablation:
+    if args.add or args.add_ablation or args.add_experiment:
         if not (args.name and args.command):
-            parser.error("--add and --add-ablation need --name and --command")
+            parser.error("--add, --add-ablation and --add-experiment need --name and --command")
         host = host_info(args.cpu_model, args.gpu) | {"shared": args.shared}
         if args.emulation:
             host["emulation"] = args.emulation
@@ -442,6 +463,11 @@ def main(argv: list[str] | None = None) -> str:
             rss = _peak_rss_gb(Path(args.time_log)) if args.time_log else None
             res = summarize_fit_run(args.add, name=args.name, command=args.command, commit=commit, host=host,
                                     peak_rss_gb=rss, notes=args.note)
+        elif args.add_experiment:
+            if not args.date:
+                parser.error("--add-experiment needs --date")
+            res = summarize_experiment_json(args.add_experiment, name=args.name, command=args.command,
+                                            commit=commit, host=host, date=args.date)
         else:
             if not args.date:
                 parser.error("--add-ablation needs --date")

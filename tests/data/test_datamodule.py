@@ -321,3 +321,26 @@ def test_both_forms_of_a_codeio_task_land_on_one_side_of_the_split(tmp_path, smo
     val_tasks = [tasks[i] for i in dm.val_set["prompt_index"]]
     assert len(val_tasks) >= 3  # round(0.25 * 12) rows asked, whole tasks given
     assert any(val_tasks.count(t) == 2 for t in val_tasks)  # a description and its stub, together
+
+
+def test_exclude_seed_leaves_out_every_task_of_the_other_seeds_sample(tmp_path, smollm2_tokenizer):
+    # 10 CodeI/O tasks in two forms; the warm start (seed 0) samples 6 prompts, the fresh run (seed 1)
+    # must see none of their tasks, in either form, and still sample up to 6 of the rest
+    train = ["pkg:codeio?limit=10&seed=3", "pkg:codeio_stub?limit=10&seed=3"]
+    common = dict(max_length=640, max_train_prompts=6)
+    warm = _datamodule(tmp_path, (train, ["pkg:humaneval"]), None, tokenizer=smollm2_tokenizer, **common)
+    fresh = _datamodule(tmp_path, (train, ["pkg:humaneval"]), None, tokenizer=smollm2_tokenizer, seed=1,
+                        exclude_seed=0, **common)
+    warm_tasks = set(warm.prompts().train_tasks())
+    fresh_tasks = fresh.prompts().train_tasks()
+    assert len(fresh.prompts().train) == 6 and len(warm.prompts().train) == 6
+    assert warm_tasks and not warm_tasks & set(fresh_tasks), "a fresh prompt shares a task with the warm start"
+    # the negative control: the same seed without the exclusion overlaps the warm start's tasks
+    same = _datamodule(tmp_path, (train, ["pkg:humaneval"]), None, tokenizer=smollm2_tokenizer, seed=1, **common)
+    assert warm_tasks & set(same.prompts().train_tasks())
+    assert "exclude_seed=0" in fresh._prompt_set_description()
+    assert "exclude_seed" not in warm._prompt_set_description()  # the default keeps old cache keys
+    with pytest.raises(ValueError, match="exclude_seed=1.*seed other than 1"):
+        _datamodule(tmp_path, (train, ["pkg:humaneval"]), None, seed=1, exclude_seed=1, **common)
+    with pytest.raises(ValueError, match="exclude_seed=0.*set max_train_prompts"):
+        _datamodule(tmp_path, (train, ["pkg:humaneval"]), None, seed=1, exclude_seed=0, max_length=640)

@@ -140,6 +140,44 @@ def test_an_ablation_result_gives_the_verdict_line(tmp_path):
     assert "goal 1.13x: **not met**" in text and "No ablation result yet." not in text
 
 
+def _experiment_json(tmp_path, verdict):
+    rows = [
+        {"drafter": "warm start", "budget": 16, "temperature": t, "tau": 2.5 + t, "ci95": [2.4, 2.6],
+         "vs_control": None, "vs_warm_start": None, **({"tau_oracle": 4.25} if t else {})} for t in (0.0, 1.0)
+    ] + [
+        {"drafter": "exittrain-soft-flow-l1-fresh", "budget": 16, "temperature": 1.0, "tau": 3.52, "ci95": [3.4, 3.6],
+         "vs_control": {"delta": 0.012, "ci95": [-0.004, 0.031]}, "vs_warm_start": {"delta": 0.02, "ci95": [0.01, 0.03]},
+         "tau_oracle": 4.25},
+    ]
+    path = tmp_path / "exittrain.json"
+    write_json(path, {"domain": "code", "steps": 30, "warm_start": "W", "prompts": 64, "analytic_anchors": 8,
+                      "rows": rows, "verdict": verdict, "train": {}})
+    return path
+
+
+def test_an_experiment_result_shows_its_verdict_and_paired_table(tmp_path):
+    res = results_page.summarize_experiment_json(
+        _experiment_json(tmp_path, []), name="exittrain-code", command="python -m exittrain bench exittrain",
+        commit="abc1234", host=HOST, date="2026-12-01")
+    text = results_page.render_page([res], PAGE)
+    assert "## Does exit-guided training help?" in text
+    assert "- no ExitTrain setting's paired interval against its matched control excludes 0" in text
+    assert "| exittrain-soft-flow-l1-fresh | - | 3.520; +0.012 (-0.004 to +0.031); +0.020 (+0.010 to +0.030) |" in text
+    assert "| oracle bound (same budget and law) | - | 4.250 |" in text
+    found = results_page.summarize_experiment_json(
+        _experiment_json(tmp_path, ["exittrain-x beats control-x"]), name="e", command="c", commit="a", host=HOST,
+        date="2026-12-01")
+    assert "- exittrain-x beats control-x" in results_page.render_page([found], PAGE)
+    write_json(tmp_path / "not_it.json", {"rows": []})
+    with pytest.raises(ValueError, match="not a bench exittrain output"):
+        results_page.summarize_experiment_json(tmp_path / "not_it.json", name="e", command="c", commit="a",
+                                               host=HOST, date="2026-12-01")
+    broken = copy.deepcopy(res)
+    broken["summary"]["rows"][0].pop("vs_control")
+    with pytest.raises(ValueError, match=r"summary rows\[0\]: missing key 'vs_control'"):
+        results_page.check_result(broken, "results/e.json")
+
+
 @pytest.mark.parametrize("breakage, message", [
     (lambda r: r.pop("command"), "missing key 'command'"),
     (lambda r: r.update(date="1 Dec 2026"), "is not YYYY-MM-DD"),
