@@ -230,8 +230,8 @@ def oracle_block_lengths(
     candidate children (the M = min(B, V) most likely tokens of each row, reach known) are ranked
     together; the candidates among the B best become nodes, and one ``score_trees`` call on the
     grown trees gives their conditionals. It stops when no candidate is among the B best and
-    keeps the B best held nodes; each wave adds at least one depth level's worth, so a row costs
-    about (oracle tree depth + 1) target forwards over its anchors' trees. T = 0: the oracle is
+    keeps the B best held nodes. One wave is one target forward over the row's anchors' trees;
+    a row needs at least (oracle tree depth + 1) of them, and holds up to a few times B rows. T = 0: the oracle is
     the target's greedy chain, ``1 + min(B, K)``, with no forward.
     :func:`oracle_block_lengths_reference` is the one-node-at-a-time twin.
     """
