@@ -55,8 +55,27 @@ def test_heldout_markdown_shows_the_paired_difference_after_the_first_row():
     ]
     md = bench_heldout.to_markdown({"prompts": 2, "domain": "code", "skip": 8, "max_new_tokens": 9, "budget": 4,
                                     "rows": rows})
-    assert "| a | 5 | 2.000 | 1.90-2.10 | - | 0.50 |" in md
-    assert "| b | 5 | 2.400 | 2.20-2.60 | +0.400 (+0.250 to +0.500) | 0.60 |" in md
+    assert "| a | 4 | 5 | 2.000 | 1.90-2.10 | - | 0.50 |" in md
+    assert "| b | 4 | 5 | 2.400 | 2.20-2.60 | +0.400 (+0.250 to +0.500) | 0.60 |" in md
+    assert "analytic tau" not in md  # no temperature > 0: no second table
+
+
+def test_heldout_markdown_law_table_has_analytic_tau_pairs_oracle_rows_and_efficiency():
+    def row(name, greedy, analytic, pair):
+        return {"drafter": name, "budget": 4, "anchors": 5, "greedy_block_length": greedy, "ci95": [1.0, 3.0],
+                "accuracy_by_depth": [0.5], "vs_first": None,
+                "analytic": {"1.0": {"analytic_tau": analytic, "ci95": [1.0, 2.0], "anchors": 4, "vs_first": pair}}}
+
+    result = {"prompts": 2, "domain": "code", "skip": 16, "max_new_tokens": 9, "budgets": [4],
+              "temperatures": [0.0, 1.0], "analytic_anchors": 2,
+              "rows": [row("a", 2.0, 1.5, None), row("b", 2.4, 1.8, {"delta": 0.3, "ci95": [0.1, 0.5]})],
+              "oracle": [{"budget": 4, "temperature": 0.0, "max_depth": 1, "oracle_tau": 2.0},
+                         {"budget": 4, "temperature": 1.0, "max_depth": 1, "oracle_tau": 2.5}]}
+    md = bench_heldout.to_markdown(result)
+    assert "| drafter | B | greedy tau (T=0) | eff | analytic tau T=1 | vs the first (paired 95% CI) | eff |" in md
+    assert "| a | 4 | 2.000 | 1.000 | 1.500 | - | 0.600 |" in md
+    assert "| b | 4 | 2.400 | 1.200 | 1.800 | +0.300 (+0.100 to +0.500) | 0.720 |" in md
+    assert "| oracle | 4 | 2.000 | 1.000 | 2.500 | - | 1.000 |" in md
 
 
 @pytest.mark.slow
@@ -67,10 +86,15 @@ def test_heldout_bench_on_the_embedded_target(tmp_path):
 
     drafter = new_drafter(load_target(None), seed=0)
     save_drafter(drafter, tmp_path / "drafter")
-    result = bench_heldout.run([str(tmp_path / "drafter")], prompts=2, skip=8, max_new_tokens=12, budget=4,
-                               domain="code", batch=2)
+    result = bench_heldout.run([str(tmp_path / "drafter")], prompts=2, skip=8, max_new_tokens=12, budgets=[4],
+                               domain="code", batch=2, temperatures=[0.0, 1.0], analytic_anchors=2)
     row = result["rows"][0]
+    law = row["analytic"]["1.0"]
+    assert law["anchors"] <= 4 and 1.0 <= law["analytic_tau"] < 1 + 4 and law["vs_first"] is None
+    oracle = {o["temperature"]: o["oracle_tau"] for o in result["oracle"]}
+    assert oracle[0.0] == 1 + 4 and law["analytic_tau"] <= oracle[1.0] <= 1 + 4
     assert result["prompts"] == 2 and row["anchors"] == 2 * (12 - 7 + 1)
     # an untrained drafter: the root's own block, rarely more
     assert 1.0 <= row["greedy_block_length"] < 1.5 and row["ci95"][0] <= row["greedy_block_length"] <= row["ci95"][1]
     assert row["vs_first"] is None and "| greedy tau |" in bench_heldout.to_markdown(result)
+    assert "| analytic tau T=1 |" in bench_heldout.to_markdown(result)
