@@ -1,4 +1,4 @@
-"""`python -m exittrain bench {core,decode,train,ablation,memory,regen,heldout,exittrain} [args]`: dispatch to one benchmark."""
+"""`python -m exittrain bench {core,decode,train,ablation,memory,regen,heldout,exittrain} [args]`: run one benchmark."""
 
 from __future__ import annotations
 

@@ -23,8 +23,11 @@ evaluation set (from ``--skip``, past the ones ``fit`` decodes), at every ``--bu
 - greedy tau: the T = 0 block length at every answer position of the target's greedy answers;
 - analytic tau at each ``--temperatures`` > 0: the exact expected TEV block length ``sum_v P(v)``
   under the target law warped to T, at ``--analytic-anchors`` seeded positions per answer of the
-  target's own samples at T (the same anchors for every drafter);
-- the oracle bound: the best-first tree of the same budget under the same law, at the same anchors;
+  target's own samples at T (the same anchors for every drafter; ``--budget-anchors`` takes the
+  first n of them at each budget, since a tree of B nodes costs B + 1 target rows per anchor);
+- the oracle bound: the best-first tree of the same budget under the same law, at the same anchors
+  of the first ``--oracle-prompts`` prompts (it costs a few times a drafter tree's rows per anchor),
+  and each drafter's efficiency tau / tau_oracle on those prompts;
 - paired differences against the arm's matched control and against the warm start (mean over the
   same anchors, 95% interval bootstrapping prompts), with the verdict per temperature.
 
@@ -167,9 +170,7 @@ def measure(args, target, drafters: dict[str, Path]) -> dict:
     """Greedy, analytic and oracle tau of every drafter at every budget and temperature."""
     from exittrain.data import ExitTrainDataModule
     from exittrain.eval.bench_heldout import greedy_block_lengths
-    from exittrain.eval.heldout_law import (
-        analytic_block_lengths, answer_rows, heldout_anchors, oracle_block_lengths,
-    )
+    from exittrain.eval.heldout_law import analytic_block_lengths, answer_rows, heldout_anchors, oracle_block_lengths
     from exittrain.models import load_drafter
 
     loaded = {name: load_drafter(path, target).eval() for name, path in drafters.items()}
@@ -185,16 +186,20 @@ def measure(args, target, drafters: dict[str, Path]) -> dict:
         rows = answer_rows(target, prompts, layers, args.max_new_tokens, 32, temperature=T, seed=args.seed)
         anchors = None if T == 0 else heldout_anchors(rows, K, args.analytic_anchors, args.seed)
         _log(f"T={T:g}: {len(rows)} answers ({time.perf_counter() - t0:.0f} s)")
-        for budget in args.budgets:
+        for budget, per_answer in zip(args.budgets, args.budget_anchors):
             key = f"{budget}/{T:g}"
             if T > 0:
-                oracle[key] = oracle_block_lengths(target, rows, anchors, budget, K, T)
+                # the first per_answer of the seeded anchors: a subset, the same for every drafter
+                mine = [a[:per_answer] for a in anchors]
+                # drafter-free, and a few times a drafter tree's rows per anchor: the first prompts only
+                n = args.oracle_prompts
+                oracle[key] = oracle_block_lengths(target, rows[:n], mine[:n], budget, K, T)
             for name, drafter in loaded.items():
                 with torch.no_grad():
                     if T == 0:
                         per_row[name][key] = greedy_block_lengths(drafter, rows, layers, budget)[0]
                     else:
-                        per_row[name][key] = analytic_block_lengths(drafter, target, rows, layers, anchors, budget, T)
+                        per_row[name][key] = analytic_block_lengths(drafter, target, rows, layers, mine, budget, T)
             _log(f"B={budget} T={T:g}: {len(loaded)} drafters measured ({time.perf_counter() - t0:.0f} s so far)")
     return {"prompts": len(prompts), "per_row": per_row, "oracle": oracle}
 
@@ -219,9 +224,11 @@ def compare(measured: dict, warm_name: str) -> list[dict]:
             if arm is not None and arm.stage == "exittrain" and arm.control in per_row:
                 row["control"] = arm.control
                 row["vs_control"] = paired_difference(values, per_row[arm.control][key])
-            if key in oracle:
+            if key in oracle:  # on the oracle's prompts (the first ones), so is the efficiency
+                n = len(oracle[key])
                 tau_oracle = float(torch.cat(oracle[key]).mean())
-                row["tau_oracle"], row["efficiency"] = tau_oracle, row["tau"] / tau_oracle
+                row["tau_oracle"], row["oracle_prompts"] = tau_oracle, n
+                row["efficiency"] = float(torch.cat(values[:n]).mean()) / tau_oracle
             out.append(row)
     return out
 
@@ -264,7 +271,9 @@ def to_markdown(result: dict) -> str:
         f"{result['domain']}: {result['steps']} steps per arm from {result['warm_start']}; held out: "
         f"{result['prompts']} evaluation prompts (from #{result['skip']}), up to {result['max_new_tokens']} new "
         f"tokens; T = 0 is the greedy block length at every answer position, T > 0 the analytic (expected TEV) "
-        f"block length at {result['analytic_anchors']} positions per sampled answer.",
+        f"block length at seeded positions of the target's samples at T (per answer, by budget: "
+        f"{result.get('budget_anchors') or result['analytic_anchors']}). The oracle bound and tau / oracle: the "
+        f"first {result.get('oracle_prompts', result['prompts'])} prompts.",
         "",
         *markdown_table(header, body),
         "",
@@ -327,6 +336,7 @@ def run(args) -> dict:
     result = {
         "domain": args.domain, "warm_start": str(warm_path), "steps": args.steps, "prompts": measured["prompts"],
         "skip": args.skip, "max_new_tokens": args.max_new_tokens, "analytic_anchors": args.analytic_anchors,
+        "budget_anchors": dict(zip(map(str, args.budgets), args.budget_anchors)), "oracle_prompts": args.oracle_prompts,
         "budgets": list(args.budgets), "temperatures": list(args.temperatures), "overrides": list(args.override),
         "arms": [{"name": a.name, "control": a.control, **asdict(a)} for a in selected_arms(args)],
         "train": train, "rows": rows, "verdict": verdict(rows), "host": host_info(),
@@ -368,8 +378,11 @@ def parse_args(argv=None):
     parser.add_argument("--prompts", type=int, default=64, help="held-out evaluation prompts")
     parser.add_argument("--skip", type=int, default=16, help="evaluation prompts to leave out first (fit decodes them)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--analytic-anchors", type=int, default=8, help="anchors per answer for T > 0")
+    parser.add_argument("--analytic-anchors", type=int, default=4, help="anchors per answer for T > 0")
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--budget-anchors", type=int, nargs="+", default=None,
+                        help="anchors per answer at each budget (<= --analytic-anchors; default: all of them)")
+    parser.add_argument("--oracle-prompts", type=int, default=8, help="prompts the oracle bound is measured on")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.6, 1.0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--override", action="append", default=[], help="a Hydra override of the fit config")
@@ -377,9 +390,15 @@ def parse_args(argv=None):
     parser.add_argument("--resume", action="store_true", help="reuse arms already saved under --out")
     parser.add_argument("--out", default="results/exittrain")
     args = parser.parse_args(argv)
-    for key in ("steps", "fresh_prompts", "prompts", "analytic_anchors"):
+    for key in ("steps", "fresh_prompts", "prompts", "analytic_anchors", "oracle_prompts"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be >= 1")
+    if args.budget_anchors is None:
+        args.budget_anchors = [args.analytic_anchors] * len(args.budgets)
+    if len(args.budget_anchors) != len(args.budgets) or not all(
+            1 <= n <= args.analytic_anchors for n in args.budget_anchors):
+        parser.error(f"--budget-anchors needs one count per budget ({len(args.budgets)}), each from 1 to "
+                     f"--analytic-anchors ({args.analytic_anchors})")
     if any(T < 0 for T in args.temperatures):
         parser.error("--temperatures must be >= 0 (0 = greedy)")
     if args.warm_start is not None and not (Path(args.warm_start) / "config.json").is_file():

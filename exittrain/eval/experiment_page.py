@@ -3,7 +3,8 @@
 A result of kind ``experiment`` (schema ``exittrain.result/1``, see :mod:`exittrain.eval.results_page`)
 adds ``summary``: ``domain``, ``steps``, ``warm_start``, ``prompts``, ``analytic_anchors``, ``rows``
 (``bench exittrain``'s rows: ``drafter``, ``budget``, ``temperature``, ``tau``, ``ci95``,
-``vs_control`` and ``vs_warm_start`` (``{"delta", "ci95"}`` or null), and ``tau_oracle`` at T > 0)
+``vs_control`` and ``vs_warm_start`` (``{"delta", "ci95"}`` or null), and ``tau_oracle`` at T > 0),
+optionally ``budget_anchors`` (anchors per answer by budget) and ``oracle_prompts``,
 and ``verdict`` (its lines: the settings whose paired interval against the matched control
 excludes 0 at T > 0; empty when none does).
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 _SUMMARY_KEYS = ("domain", "steps", "warm_start", "prompts", "analytic_anchors", "rows", "verdict")
+_OPTIONAL_KEYS = ("budget_anchors", "oracle_prompts")
 _ROW_KEYS = ("drafter", "budget", "temperature", "tau", "ci95", "vs_control", "vs_warm_start")
 
 
@@ -31,7 +33,7 @@ def check_experiment(res: dict, where: str, need) -> None:
 
 def summarize_experiment(data: dict) -> dict:
     """The ``summary`` block of an experiment result from ``bench exittrain``'s ``exittrain.json``."""
-    return {key: data[key] for key in _SUMMARY_KEYS}
+    return {key: data[key] for key in (*_SUMMARY_KEYS, *_OPTIONAL_KEYS) if key in data}
 
 
 def _pair(pair: dict | None) -> str:
@@ -47,9 +49,10 @@ def experiment_lines(res: dict, json_link: str, cmd_link: str) -> list[str]:
     lines = [
         f"{res['date']}, {json_link} ({cmd_link}): {sm['domain']}, {sm['steps']} steps per arm from one warm start, "
         f"measured on {sm['prompts']} held-out prompts. T = 0: greedy block length at every answer position; "
-        f"T > 0: the analytic (expected TEV) block length at {sm['analytic_anchors']} positions per sampled answer, "
-        "paired against the arm's matched block-CE control and against the warm start (95% intervals, "
-        "bootstrapping prompts).",
+        f"T > 0: the analytic (expected TEV) block length at seeded positions of the target's samples at T "
+        f"(per answer, by budget: {sm.get('budget_anchors') or sm['analytic_anchors']}), "
+        f"the oracle bound on the first {sm.get('oracle_prompts', sm['prompts'])} prompts; paired against the "
+        "arm's matched block-CE control and against the warm start (95% intervals, bootstrapping prompts).",
         "",
         "Verdict:",
         "",

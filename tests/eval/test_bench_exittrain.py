@@ -75,6 +75,11 @@ def test_bad_arguments_name_the_option(tmp_path):
         bx.parse_args(["--warm-start", str(tmp_path)])  # no config.json there
     with pytest.raises(SystemExit):
         bx.parse_args(["--temperatures", "-1"])
+    with pytest.raises(SystemExit):  # one count per budget, none above --analytic-anchors
+        bx.parse_args(["--budgets", "16", "64", "--budget-anchors", "2"])
+    with pytest.raises(SystemExit):
+        bx.parse_args(["--analytic-anchors", "2", "--budget-anchors", "3", "1"])
+    assert bx.parse_args(["--analytic-anchors", "4"]).budget_anchors == [4, 4]
 
 
 @pytest.mark.slow
@@ -82,7 +87,8 @@ def test_the_experiment_runs_end_to_end_on_the_embedded_target(tmp_path, monkeyp
     monkeypatch.setenv("EXITTRAIN_CACHE", str(tmp_path / "cache"))
     args = bx.parse_args([
         "--steps", "2", "--fresh-prompts", "8", "--prompts", "2", "--max-new-tokens", "12",
-        "--analytic-anchors", "2", "--budgets", "4", "--temperatures", "0", "1",
+        "--analytic-anchors", "2", "--budgets", "4", "3", "--budget-anchors", "2", "1", "--oracle-prompts", "1",
+        "--temperatures", "0", "1",
         "--arms", "control-soft-fresh", "exittrain-soft-flow-l1-fresh",
         "--override", "debug=smoke", "--override", "stages.pretrain.max_steps=2", "--out", str(tmp_path / "out"),
     ])
@@ -92,8 +98,8 @@ def test_the_experiment_runs_end_to_end_on_the_embedded_target(tmp_path, monkeyp
     names = {r["drafter"] for r in saved["rows"]}
     assert names == {"warm start", "control-soft-fresh", "exittrain-soft-flow-l1-fresh"}
     analytic = [r for r in saved["rows"] if r["temperature"] == 1.0]
-    for r in analytic:  # a block of a budget-4 tree: at least the bonus, at most 1 + depth 4
-        assert 1.0 <= r["tau"] <= 5.0 and r["tau"] <= r["tau_oracle"] + 1e-6
-    arm = next(r for r in analytic if r["drafter"] == "exittrain-soft-flow-l1-fresh")
-    assert arm["vs_control"] is not None and arm["anchors"] == 2 * 2
+    for r in analytic:  # a block of a budget-B tree: at least the bonus, at most 1 + B; the oracle bounds it
+        assert 1.0 <= r["tau"] <= 1 + r["budget"] and r["efficiency"] <= 1 + 1e-6 and r["oracle_prompts"] == 1
+    arm = {r["budget"]: r for r in analytic if r["drafter"] == "exittrain-soft-flow-l1-fresh"}
+    assert arm[4]["vs_control"] is not None and arm[4]["anchors"] == 2 * 2 and arm[3]["anchors"] == 2 * 1
     assert os.path.exists(tmp_path / "out" / "exittrain_vs_control.png")

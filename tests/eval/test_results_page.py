@@ -146,7 +146,8 @@ def _experiment_json(tmp_path, verdict):
          "vs_control": None, "vs_warm_start": None, **({"tau_oracle": 4.25} if t else {})} for t in (0.0, 1.0)
     ] + [
         {"drafter": "exittrain-soft-flow-l1-fresh", "budget": 16, "temperature": 1.0, "tau": 3.52, "ci95": [3.4, 3.6],
-         "vs_control": {"delta": 0.012, "ci95": [-0.004, 0.031]}, "vs_warm_start": {"delta": 0.02, "ci95": [0.01, 0.03]},
+         "vs_control": {"delta": 0.012, "ci95": [-0.004, 0.031]},
+         "vs_warm_start": {"delta": 0.02, "ci95": [0.01, 0.03]},
          "tau_oracle": 4.25},
     ]
     path = tmp_path / "exittrain.json"
