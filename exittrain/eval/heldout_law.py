@@ -133,6 +133,25 @@ def analytic_block_lengths(
     return out
 
 
+# (target, ids, layers) -> fp32 features: every drafter, budget and call on one row reads the same
+# context, and one causal target pass over it costs as much as scoring all its trees
+_FEATURES: dict[tuple[int, int, tuple[int, ...]], tuple[object, torch.Tensor, torch.Tensor]] = {}
+_FEATURES_KEPT = 256
+
+
+def _context_features(target, ids: torch.Tensor, layers: list[int]) -> torch.Tensor:
+    """(1, T, F) fp32 target features of ``ids`` at ``layers``, computed once per row tensor and target."""
+    key = (id(target), id(ids), tuple(layers))
+    hit = _FEATURES.get(key)
+    if hit is not None and hit[0] is target and hit[1] is ids:  # the same objects, not a reused id
+        return hit[2]
+    features_1TF = target.sequence_features(ids[None].to(target.device), list(layers)).float()
+    if len(_FEATURES) >= _FEATURES_KEPT:
+        _FEATURES.pop(next(iter(_FEATURES)))  # the oldest row
+    _FEATURES[key] = (target, ids, features_1TF)  # holding ids and target keeps their ids unique
+    return features_1TF
+
+
 @torch.no_grad()
 def drafter_trees(drafter, target, ids: torch.Tensor, anchors_A: torch.Tensor, budget: int,
                   features_TF: torch.Tensor | None = None):
@@ -144,7 +163,7 @@ def drafter_trees(drafter, target, ids: torch.Tensor, anchors_A: torch.Tensor, b
 
     ids_1T = ids[None].to(target.device)
     if features_TF is None:
-        features_1TF = target.sequence_features(ids_1T, list(drafter.config.target_layer_ids)).float()
+        features_1TF = _context_features(target, ids, list(drafter.config.target_layer_ids))
     else:
         features_1TF = features_TF[None].to(target.device)
     logits_AKV = drafter.forward_anchors(features_1TF, ids_1T, anchors_A[None].to(target.device)).float()

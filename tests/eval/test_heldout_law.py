@@ -119,3 +119,17 @@ def test_bad_arguments_name_the_option(models):
                            ({"analytic_anchors": 0}, "--analytic-anchors")):
         with pytest.raises(ValueError, match=option):  # checked before any model is loaded
             bench_heldout.run(["unused"], prompts=1, skip=0, max_new_tokens=4, **kwargs)
+
+
+def test_the_context_features_are_computed_once_per_row_and_equal_a_fresh_pass(models, monkeypatch):
+    target, drafter = models
+    ids = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12])
+    rows, anchors = [(ids, 3, None)], [torch.tensor([2, 4])]
+    calls, real = [], target.sequence_features
+    monkeypatch.setattr(target, "sequence_features", lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = hl.analytic_block_lengths(drafter, target, rows, [2], anchors, 4, 1.0)
+    again = hl.analytic_block_lengths(drafter, target, rows, [2], anchors, 8, 0.6)
+    assert len(calls) == 1, "a second budget or temperature on the same row re-ran the target"
+    fresh = hl._context_features(target, ids.clone(), [2])  # another tensor: computed anew
+    assert len(calls) == 2 and torch.equal(fresh, real(ids[None], [2]).float())
+    assert first[0].shape == again[0].shape == (2,)
