@@ -169,7 +169,7 @@ def train_arms(args, target, warm_path: Path) -> tuple[dict, dict]:
 def measure(args, target, drafters: dict[str, Path]) -> dict:
     """Greedy, analytic and oracle tau of every drafter at every budget and temperature."""
     from exittrain.data import ExitTrainDataModule
-    from exittrain.eval.bench_heldout import greedy_block_lengths
+    from exittrain.eval.bench_heldout import greedy_block_lengths_by_budget
     from exittrain.eval.heldout_law import analytic_block_lengths, answer_rows, heldout_anchors, oracle_block_lengths
     from exittrain.models import load_drafter
 
@@ -186,20 +186,21 @@ def measure(args, target, drafters: dict[str, Path]) -> dict:
         rows = answer_rows(target, prompts, layers, args.max_new_tokens, 32, temperature=T, seed=args.seed)
         anchors = None if T == 0 else heldout_anchors(rows, K, args.analytic_anchors, args.seed)
         _log(f"T={T:g}: {len(rows)} answers ({time.perf_counter() - t0:.0f} s)")
+        if T == 0:  # every answer position; one drafter pass per row serves every budget
+            for name, drafter in loaded.items():
+                greedy = greedy_block_lengths_by_budget(drafter, rows, layers, list(args.budgets))[0]
+                per_row[name].update({f"{b}/0": v for b, v in greedy.items()})
+            _log(f"T=0: {len(loaded)} drafters measured ({time.perf_counter() - t0:.0f} s so far)")
+            continue
         for budget, per_answer in zip(args.budgets, args.budget_anchors):
             key = f"{budget}/{T:g}"
-            if T > 0:
-                # the first per_answer of the seeded anchors: a subset, the same for every drafter
-                mine = [a[:per_answer] for a in anchors]
-                # drafter-free, and a few times a drafter tree's rows per anchor: the first prompts only
-                n = args.oracle_prompts
-                oracle[key] = oracle_block_lengths(target, rows[:n], mine[:n], budget, K, T)
+            # the first per_answer of the seeded anchors: a subset, the same for every drafter
+            mine = [a[:per_answer] for a in anchors]
+            # drafter-free, and a few times a drafter tree's rows per anchor: the first prompts only
+            n = args.oracle_prompts
+            oracle[key] = oracle_block_lengths(target, rows[:n], mine[:n], budget, K, T)
             for name, drafter in loaded.items():
-                with torch.no_grad():
-                    if T == 0:
-                        per_row[name][key] = greedy_block_lengths(drafter, rows, layers, budget)[0]
-                    else:
-                        per_row[name][key] = analytic_block_lengths(drafter, target, rows, layers, mine, budget, T)
+                per_row[name][key] = analytic_block_lengths(drafter, target, rows, layers, mine, budget, T)
             _log(f"B={budget} T={T:g}: {len(loaded)} drafters measured ({time.perf_counter() - t0:.0f} s so far)")
     return {"prompts": len(prompts), "per_row": per_row, "oracle": oracle}
 

@@ -49,7 +49,8 @@ from exittrain.eval.heldout_law import (
 )
 from exittrain.tables import markdown_table
 
-__all__ = ["answer_with_features", "greedy_block_lengths", "paired_difference", "run", "to_markdown", "main"]
+__all__ = ["answer_with_features", "greedy_block_lengths", "greedy_block_lengths_by_budget", "paired_difference",
+           "run", "to_markdown", "main"]
 
 
 def answer_with_features(target, prompts: list[list[int]], layers: list[int], max_new_tokens: int, batch: int):
@@ -62,12 +63,22 @@ def greedy_block_lengths(drafter, rows, layers: list[int], budget: int) -> tuple
     """Per row, the (A,) T = 0 block lengths of ``drafter`` at its answer anchors; and the (K,)
     per-depth argmax accuracy over all anchors. ``rows`` as :func:`answer_with_features` returns,
     with the features of ``layers`` (a superset of the drafter's, in that order)."""
+    per_budget, accuracy = greedy_block_lengths_by_budget(drafter, rows, layers, [budget])
+    return per_budget[budget], accuracy
+
+
+def greedy_block_lengths_by_budget(
+    drafter, rows, layers: list[int], budgets: list[int]
+) -> tuple[dict[int, list[torch.Tensor]], torch.Tensor]:
+    """:func:`greedy_block_lengths` at several budgets: ``{B: per-row lengths}`` and the accuracy.
+    The drafter runs once per row; only the tree is built per budget."""
     from exittrain.core import build_tree, followed_depth
 
     K, H = drafter.config.num_draft_tokens, drafter.config.target_hidden_size
     slots = [layers.index(x) for x in drafter.config.target_layer_ids]
     pick = torch.cat([torch.arange(s * H, (s + 1) * H) for s in slots])  # the drafter's slices of F
-    per_row, hits, anchors_seen = [], torch.zeros(K), 0
+    per_budget: dict[int, list[torch.Tensor]] = {b: [] for b in budgets}
+    hits, anchors_seen = torch.zeros(K), 0
     with torch.no_grad():
         for ids, n_prompt, features in rows:
             T = ids.shape[0]
@@ -78,9 +89,11 @@ def greedy_block_lengths(drafter, rows, layers: list[int], budget: int) -> tuple
             labels = ids[anchors.unsqueeze(1) + torch.arange(1, K + 1)]  # (A, K) the target's continuation
             hits += (logits.argmax(-1) == labels).float().sum(0)
             anchors_seen += labels.shape[0]
-            tree = build_tree(torch.log_softmax(logits, -1), budget, validate=False)
-            per_row.append(1.0 + followed_depth(tree, labels).float())
-    return per_row, hits / max(anchors_seen, 1)
+            logq_AKV = torch.log_softmax(logits, -1)
+            for budget in budgets:
+                tree = build_tree(logq_AKV, budget, validate=False)
+                per_budget[budget].append(1.0 + followed_depth(tree, labels).float())
+    return per_budget, hits / max(anchors_seen, 1)
 
 
 def _check(budgets, temperatures, analytic_anchors) -> None:
@@ -130,10 +143,12 @@ def run(
         for path, drafter in zip(drafters, loaded):
             K = drafter.config.num_draft_tokens
             anchors.setdefault(K, heldout_anchors(rows, K, analytic_anchors, seed))
+            if temperature == 0:
+                greedy, accuracy = greedy_block_lengths_by_budget(drafter, rows, layers, budgets)
             for budget in budgets:
                 entry = next(r for r in results if r["drafter"] == path and r["budget"] == budget)
                 if temperature == 0:
-                    per_row, accuracy = greedy_block_lengths(drafter, rows, layers, budget)
+                    per_row = greedy[budget]
                     stats = summary(per_row)
                     entry.update(greedy_block_length=stats["mean"], ci95=stats["ci95"], anchors=stats["anchors"],
                                  accuracy_by_depth=accuracy.tolist())

@@ -31,6 +31,11 @@ def test_greedy_block_lengths_read_the_drafters_own_layers_from_a_superset():
     for (ids, n_prompt, _), lengths in zip(rows, got):
         assert lengths.shape == (ids.shape[0] - K - n_prompt + 1,)  # every answer anchor, the last prompt token first
         assert lengths.min() >= 1 and lengths.max() <= K + 1
+    # one drafter pass for several budgets gives each budget's own lengths
+    both, acc_both = bench_heldout.greedy_block_lengths_by_budget(drafter, rows, [0, 2], [4, 1])
+    one, _ = bench_heldout.greedy_block_lengths(drafter, rows, [0, 2], budget=1)
+    assert all(torch.equal(a, b) for a, b in zip(both[4], got)) and torch.equal(acc_both, acc)
+    assert all(torch.equal(a, b) for a, b in zip(both[1], one))
 
 
 def test_paired_difference_is_the_mean_anchor_difference_and_needs_the_same_anchors():
