@@ -245,7 +245,7 @@ def verdict(rows: list[dict]) -> list[str]:
         if low > 0 or high < 0:
             word = "beats" if low > 0 else "loses to"
             lines.append(f"{r['drafter']} {word} {r['control']} at B = {r['budget']}, T = {r['temperature']:g}: "
-                         f"{pair['delta']:+.3f} ({low:+.3f} to {high:+.3f})")
+                         f"{pair['delta']:+.4f} ({low:+.4f} to {high:+.4f})")  # 4 places: some are tiny
     return lines
 
 
