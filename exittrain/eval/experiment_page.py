@@ -45,12 +45,15 @@ def experiment_lines(res: dict, json_link: str, cmd_link: str) -> list[str]:
     sm = res["summary"]
     temps = sorted({r["temperature"] for r in sm["rows"]})
     budgets = sorted({r["budget"] for r in sm["rows"]})
+    per_budget = sm.get("budget_anchors")
+    anchors = (", ".join(f"{n} at B = {b}" for b, n in per_budget.items()) if per_budget
+               else str(sm["analytic_anchors"]))
     found = sm["verdict"] or ["no ExitTrain setting's paired interval against its matched control excludes 0 at T > 0."]
     lines = [
         f"{res['date']}, {json_link} ({cmd_link}): {sm['domain']}, {sm['steps']} steps per arm from one warm start, "
         f"measured on {sm['prompts']} held-out prompts. T = 0: greedy block length at every answer position; "
         f"T > 0: the analytic (expected TEV) block length at seeded positions of the target's samples at T "
-        f"(per answer, by budget: {sm.get('budget_anchors') or sm['analytic_anchors']}), "
+        f"({anchors} per answer), "
         f"the oracle bound on the first {sm.get('oracle_prompts', sm['prompts'])} prompts; paired against the "
         "arm's matched block-CE control and against the warm start (95% intervals, bootstrapping prompts).",
         "",
