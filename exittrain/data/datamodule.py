@@ -7,8 +7,8 @@ Lifecycle (Lightning calls these; see ``lightning.pytorch.core.datamodule``):
   by the ``target`` callable only when the cache entry is missing.
 - ``setup`` (every process): reloads the prompt lists (deterministic, cheap), opens the cached
   dataset, drops rows whose prompt alone fills ``max_length`` and holds out ``val_fraction`` of the
-  training rows for a validation loss, whole tasks at a time (:func:`split_by_task`). Everything
-  is counted in :attr:`ExitTrainDataModule.stats`.
+  training rows for a validation loss, whole tasks at a time
+  (:func:`~exittrain.data.prompt_selection.split_by_task`). Everything is counted in :attr:`ExitTrainDataModule.stats`.
 - ``train_dataloader`` / ``val_dataloader``: right-padded batches from :class:`~exittrain.data.collate.Collator`
   (input_ids (L, T) long, loss_mask (L, T) bool, attention_mask (L, T) long, n_prompt_tokens (L,),
   lengths (L,), row_id (L,) = the row's ``prompt_index``: stable across epochs, unique across both splits).
@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from torch.utils.data import DataLoader
 
 from exittrain.data.collate import Collator, truncation_stats
 from exittrain.data.feature_store import STORE_MODES, FeatureStore, RowLayout, token_fingerprint
+from exittrain.data.prompt_selection import seeded_sample, split_by_task, unseen_tasks
 from exittrain.data.regenerate import (
     GenerationConfig,
     TargetProvider,
@@ -69,30 +69,6 @@ def default_target_provider(target_name: str | None) -> TargetProvider:
     return provide
 
 
-def split_by_task(order: Sequence[int], tasks: Sequence[str], n_val: int) -> tuple[list[int], list[int]]:
-    """Hold out about ``n_val`` rows, whole tasks at a time: returns ``(val rows, train rows)``.
-
-    ``order`` is the shuffled row list and ``tasks[i]`` the task key of row i
-    (:meth:`DomainPrompts.train_tasks`). Tasks are taken in the order their first row appears in
-    ``order`` until ``n_val`` rows are held out, so the last task may add a row or two more; no task
-    has rows on both sides (the description and the stub of one CodeI/O task answer alike, and a
-    validation row whose twin is trained on reads optimistic). With every task a single row this is
-    ``order[:n_val]``, ``order[n_val:]``. Both lists keep the order of ``order``.
-    """
-    held: set[str] = set()
-    count = Counter(tasks[i] for i in order)
-    n = 0
-    for i in order:
-        if n >= n_val:
-            break
-        if tasks[i] not in held:
-            held.add(tasks[i])
-            n += count[tasks[i]]
-    val = [i for i in order if tasks[i] in held]
-    train = [i for i in order if tasks[i] not in held]
-    return val, train
-
-
 SourceSpecs = Sequence[str | PromptSource | Mapping[str, Any]]
 
 
@@ -116,7 +92,8 @@ class ExitTrainDataModule(pl.LightningDataModule):
         max_train_prompts: keep a seeded random sample of at most this many training prompts.
         val_fraction: fraction of the regenerated training rows held out for validation loss
             (0 disables validation; otherwise at least one row), whole tasks at a time: both
-            prompt forms of one CodeI/O task land on the same side (:func:`split_by_task`).
+            prompt forms of one CodeI/O task land on the same side
+            (:func:`~exittrain.data.prompt_selection.split_by_task`).
         seed: seed of the prompt sample, the validation split and the shuffling.
         exclude_seed: leave out every task of the sample that ``max_train_prompts`` draws under this
             seed, before this run's own sample (both prompt forms of a CodeI/O task go together):
@@ -224,26 +201,18 @@ class ExitTrainDataModule(pl.LightningDataModule):
                 self.domain, train=self.train_sources, eval=self.eval_sources, max_chars=self.max_prompt_chars
             )
             if self.exclude_seed is not None:
-                tasks = dp.train_tasks()
-                seen = {tasks[i] for i in self._sample(len(dp.train), self.exclude_seed)}
-                unseen = [p for p, t in zip(dp.train, tasks) if t not in seen]
+                unseen = unseen_tasks(dp.train, dp.train_tasks(), self.max_train_prompts, self.exclude_seed)
                 logger.info(
                     "left out %d training prompts: the tasks of seed %d's sample (exclude_seed)",
                     len(dp.train) - len(unseen), self.exclude_seed,
                 )
                 dp.train = unseen
             if self.max_train_prompts is not None and len(dp.train) > self.max_train_prompts:
-                keep = self._sample(len(dp.train), self.seed)
+                keep = seeded_sample(len(dp.train), self.max_train_prompts, self.seed)
                 logger.info("using %d of %d training prompts (max_train_prompts)", len(keep), len(dp.train))
                 dp.train = [dp.train[i] for i in keep]
             self._prompts = dp
         return self._prompts
-
-    def _sample(self, n: int, seed: int) -> list[int]:
-        """The sorted indices of ``max_train_prompts`` of ``n`` prompts drawn under ``seed`` (all when fewer)."""
-        if self.max_train_prompts is None or n <= self.max_train_prompts:
-            return list(range(n))
-        return sorted(random.Random(seed).sample(range(n), self.max_train_prompts))
 
     def _prompt_set_description(self) -> str:
         """Where the training prompts came from; part of the regeneration cache key."""

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from exittrain.data.collate import Collator, truncation_stats
-from exittrain.data.datamodule import ExitTrainDataModule, split_by_task
+from exittrain.data.datamodule import ExitTrainDataModule
+from exittrain.data.prompt_selection import split_by_task
 from exittrain.data.regenerate import chat_prompt_ids
 from exittrain.data.sources import normalize_prompt
 from tests.data.helpers import CountingTarget, tiny_llama
