@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["markdown_table", "cell"]
+__all__ = ["markdown_table", "cell", "paired_cell"]
 
 MISSING = "-"
 
@@ -18,6 +18,13 @@ MISSING = "-"
 def cell(value: Any, fmt: str = "{:.2f}", missing: str = MISSING) -> str:
     """``value`` formatted with ``fmt``; ``missing`` for None (a value a row does not have)."""
     return missing if value is None else fmt.format(value)
+
+
+def paired_cell(pair: dict | None) -> str:
+    """A paired difference ``{"delta", "ci95": [low, high]}`` as ``+0.012 (-0.004 to +0.031)``; ``-`` for None."""
+    if pair is None:
+        return MISSING
+    return f"{pair['delta']:+.3f} ({pair['ci95'][0]:+.3f} to {pair['ci95'][1]:+.3f})"
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:

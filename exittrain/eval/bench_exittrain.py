@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from exittrain.tables import markdown_table
+from exittrain.tables import markdown_table, paired_cell
 
 
 @dataclass(frozen=True)
@@ -249,17 +249,13 @@ def verdict(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _pair(pair: dict | None) -> str:
-    return "-" if pair is None else f"{pair['delta']:+.3f} ({pair['ci95'][0]:+.3f} to {pair['ci95'][1]:+.3f})"
-
-
 def to_markdown(result: dict) -> str:
     rows = sorted(result["rows"], key=lambda r: (r["budget"], r["temperature"]))
     header = ["drafter", "B", "T", "tau", "95% CI", "vs matched control (paired)", "vs warm start (paired)",
               "tau_oracle", "tau / oracle"]
     body = (
         [r["drafter"], r["budget"], f"{r['temperature']:g}", f"{r['tau']:.3f}",
-         f"{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}", _pair(r["vs_control"]), _pair(r["vs_warm_start"]),
+         f"{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}", paired_cell(r["vs_control"]), paired_cell(r["vs_warm_start"]),
          f"{r['tau_oracle']:.2f}" if "tau_oracle" in r else "-",
          f"{r['efficiency']:.2f}" if "efficiency" in r else "-"]
         for r in rows

@@ -47,7 +47,7 @@ from exittrain.eval.heldout_law import (
     paired_difference,
     summary,
 )
-from exittrain.tables import markdown_table
+from exittrain.tables import markdown_table, paired_cell
 
 __all__ = ["answer_with_features", "greedy_block_lengths", "greedy_block_lengths_by_budget", "paired_difference",
            "run", "to_markdown", "main"]
@@ -176,10 +176,6 @@ def run(
     }
 
 
-def _pair(pair: dict | None) -> str:
-    return "-" if pair is None else f"{pair['delta']:+.3f} ({pair['ci95'][0]:+.3f} to {pair['ci95'][1]:+.3f})"
-
-
 def _oracle_tau(result: dict, budget: int, temperature: float) -> float | None:
     found = [o["oracle_tau"] for o in result.get("oracle", []) if o["budget"] == budget and
              o["temperature"] == temperature]
@@ -206,7 +202,7 @@ def law_table(result: dict) -> list[str]:
             a = r["analytic"].get(str(t))
             bound = _oracle_tau(result, b, t)
             line += ["-", "-", "-"] if a is None else [
-                f"{a['analytic_tau']:.3f}", _pair(a["vs_first"]), _efficiency(a["analytic_tau"], bound)]
+                f"{a['analytic_tau']:.3f}", paired_cell(a["vs_first"]), _efficiency(a["analytic_tau"], bound)]
         body.append(line)
     for b in result["budgets"] if result.get("oracle") else []:
         zero = _oracle_tau(result, b, 0.0)
@@ -223,7 +219,7 @@ def to_markdown(result: dict) -> str:
     budgets = result.get("budgets", [result.get("budget")])
     rows = (
         [r["drafter"], r.get("budget", budgets[0]), r["anchors"], f"{r['greedy_block_length']:.3f}",
-         f"{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}", _pair(r.get("vs_first")),
+         f"{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}", paired_cell(r.get("vs_first")),
          *(f"{a:.2f}" for a in r["accuracy_by_depth"])]
         for r in result["rows"]
     )

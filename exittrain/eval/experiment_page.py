@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from exittrain.tables import paired_cell
+
 _SUMMARY_KEYS = ("domain", "steps", "warm_start", "prompts", "analytic_anchors", "rows", "verdict")
 _OPTIONAL_KEYS = ("budget_anchors", "oracle_prompts")
 _ROW_KEYS = ("drafter", "budget", "temperature", "tau", "ci95", "vs_control", "vs_warm_start")
@@ -34,10 +36,6 @@ def check_experiment(res: dict, where: str, need) -> None:
 def summarize_experiment(data: dict) -> dict:
     """The ``summary`` block of an experiment result from ``bench exittrain``'s ``exittrain.json``."""
     return {key: data[key] for key in (*_SUMMARY_KEYS, *_OPTIONAL_KEYS) if key in data}
-
-
-def _pair(pair: dict | None) -> str:
-    return "-" if pair is None else f"{pair['delta']:+.3f} ({pair['ci95'][0]:+.3f} to {pair['ci95'][1]:+.3f})"
 
 
 def experiment_lines(res: dict, json_link: str, cmd_link: str) -> list[str]:
@@ -71,7 +69,7 @@ def experiment_lines(res: dict, json_link: str, cmd_link: str) -> list[str]:
             for t in temps:
                 r = next((r for r in rows if r["drafter"] == name and r["temperature"] == t), None)
                 cells.append("-" if r is None else
-                             f"{r['tau']:.3f}; {_pair(r['vs_control'])}; {_pair(r['vs_warm_start'])}")
+                             f"{r['tau']:.3f}; {paired_cell(r['vs_control'])}; {paired_cell(r['vs_warm_start'])}")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         oracle = {r["temperature"]: r["tau_oracle"] for r in rows if "tau_oracle" in r}
         if oracle:
