@@ -179,6 +179,20 @@ def eval_settings(cfg: DictConfig) -> dict:
     )
 
 
+def held_out_law(cfg: DictConfig, target, prompts: list[list[int]]):
+    """The :class:`~exittrain.eval.analytic_table.HeldOutLaw` of ``cfg.eval.analytic_temperatures``
+    on ``prompts`` (None when the list is empty): analytic tau beside the decoded tau."""
+    from exittrain.eval.analytic_table import HeldOutLaw, check_analytic_settings
+
+    temperatures = list(cfg.eval.get("analytic_temperatures") or [])
+    anchors = cfg.eval.get("analytic_anchors", 16)
+    check_analytic_settings(temperatures, anchors)
+    if not temperatures or target is None:
+        return None
+    return HeldOutLaw(target, prompts, temperatures, anchors_per_answer=anchors,
+                      max_new_tokens=int(cfg.eval.max_new_tokens), seed=int(cfg.seed))
+
+
 # ----------------------------------------------------------------------------------------------
 # construction
 
@@ -303,7 +317,9 @@ class FitRun:
 
     ``full`` is what rank 0 evaluates and saves: the drafter itself, or after a ``trainer=fsdp``
     stage its gathered copy. ``ar_cache`` holds one autoregressive baseline per prompt, so both
-    held-out tables share their denominator.
+    held-out tables share their denominator. ``law`` (or None) gives the analytic tau at
+    ``eval.analytic_temperatures``; ``analytic`` keeps each table's per-anchor values, for the
+    paired differences against the warm start.
     """
 
     cfg: DictConfig
@@ -319,6 +335,8 @@ class FitRun:
     summary: dict = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     ar_cache: dict = field(default_factory=dict)
+    law: Any = None
+    analytic: dict = field(default_factory=dict)
 
 
 def setup_run(cfg: DictConfig, target: TargetArg = None) -> FitRun:
@@ -330,6 +348,7 @@ def setup_run(cfg: DictConfig, target: TargetArg = None) -> FitRun:
     seed_everything(cfg.seed)
     stages = plan_stages(cfg)
     settings = eval_settings(cfg)
+    held_out_law(cfg, None, [])  # its settings, checked before anything loads
     check_objective(cfg, stages)
     started = time.perf_counter()
 
@@ -342,6 +361,7 @@ def setup_run(cfg: DictConfig, target: TargetArg = None) -> FitRun:
         cfg=cfg, stages=stages, settings=settings, run_dir=run_dir, target=target, drafter=drafter,
         datamodule=datamodule, eval_prompts=eval_prompts, started=started, full=drafter,
     )
+    run.law = held_out_law(cfg, target, eval_prompts[: cfg.eval.num_prompts])
     run.summary = {"recipe": cfg.recipe_name, "stages": stages, "target": target.name, "tables": {}}
     run.timings["regeneration_and_setup_s"] = time.perf_counter() - started
     return run
@@ -360,6 +380,9 @@ def evaluate_held_out(run: FitRun, label: str, drafter=None) -> list[dict]:
     drafter = run.full if drafter is None else drafter
     rows = evaluate_prompts(run.target, drafter, prompts, label=label, ar_cache=run.ar_cache, **run.settings)
     table = summarize(rows)
+    if run.law is not None:
+        run.analytic[label] = run.law.measure(drafter, run.settings["budgets"])
+        run.law.attach(table, run.analytic[label], None if label == "warm_start" else run.analytic.get("warm_start"))
     run.summary["tables"][label] = table
     run.run_dir.write_eval_rows(label, rows)
     run.timings[f"eval_{label}_s"] = time.perf_counter() - t0
@@ -409,6 +432,7 @@ def train_stage(run: FitRun, stage: str) -> None:
 
 def finish_run(run: FitRun) -> dict:
     """Rank 0: export the drafter, write the tree example and ``metrics.json``, print the tables."""
+    from exittrain.eval.analytic_table import format_differences
     from exittrain.eval.decode_eval import format_table
     from exittrain.eval.tree_example import tree_example
     from exittrain.export import export_beside
@@ -432,6 +456,9 @@ def finish_run(run: FitRun) -> dict:
     out.write_fit_summary(run.summary)
     tables = [row for table in run.summary["tables"].values() for row in table]
     print("\nHeld-out decoding (tau = tokens per round, bonus included):\n" + format_table(tables))
+    differences = format_differences(tables)
+    if differences:
+        print("\n" + "\n".join(differences))
     print(f"\nRun directory: {out.path}\nDrafter: {drafter_dir}  (python -m exittrain eval drafter={drafter_dir})")
     return run.summary
 

@@ -206,6 +206,24 @@ def test_fit_on_rank_zero_regenerates_evaluates_and_writes(rank, tmp_path, monke
     assert len(baselines) == cfg.eval.num_prompts * len(cfg.eval.temperatures)
     ar = {label: [r["ar_tokens_per_s"] for r in table] for label, table in summary["tables"].items()}
     assert ar["warm_start"] == ar["exittrain"]
+    # the analytic tau at eval.analytic_temperatures beside each decoded row, paired with the warm start's
+    for label, table in summary["tables"].items():
+        for row in table:
+            assert set(row["analytic"]) == {f"{t:g}" for t in cfg.eval.analytic_temperatures}, label
+            for cell in row["analytic"].values():
+                assert 1.0 <= cell["tau"] <= cfg.drafter.block_size and cell["anchors"] > 0
+                assert ("vs_warm_start" in cell) == (label != "warm_start")
+
+
+def test_fit_rejects_a_zero_analytic_temperature_before_anything_loads(tmp_path):
+    cfg, _ = _tiny_fit(tmp_path)
+    cfg.eval.analytic_temperatures = [0.0]
+
+    def no_target():
+        raise AssertionError("the target was built before the settings were checked")
+
+    with pytest.raises(ValueError, match=r"eval.analytic_temperatures=\[0.0\]"):
+        fit(cfg, target=no_target)
 
 
 def test_fit_on_rank_one_trains_and_leaves_evaluation_and_files_to_rank_zero(rank, tmp_path, monkeypatch):

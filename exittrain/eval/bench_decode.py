@@ -1,7 +1,7 @@
 """Decoding benchmark on the embedded target: our decoder beside Hugging Face's greedy and prompt lookup.
 
-``python -m exittrain bench decode --drafter PATH [--budgets 16] [--prompts 10] [--skip 8]
-[--new-tokens 96] [--cache on off] [--contexts 100 600]``
+``python -m exittrain bench decode --drafter PATH [--budgets 16] [--prompts 10] [--skip 16]
+[--new-tokens 96] [--cache on off] [--head-layout auto linear] [--contexts 100 600]``
 
 Side by side in one run, on the same held-out prompts and the same fp32 target, at temperature 0:
 
@@ -9,7 +9,9 @@ Side by side in one run, on the same held-out prompts and the same fp32 target, 
 - Hugging Face prompt lookup, ``generate(do_sample=False, prompt_lookup_num_tokens=N)``: a free
   drafter that copies n-grams of the prompt and the text so far;
 - our :class:`~exittrain.decoding.SpeculativeDecoder` (TEV) at each budget, with the drafter
-  cache on and/or off (``--cache``; off is the full re-read, the reference twin).
+  cache on and/or off (``--cache``; off is the full re-read, the reference twin), with the LM
+  head in the layout timed fastest on this host and/or plain ``F.linear`` (``--head-layout auto
+  linear``; :mod:`exittrain.models.row_matmul`; ``linear`` is the reference twin).
 
 The methods take turns prompt by prompt, so a machine whose load drifts slows them alike; the
 ratios (tokens/s over greedy, over prompt lookup) are the figures to compare, not the absolute
@@ -35,9 +37,11 @@ import time
 
 import torch
 
+from exittrain import progress as progress_log
 from exittrain.decoding import ROUND_PARTS, SpeculativeDecoder
 from exittrain.decoding.drafter_context import drafter_context
 from exittrain.eval.bench import write_results
+from exittrain.models.row_matmul import layout_choices, linear_only
 from exittrain.tables import markdown_table
 
 
@@ -114,43 +118,56 @@ def drafter_round_ms(target, drafter, text: list[int], contexts: list[int], roun
     return rows
 
 
+def _head_layout(layout: str):
+    """``auto``: head_rows picks the layout; ``linear``: F.linear everywhere (the reference twin)."""
+    import contextlib
+
+    return linear_only() if layout == "linear" else contextlib.nullcontext()
+
+
 def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int, new_tokens: int, domain: str,
         caches: list[bool], lookup_tokens: int = 10, contexts: list[int] | None = None,
-        round_positions: int = 4) -> dict:
+        round_positions: int = 4, head_layouts: list[str] = ("auto",)) -> dict:
     from exittrain.models import load_drafter, load_target, new_drafter
 
     target = load_target(None)
     drafter = (load_drafter(drafter_path, target) if drafter_path else new_drafter(target, seed=0)).eval()
     prompts = heldout_prompts(target, domain, n_prompts, skip)
-    decoders = {(b, c): SpeculativeDecoder(target, drafter, budget=b, verifier="tev", drafter_cache=c)
-                for b in budgets for c in caches}
+    decoders = {(b, c, h): SpeculativeDecoder(target, drafter, budget=b, verifier="tev", drafter_cache=c)
+                for b in budgets for c in caches for h in head_layouts}
     lookup = {"prompt_lookup_num_tokens": lookup_tokens}
     # warm-up: one short decode of each kind so lazy initialisation is not timed
     hf_generate(target, prompts[0], 4)
     hf_generate(target, prompts[0], 4, **lookup)
-    for decoder in decoders.values():
-        decoder.generate(prompts[0], 4)
+    for (_, _, layout), decoder in decoders.items():
+        with _head_layout(layout):
+            decoder.generate(prompts[0], 4)
 
     greedy, plookup = ([], []), ([], [])
     ours = {key: [] for key in decoders}
-    for prompt in prompts:  # methods take turns per prompt: a drifting load slows all alike
+    ticker = progress_log.Ticker("bench decode", len(prompts), unit="prompt", every=1)
+    for done, prompt in enumerate(prompts, 1):  # methods take turns per prompt: a drifting load slows all alike
         for store, extra in ((greedy, {}), (plookup, lookup)):
             tokens, seconds = hf_generate(target, prompt, new_tokens, **extra)
             store[0].append(tokens)
             store[1].append(seconds)
         for key, decoder in decoders.items():
-            ours[key].append(decoder.generate(prompt, new_tokens, temperature=0.0))
+            with _head_layout(key[2]):
+                ours[key].append(decoder.generate(prompt, new_tokens, temperature=0.0))
+        ticker.update(done, greedy_s=f"{sum(greedy[1]):.0f}", lookup_s=f"{sum(plookup[1]):.0f}",
+                      ours_s=" ".join(f"{sum(r.seconds for r in v):.0f}" for v in ours.values()))
     base, pl = _summary(*greedy), _summary(*plookup)
     pl["vs_greedy"] = pl["tokens_per_s"] / base["tokens_per_s"]
     pl["equals_greedy"] = sum(a == b for a, b in zip(plookup[0], greedy[0]))
     rows = []
-    for (budget, cached), results in ours.items():
+    for (budget, cached, layout), results in ours.items():
         rounds = [r for res in results for r in res.rounds]
         stage = {s: sum(r.times.get(s, 0.0) for r in rounds) for s in ROUND_PARTS}
         summary = _summary([r.tokens for r in results], [r.seconds for r in results])
         rows.append({
             "budget": budget,
             "drafter_cache": cached,
+            "head_layout": layout,
             "tau": sum(r.block_length for r in rounds) / len(rounds),
             **summary,
             "vs_greedy": summary["tokens_per_s"] / base["tokens_per_s"],
@@ -164,7 +181,7 @@ def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int,
     return {"host": host(), "domain": domain, "prompts": len(prompts), "skip": skip, "new_tokens": new_tokens,
             "drafter": drafter_path or "fresh", "context_window": drafter.config.context_window,
             "lookup_tokens": lookup_tokens, "greedy": base, "prompt_lookup": pl, "rows": rows,
-            "round_positions": round_positions, "drafter_round": micro}
+            "round_positions": round_positions, "drafter_round": micro, "head_layout": layout_choices()}
 
 
 def to_markdown(result: dict) -> str:
@@ -185,7 +202,8 @@ def to_markdown(result: dict) -> str:
     ]
     for r in result["rows"]:
         rows.append([
-            f"ours B={r['budget']}, drafter cache {'on' if r['drafter_cache'] else 'off'}", f"{r['tau']:.2f}",
+            f"ours B={r['budget']}, drafter cache {'on' if r['drafter_cache'] else 'off'}, "
+            f"head {r.get('head_layout', 'linear')}", f"{r['tau']:.2f}",
             f"{r['tokens_per_s']:.1f}", f"{r['vs_greedy']:.2f}x", f"{r['vs_prompt_lookup']:.2f}x",
             f"{r['equals_greedy']}/{n}", f"{r['ms_per_round']:.1f}",
             *(f"{r['stage_ms_per_round'][s]:.1f}" for s in ROUND_PARTS),
@@ -204,6 +222,11 @@ def to_markdown(result: dict) -> str:
              for r in result["drafter_round"]),
         ),
     ]
+    if result.get("head_layout"):
+        lines += ["", "LM head layout chosen on this host (row_matmul.head_rows, timed once per row count):", "",
+                  *markdown_table(["rows", "F.linear ms", "W @ x.T ms", "chosen"],
+                                  ([c["rows"], f"{c['linear_ms']:.1f}", f"{c['transposed_ms']:.1f}", c["layout"]]
+                                   for c in result["head_layout"]))]
     return "\n".join(lines) + "\n"
 
 
@@ -212,11 +235,13 @@ def main(argv=None) -> None:
     parser.add_argument("--drafter", default=None, help="saved drafter folder (default: a fresh drafter)")
     parser.add_argument("--budgets", type=int, nargs="+", default=[16])
     parser.add_argument("--prompts", type=int, default=10)
-    parser.add_argument("--skip", type=int, default=8, help="evaluation prompts to leave out first (fit decodes them)")
+    parser.add_argument("--skip", type=int, default=16, help="evaluation prompts to leave out first (fit decodes them)")
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--domain", default="code", choices=["code", "dialogue", "math"])
     parser.add_argument("--cache", nargs="+", choices=["on", "off"], default=["on"],
                         help="decode with the drafter cache on, off (the full re-read), or both")
+    parser.add_argument("--head-layout", nargs="+", choices=["auto", "linear"], default=["auto"],
+                        help="the LM head in the layout timed fastest here (auto), plain F.linear, or both")
     parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of the baseline")
     parser.add_argument("--contexts", type=int, nargs="+", default=[100, 600],
                         help="context lengths of the drafter micro-benchmark")
@@ -226,7 +251,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     result = run(args.drafter, args.budgets, args.prompts, args.skip, args.new_tokens, args.domain,
                  [c == "on" for c in dict.fromkeys(args.cache)], args.lookup_tokens, args.contexts,
-                 args.round_positions)
+                 args.round_positions, list(dict.fromkeys(args.head_layout)))
     write_results(args.out, result, to_markdown(result))
 
 

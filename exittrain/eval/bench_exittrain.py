@@ -31,9 +31,11 @@ evaluation set (from ``--skip``, past the ones ``fit`` decodes), at every ``--bu
 - paired differences against the arm's matched control and against the warm start (mean over the
   same anchors, 95% interval bootstrapping prompts), with the verdict per temperature.
 
-Writes ``<out>/exittrain.json`` (everything; ``exittrain_partial.json`` while it runs),
-``<out>/exittrain.md`` and ``<out>/exittrain_vs_control.png``, and each arm's drafter under
-``<out>/<arm>/`` (reused by a rerun with ``--resume``).
+Writes ``<out>/exittrain.json`` (everything; ``exittrain_partial.json``, rewritten after each
+temperature, while it runs), ``<out>/exittrain.md`` and ``<out>/exittrain_vs_control.png``, each
+arm's drafter under ``<out>/<arm>/`` (reused by a rerun with ``--resume``) and every drafter's
+per-anchor values under ``<out>/measured/`` (reused by any rerun with the same measuring settings
+and weights: adding an arm measures that arm only).
 
 Limits: one domain per call, one seed; the fresh rows are fewer than the warm start's, and every
 arm runs a few dozen steps on a CPU: a verdict here is about this scale.
@@ -50,6 +52,8 @@ from pathlib import Path
 import torch
 
 from exittrain.tables import markdown_table, paired_cell
+
+PARTIAL = "exittrain_partial.json"
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,7 @@ class Arm:
 # The grid that runs: a cut of the issue's factorial (2 labels x 2 lambdas x 2 weights x 2 rows x
 # 2 budgets = 32 ExitTrain arms) to the ones that answer its questions on a CPU: each label kind
 # at the reference's lambda 0.1 and at 1 (flow), the missing weights at 1, the training budget 32
-# once, and the warm start's own rows once against their own control.
+# once, and the warm start's own rows once against their own control (at lambda 1).
 ARMS = (
     Arm("soft"),
     Arm("hard"),
@@ -100,6 +104,7 @@ ARMS = (
     Arm("soft", lambda_exit=1.0),
     Arm("soft", lambda_exit=1.0, weight_type="missing"),
     Arm("hard", lambda_exit=0.1),  # the reference recipe: hard-label CE + 0.1 x flow
+    Arm("hard", lambda_exit=1.0),
     Arm("soft", lambda_exit=1.0, budget_train=32),
     Arm("soft", rows="own"),
     Arm("soft", rows="own", lambda_exit=1.0),
@@ -166,11 +171,20 @@ def train_arms(args, target, warm_path: Path) -> tuple[dict, dict]:
     return paths, info
 
 
-def measure(args, target, drafters: dict[str, Path]) -> dict:
-    """Greedy, analytic and oracle tau of every drafter at every budget and temperature."""
+MEASURE_SETTINGS = ("domain", "prompts", "skip", "max_new_tokens", "analytic_anchors", "budget_anchors", "seed")
+
+
+def measure(args, target, drafters: dict[str, Path], on_step=None) -> dict:
+    """Greedy, analytic and oracle tau of every drafter at every budget and temperature.
+
+    Each drafter's per-row values are kept under ``<out>/measured/`` (:class:`MeasureCache`, keyed
+    by the measuring settings and the drafter's weights): a rerun measures only the drafters,
+    budgets and temperatures it has not measured. ``on_step(measured)`` runs after each temperature.
+    """
     from exittrain.data import ExitTrainDataModule
     from exittrain.eval.bench_heldout import greedy_block_lengths_by_budget
     from exittrain.eval.heldout_law import analytic_block_lengths, answer_rows, heldout_anchors, oracle_block_lengths
+    from exittrain.eval.measure_cache import MeasureCache
     from exittrain.models import load_drafter
 
     loaded = {name: load_drafter(path, target).eval() for name, path in drafters.items()}
@@ -179,30 +193,43 @@ def measure(args, target, drafters: dict[str, Path]) -> dict:
     K = first.config.num_draft_tokens
     data = ExitTrainDataModule(args.domain, tokenizer=target.tokenizer, progress=False)
     prompts = data.eval_prompts(args.skip + args.prompts)[args.skip:]
-    per_row: dict[str, dict[str, list[torch.Tensor]]] = {name: {} for name in loaded}
-    oracle: dict[str, list[torch.Tensor]] = {}
+    cache = MeasureCache(Path(args.out) / "measured", {k: getattr(args, k) for k in MEASURE_SETTINGS})
+    oracle_name = f"oracle-{args.oracle_prompts}-prompts"
+    per_row = {name: cache.load(name, drafters[name]) for name in loaded}
+    oracle = cache.load(oracle_name)
+    measured = {"prompts": len(prompts), "per_row": per_row, "oracle": oracle}
     for T in args.temperatures:
+        keys = {budget: f"{budget}/{T:g}" for budget in args.budgets}
+        todo = [name for name in loaded if any(k not in per_row[name] for k in keys.values())]
+        if not todo and (T == 0 or all(k in oracle for k in keys.values())):
+            _log(f"T={T:g}: every drafter measured before ({cache.folder})")
+            continue
         t0 = time.perf_counter()
         rows = answer_rows(target, prompts, layers, args.max_new_tokens, 32, temperature=T, seed=args.seed)
         anchors = None if T == 0 else heldout_anchors(rows, K, args.analytic_anchors, args.seed)
-        _log(f"T={T:g}: {len(rows)} answers ({time.perf_counter() - t0:.0f} s)")
+        _log(f"T={T:g}: {len(rows)} answers ({time.perf_counter() - t0:.0f} s); measuring {len(todo)} drafters")
         if T == 0:  # every answer position; one drafter pass per row serves every budget
-            for name, drafter in loaded.items():
-                greedy = greedy_block_lengths_by_budget(drafter, rows, layers, list(args.budgets))[0]
-                per_row[name].update({f"{b}/0": v for b, v in greedy.items()})
-            _log(f"T=0: {len(loaded)} drafters measured ({time.perf_counter() - t0:.0f} s so far)")
-            continue
-        for budget, per_answer in zip(args.budgets, args.budget_anchors):
-            key = f"{budget}/{T:g}"
-            # the first per_answer of the seeded anchors: a subset, the same for every drafter
-            mine = [a[:per_answer] for a in anchors]
-            # drafter-free, and a few times a drafter tree's rows per anchor: the first prompts only
-            n = args.oracle_prompts
-            oracle[key] = oracle_block_lengths(target, rows[:n], mine[:n], budget, K, T)
-            for name, drafter in loaded.items():
-                per_row[name][key] = analytic_block_lengths(drafter, target, rows, layers, mine, budget, T)
-            _log(f"B={budget} T={T:g}: {len(loaded)} drafters measured ({time.perf_counter() - t0:.0f} s so far)")
-    return {"prompts": len(prompts), "per_row": per_row, "oracle": oracle}
+            for name in todo:
+                greedy = greedy_block_lengths_by_budget(loaded[name], rows, layers, list(args.budgets))[0]
+                per_row[name].update({keys[b]: v for b, v in greedy.items()})
+        else:
+            for budget, per_answer in zip(args.budgets, args.budget_anchors):
+                key = keys[budget]
+                # the first per_answer of the seeded anchors: a subset, the same for every drafter
+                mine = [a[:per_answer] for a in anchors]
+                # drafter-free, and a few times a drafter tree's rows per anchor: the first prompts only
+                n = args.oracle_prompts
+                if key not in oracle:
+                    oracle[key] = oracle_block_lengths(target, rows[:n], mine[:n], budget, K, T)
+                    cache.save(oracle_name, oracle)
+                for name in todo:
+                    per_row[name][key] = analytic_block_lengths(loaded[name], target, rows, layers, mine, budget, T)
+        for name in todo:
+            cache.save(name, per_row[name], drafters[name])
+        _log(f"T={T:g}: {len(todo)} drafters measured ({time.perf_counter() - t0:.0f} s)")
+        if on_step is not None:
+            on_step(measured)
+    return measured
 
 
 def compare(measured: dict, warm_name: str) -> list[dict]:
@@ -315,31 +342,44 @@ def run(args) -> dict:
 
     from exittrain.eval.bench_ablation import compose_fit_config
     from exittrain.eval.results_page import host_info
+    from exittrain.run_dir import write_json_atomic
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = compose_fit_config(args.domain, out, args.override)
     target = instantiate(cfg.target)
     t0 = time.perf_counter()
-    if args.warm_start is None:
+    if args.warm_start is None and args.resume and (out / "warm_start" / "config.json").is_file():
+        warm_path = out / "warm_start"
+        _log(f"warm start: reused {warm_path}")
+    elif args.warm_start is None:
         warm_path = train_warm_start(cfg, target, out)
     else:
         warm_path = Path(args.warm_start)
     paths, train = train_arms(args, target, warm_path)
     train_s = time.perf_counter() - t0
     drafters = {"warm start": warm_path, **paths}
-    measured = measure(args, target, drafters)
-    rows = compare(measured, "warm start")
-    result = {
-        "domain": args.domain, "warm_start": str(warm_path), "steps": args.steps, "prompts": measured["prompts"],
-        "skip": args.skip, "max_new_tokens": args.max_new_tokens, "analytic_anchors": args.analytic_anchors,
-        "budget_anchors": dict(zip(map(str, args.budgets), args.budget_anchors)), "oracle_prompts": args.oracle_prompts,
-        "budgets": list(args.budgets), "temperatures": list(args.temperatures), "overrides": list(args.override),
-        "arms": [{"name": a.name, "control": a.control, **asdict(a)} for a in selected_arms(args)],
-        "train": train, "rows": rows, "verdict": verdict(rows), "host": host_info(),
-        "wall_s": {"train": train_s, "measure": time.perf_counter() - t0 - train_s},
-    }
-    (out / "exittrain.json").write_text(json.dumps(result, indent=2))
+
+    def result_of(measured: dict) -> dict:
+        rows = compare(measured, "warm start")
+        return {
+            "domain": args.domain, "warm_start": str(warm_path), "steps": args.steps,
+            "prompts": measured["prompts"], "skip": args.skip, "max_new_tokens": args.max_new_tokens,
+            "analytic_anchors": args.analytic_anchors,
+            "budget_anchors": dict(zip(map(str, args.budgets), args.budget_anchors)),
+            "oracle_prompts": args.oracle_prompts, "budgets": list(args.budgets),
+            "temperatures": list(args.temperatures), "overrides": list(args.override),
+            "arms": [{"name": a.name, "control": a.control, **asdict(a)} for a in selected_arms(args)],
+            "train": train, "rows": rows, "verdict": verdict(rows), "host": host_info(),
+            "wall_s": {"train": train_s, "measure": time.perf_counter() - t0 - train_s},
+        }
+
+    def write_partial(measured: dict) -> None:  # what is measured so far, readable while it runs
+        write_json_atomic(out / PARTIAL, result_of(measured))
+
+    result = result_of(measure(args, target, drafters, on_step=write_partial))
+    write_json_atomic(out / "exittrain.json", result)
+    (out / PARTIAL).unlink(missing_ok=True)
     (out / "exittrain.md").write_text(to_markdown(result))
     plot(result, out / "exittrain_vs_control.png")
     print(to_markdown(result))
@@ -384,7 +424,8 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--override", action="append", default=[], help="a Hydra override of the fit config")
     parser.add_argument("--arms", nargs="+", choices=[a.name for a in ARMS], help="run only these arms (default all)")
-    parser.add_argument("--resume", action="store_true", help="reuse arms already saved under --out")
+    parser.add_argument("--resume", action="store_true",
+                        help="reuse the warm start and the arms already saved under --out")
     parser.add_argument("--out", default="results/exittrain")
     args = parser.parse_args(argv)
     for key in ("steps", "fresh_prompts", "prompts", "analytic_anchors", "oracle_prompts"):

@@ -12,6 +12,8 @@ Definitions used in every table:
 - ``tau_oracle``: tau with oracle trees of the same budget and depth limit; ``efficiency`` =
   tau / tau_oracle.
 - ``ci95``: a 95% bootstrap interval of tau over prompts (1000 resamples, fixed seed).
+- ``analytic`` (``fit``/``eval`` with ``eval.analytic_temperatures``): the exact expected TEV block
+  length at each temperature on answers sampled at it (:mod:`exittrain.eval.analytic_table`).
 """
 
 from __future__ import annotations
@@ -159,14 +161,23 @@ def optional_cell(row: dict, key: str, fmt: str = "{:.2f}") -> str:
     return fmt.format(row[key]) if key in row else "-"
 
 
+def _analytic_cell(row: dict, temperature: str) -> str:
+    cell = row.get("analytic", {}).get(temperature)
+    return "-" if cell is None else f"{cell['tau']:.2f} ({cell['ci95'][0]:.2f}-{cell['ci95'][1]:.2f})"
+
+
 def format_table(table: list[dict]) -> str:
-    """A markdown table of :func:`summarize` rows."""
+    """A markdown table of :func:`summarize` rows; rows with ``analytic`` entries
+    (:meth:`~exittrain.eval.analytic_table.HeldOutLaw.attach`) add one ``E[tau] T=..`` column per temperature."""
     from exittrain.tables import markdown_table
 
-    header = ["run", "B", "T", "prompts", "tau", "95% CI", "tau_oracle", "tau/oracle", "tok/s", "AR tok/s", "speedup"]
+    analytic = sorted({t for r in table for t in r.get("analytic", {})}, key=float)
+    header = ["run", "B", "T", "prompts", "tau", "95% CI", *(f"E[tau] T={t} (95% CI)" for t in analytic),
+              "tau_oracle", "tau/oracle", "tok/s", "AR tok/s", "speedup"]
     rows = (
         [r["label"] or "-", r["budget"], f"{r['temperature']:g}", r["prompts"], f"{r['tau']:.2f}",
-         f"{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}", optional_cell(r, "tau_oracle"), optional_cell(r, "efficiency"),
+         f"{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}", *(_analytic_cell(r, t) for t in analytic),
+         optional_cell(r, "tau_oracle"), optional_cell(r, "efficiency"),
          f"{r['tokens_per_s']:.1f}", optional_cell(r, "ar_tokens_per_s", "{:.1f}"), optional_cell(r, "speedup") + "x"]
         for r in table
     )

@@ -74,4 +74,9 @@ def log_table(logger, name: str, table: list[dict]) -> None:
         for extra in ("tau_oracle", "speedup", "tokens_per_s"):
             if extra in row:
                 flat[f"{key}/{extra}"] = row[extra]
+        for t, cell in row.get("analytic", {}).items():  # the expected tau at T, and its paired gain
+            flat[f"{key}/expected_tau_T{t}"] = cell["tau"]
+            for pair_name, pair in cell.items():
+                if pair_name.startswith("vs_"):
+                    flat[f"{key}/expected_tau_T{t}_{pair_name}"] = pair["delta"]
     logger.log_metrics(flat)

@@ -88,14 +88,14 @@ class TargetDecoding:
             [torch.ones(N, B + 1, C, dtype=torch.bool, device=device), tree.ancestor_mask.to(device)], dim=2
         )  # (N, B+1, C+B+1)
         with self._capture(layers) as captured:
-            out = self.model(
+            logits = self._causal_lm_logits(
                 input_ids=input_ids,
                 attention_mask=self._additive(allowed),
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=True,
             )
-        return TreeForwardOutput(out.logits.to(device), self._features(captured, layers))
+        return TreeForwardOutput(logits.to(device), self._features(captured, layers))
 
     @torch.no_grad()
     def commit(self, cache, context_len: int, accepted_node_columns: Sequence[int] | torch.Tensor):

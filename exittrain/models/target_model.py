@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from exittrain.models.row_matmul import head_rows
 from exittrain.models.target_decode import TargetDecoding
 from exittrain.models.target_scoring import TreeScoring
 
@@ -19,6 +20,11 @@ __all__ = ["SUPPORTED_ATTENTION", "TargetModel", "layer_output_hooks"]
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")
 """Attention implementations that apply a 4D additive mask as given (tree attention needs one)."""
+
+PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+"""Model types whose causal-LM logits are ``lm_head(decoder(...).last_hidden_state)``, with no
+scaling or soft-capping (read in their transformers modelling code): the tree forward may apply
+the head itself (:meth:`TargetModel._causal_lm_logits`)."""
 
 
 @contextlib.contextmanager
@@ -167,6 +173,20 @@ class TargetModel(TargetDecoding, TreeScoring):
         if not layers:
             return None
         return torch.cat([captured[x].to(self.device) for x in layers], dim=-1)
+
+    def _causal_lm_logits(self, **kwargs) -> torch.Tensor:
+        """``self.model(**kwargs).logits``. Where the model's logits are its plain LM head applied to
+        the decoder's last hidden state (:data:`PLAIN_HEAD_MODEL_TYPES`, a bias-free ``nn.Linear``
+        head), the decoder runs alone and the head goes through
+        :func:`~exittrain.models.row_matmul.head_rows`: a few tree rows in the layout this host
+        runs faster. Same numbers up to float summation order."""
+        head = self.lm_head
+        plain = (getattr(self.config, "model_type", None) in PLAIN_HEAD_MODEL_TYPES
+                 and type(head) is nn.Linear and head.bias is None)
+        if not plain:
+            return self.model(**kwargs).logits
+        hidden = self._decoder(**kwargs).last_hidden_state
+        return head_rows(hidden.to(head.weight.device), head.weight)
 
     def _mask_value(self) -> float:
         return torch.finfo(self.dtype).min

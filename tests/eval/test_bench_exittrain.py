@@ -103,3 +103,17 @@ def test_the_experiment_runs_end_to_end_on_the_embedded_target(tmp_path, monkeyp
     arm = {r["budget"]: r for r in analytic if r["drafter"] == "exittrain-soft-flow-l1-fresh"}
     assert arm[4]["vs_control"] is not None and arm[4]["anchors"] == 2 * 2 and arm[3]["anchors"] == 2 * 1
     assert os.path.exists(tmp_path / "out" / "exittrain_vs_control.png")
+    assert not (tmp_path / "out" / bx.PARTIAL).exists()  # the partial file lives while it runs only
+
+    # a rerun reuses the trained arms and every measurement: nothing is trained, sampled or scored again
+    def never(*a, **k):
+        raise AssertionError("a rerun measured again what it had measured")
+
+    from exittrain.eval import heldout_law
+
+    for name in ("answer_rows", "analytic_block_lengths", "oracle_block_lengths"):
+        monkeypatch.setattr(heldout_law, name, never)
+    monkeypatch.setattr("exittrain.eval.bench_ablation._train", never)
+    args.resume = True
+    again = bx.run(args)
+    assert again["rows"] == result["rows"]

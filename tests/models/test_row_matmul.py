@@ -1,0 +1,85 @@
+"""The LM head in the faster layout: the same numbers as F.linear (its reference twin) in either
+layout, F.linear wherever the fast path does not apply, and the tree forward and the drafter head
+unchanged by it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from exittrain.core import DraftTree
+from exittrain.models import new_drafter
+from exittrain.models import row_matmul as rm
+from tests.models.helpers import random_context, random_trees, tiny_target
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    """force(True | False): every head_rows call takes the transposed layout, or F.linear."""
+    def force(transposed: bool):
+        monkeypatch.setattr(rm, "_choose", lambda x, w: transposed)
+    return force
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("shape", [(7, 24), (1, 9, 24), (3, 2, 24)])
+def test_either_layout_gives_f_linear_up_to_summation_order(forced, transposed, shape):
+    forced(transposed)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(*shape, generator=g), torch.randn(500, 24, generator=g)
+    got = rm.head_rows(x, w)
+    assert got.shape == (*shape[:-1], 500)
+    torch.testing.assert_close(got, F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_the_fast_path_stays_out_of_autograd_single_rows_and_wide_batches(monkeypatch):
+    calls = []
+    monkeypatch.setattr(rm, "_choose", lambda x, w: calls.append(x.shape[0]) or True)
+    w = torch.randn(50, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    y = rm.head_rows(x, w)  # gradients needed: F.linear, differentiable
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, w.sum(0).expand(4, 8))
+    rm.head_rows(torch.randn(1, 8), w)  # one row: no choice to make
+    rm.head_rows(torch.randn(rm.MAX_ROWS + 1, 8), w)
+    assert calls == []
+    with torch.no_grad():
+        rm.head_rows(x, w)
+    assert calls == [4]
+
+
+def test_the_choice_is_timed_once_per_shape_and_reported():
+    rm._CHOICES.clear()
+    w = torch.randn(300, 16)
+    for _ in range(3):
+        rm.head_rows(torch.randn(5, 16), w)
+    rm.head_rows(torch.randn(2, 5, 16), w)  # 10 rows: a second shape, a second choice
+    (five, ten) = rm.layout_choices()
+    assert five["rows"] == 5 and ten["rows"] == 10 and five["weight"] == [300, 16]
+    assert five["layout"] in ("F.linear", "W @ x.T") and five["linear_ms"] > 0 and five["transposed_ms"] > 0
+    rm._CHOICES.clear()
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_tree_forward_logits_equal_the_models_own_in_either_layout(forced, kind, transposed):
+    target = tiny_target(kind)
+    context, root = random_context(2, 9), 5
+    tree: DraftTree = random_trees(1, k=4, budget=12, seed=3)
+    forced(transposed)
+    fast = target.tree_forward(target.prefill(torch.tensor([context])).cache, root, tree).logits
+    # the reference: the causal LM's own forward, its own head
+    target._causal_lm_logits = lambda **kw: target.model(**kw).logits
+    want = target.tree_forward(target.prefill(torch.tensor([context])).cache, root, tree).logits
+    torch.testing.assert_close(fast, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_drafter_head_equals_the_target_head_module(forced, transposed):
+    target = tiny_target("llama")
+    drafter = new_drafter(target, block_size=4, num_layers=1, layer_ids=[2], seed=0).eval()
+    hidden = torch.randn(2, 3, target.hidden_size)
+    forced(transposed)
+    with torch.no_grad():
+        torch.testing.assert_close(drafter.head(hidden), target.lm_head(hidden), atol=1e-5, rtol=1e-5)
