@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -36,4 +37,6 @@ def main(argv: list[str] | None = None) -> None:
         sys.stderr.write(f"usage: python -m exittrain bench {{{','.join(BENCHES)}}} [--help]\n")
         raise SystemExit(2)
     keep_freed_host_memory()  # as fit and eval do: the benchmarks measure the same process settings
+    # progress lines (exittrain.progress.Ticker) and the choices logged on the way go to stderr
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     importlib.import_module(BENCHES[argv[0]]).main(argv[1:])

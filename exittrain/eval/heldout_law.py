@@ -20,7 +20,9 @@ last prompt token first): its token is the root, ``ids[:a]`` the committed conte
 Limits: these are per-round expectations at positions of target samples, not the decoded tau,
 which visits only the positions where rounds start. Each anchor costs one target forward of
 B + 1 rows (the oracle: one per wave, of all rows held so far), so only a fixed-seed subset of
-anchors is scored (:func:`heldout_anchors`), the same for every drafter of one block size.
+anchors is scored (:func:`heldout_anchors`), the same for every drafter of one block size. The
+causal pass over a row (its K/V and the drafter's features) runs once for every drafter, budget
+and temperature (a bounded memo of the last 64 rows).
 """
 
 from __future__ import annotations
@@ -127,29 +129,40 @@ def analytic_block_lengths(
         ids_1T, anchors_1A = ids[None].to(target.device), anchors_A[None].to(target.device)
         tree = drafter_trees(drafter, target, ids, anchors_A, budget,
                              features[:, pick].float() if stored_features else None)
-        scores_ABV = target.score_trees(ids_1T, anchors_1A, tree, mode="exact").logits  # (A, B+1, V)
+        prefix = _row_prefix(target, ids, own)  # the pass that gave the drafter's features gives the K/V
+        scores_ABV = target.score_trees(ids_1T, anchors_1A, tree, mode="exact", prefix=prefix).logits  # (A, B+1, V)
         law = exit_law(tree, warp_probs(scores_ABV, temperature, top_k, top_p), validate=False)
         out.append(law.expected_block_length.float().cpu())
     return out
 
 
-# (target, ids, layers) -> fp32 features: every drafter, budget and call on one row reads the same
-# context, and one causal target pass over it costs as much as scoring all its trees
-_FEATURES: dict[tuple[int, int, tuple[int, ...]], tuple[object, torch.Tensor, torch.Tensor]] = {}
-_FEATURES_KEPT = 256
+# (target, ids, layers) -> the row's causal pass (SequencePrefix: K/V and fp32 features): every
+# drafter, budget and call on one row reads the same context, and one causal target pass over it
+# costs as much as scoring all its trees. A row's K/V is ~2 x layers x T x KV width floats (12 MB
+# for 250 tokens of SmolLM2): the memo is bounded.
+_PREFIXES: dict[tuple[int, int, tuple[int, ...]], tuple[object, torch.Tensor, object]] = {}
+_PREFIXES_KEPT = 64
+
+
+def _row_prefix(target, ids: torch.Tensor, layers: list[int] | None):
+    """The :class:`~exittrain.models.target_scoring.SequencePrefix` of ``ids[None]`` with the fp32
+    features of ``layers``, computed once per row tensor, target and layers."""
+    key = (id(target), id(ids), tuple(layers or ()))
+    hit = _PREFIXES.get(key)
+    if hit is not None and hit[0] is target and hit[1] is ids:  # the same objects, not a reused id
+        return hit[2]
+    prefix = target.sequence_prefix(ids[None].to(target.device), layers)
+    if prefix.features is not None:
+        prefix.features = prefix.features.float()
+    if len(_PREFIXES) >= _PREFIXES_KEPT:
+        _PREFIXES.pop(next(iter(_PREFIXES)))  # the oldest row
+    _PREFIXES[key] = (target, ids, prefix)  # holding ids and target keeps their ids unique
+    return prefix
 
 
 def _context_features(target, ids: torch.Tensor, layers: list[int]) -> torch.Tensor:
-    """(1, T, F) fp32 target features of ``ids`` at ``layers``, computed once per row tensor and target."""
-    key = (id(target), id(ids), tuple(layers))
-    hit = _FEATURES.get(key)
-    if hit is not None and hit[0] is target and hit[1] is ids:  # the same objects, not a reused id
-        return hit[2]
-    features_1TF = target.sequence_features(ids[None].to(target.device), list(layers)).float()
-    if len(_FEATURES) >= _FEATURES_KEPT:
-        _FEATURES.pop(next(iter(_FEATURES)))  # the oldest row
-    _FEATURES[key] = (target, ids, features_1TF)  # holding ids and target keeps their ids unique
-    return features_1TF
+    """(1, T, F) fp32 target features of ``ids`` at ``layers`` (the row's memoised causal pass)."""
+    return _row_prefix(target, ids, list(layers)).features
 
 
 @torch.no_grad()
@@ -195,9 +208,10 @@ def _oracle_row(target, ids: torch.Tensor, anchors_A: torch.Tensor, budget: int,
     logr, dep = torch.cat([logr, neg.expand(A, 1)], 1), torch.cat([dep, torch.zeros(A, 1, dtype=torch.long)], 1)
     cand_lp, cand_tok = torch.full((A, 2, M), float("-inf")), torch.zeros(A, 2, M, dtype=torch.long)
     new_from = 0  # rows >= new_from (root-first) still need their conditionals
+    prefix = _row_prefix(target, ids, None)  # one causal pass for every wave
     while True:
         tree = DraftTree(tokens=tok, parents=par, depths=dep[:, 1:], valid=val, max_depth=K)
-        logits = target.score_trees(ids_1T, anchors_1A, tree, mode="exact").logits[:, new_from:].cpu()
+        logits = target.score_trees(ids_1T, anchors_1A, tree, mode="exact", prefix=prefix).logits[:, new_from:].cpu()
         logp = warp_probs(logits, temperature, top_k, top_p).log()  # (A, rows, V)
         values, index = logp.topk(M, dim=-1)
         row_ok = (dep[:, new_from:] < K) & torch.cat([torch.ones(A, 1, dtype=torch.bool), val], 1)[:, new_from:]

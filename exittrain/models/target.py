@@ -52,12 +52,13 @@ call it on fewer anchors.
 from exittrain.models.target_decode import PrefillOutput, TreeForwardOutput
 from exittrain.models.target_loading import EMBEDDED_TARGET_NAME, as_dtype, convert_embedded_target, load_target
 from exittrain.models.target_model import SUPPORTED_ATTENTION, TargetModel, layer_output_hooks
-from exittrain.models.target_scoring import TreeScores
+from exittrain.models.target_scoring import SequencePrefix, TreeScores
 
 __all__ = [
     "EMBEDDED_TARGET_NAME",
     "SUPPORTED_ATTENTION",
     "PrefillOutput",
+    "SequencePrefix",
     "TargetModel",
     "TreeForwardOutput",
     "TreeScores",

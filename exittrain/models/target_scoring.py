@@ -18,7 +18,7 @@ import torch
 
 from exittrain.core import DraftTree
 
-__all__ = ["TreeScores", "TreeScoring"]
+__all__ = ["SequencePrefix", "TreeScores", "TreeScoring"]
 
 
 @dataclass
@@ -33,8 +33,37 @@ class TreeScores:
     features: torch.Tensor | None = None
 
 
+@dataclass
+class SequencePrefix:
+    """One causal pass over L sequences, kept for reuse (:meth:`TreeScoring.sequence_prefix`).
+
+    ``input_ids`` (L, T): the sequences; ``kv``: per decoder layer the (keys, values) of every
+    position; ``features`` (L, T, F) of ``layers`` (None without layers). ``score_trees(...,
+    prefix=...)`` (exact mode) attends to these keys and values instead of running the pass again.
+    """
+
+    input_ids: torch.Tensor
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    features: torch.Tensor | None
+    layers: list[int] | None
+
+
 class TreeScoring:
     """Training-time operations of :class:`~exittrain.models.target_model.TargetModel`."""
+
+    @torch.no_grad()
+    def sequence_prefix(self, input_ids_LT: torch.Tensor, layers: Sequence[int] | None = None) -> SequencePrefix:
+        """The causal pass of exact tree scoring over ``input_ids_LT`` (L, T), with the features of
+        ``layers``: reuse it across ``score_trees`` calls on the same sequences (other trees,
+        budgets or drafters), each of which would otherwise run it again."""
+        self._check_ids(input_ids_LT, "input_ids_LT", 2)
+        layers = self.check_layers(layers)
+        input_ids_LT = input_ids_LT.to(self.device)
+        cache = self.new_cache()
+        with self._capture(layers) as captured:
+            self._decoder(input_ids=input_ids_LT, cache=cache, use_cache=True)
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        return SequencePrefix(input_ids_LT, kv, self._features(captured, layers), layers)
 
     @torch.no_grad()
     def sequence_features(
@@ -83,6 +112,7 @@ class TreeScoring:
         window: int = 64,
         chunk_size: int | None = None,
         layers: Sequence[int] | None = None,
+        prefix: SequencePrefix | None = None,
     ) -> TreeScores:
         """Target logits for many anchors' trees inside L training sequences (section 3).
 
@@ -100,7 +130,9 @@ class TreeScoring:
 
         Sequences may be right-padded (padding after every anchor is never seen). Anchors must
         lie in [0, T). Returns :class:`TreeScores` with logits (L*A, B+1, V) and, if ``layers``
-        is given, the features (L, T, F) at the sequence positions.
+        is given, the features (L, T, F) at the sequence positions. ``prefix``
+        (:meth:`sequence_prefix` of the same ``input_ids_LT``, exact mode only) skips the causal
+        pass; its layers must then be the ``layers`` asked for.
         """
         self._check_ids(input_ids_LT, "input_ids_LT", 2)
         layers = self.check_layers(layers)
@@ -118,11 +150,21 @@ class TreeScoring:
             raise ValueError(f"window must be a positive int (prefix tokens kept), got {window!r}")
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+        if prefix is not None:
+            if mode != "exact":
+                raise ValueError("prefix is the causal pass of mode='exact'; windowed scoring re-encodes each window")
+            if prefix.input_ids.shape != input_ids_LT.shape or not torch.equal(
+                    prefix.input_ids, input_ids_LT.to(prefix.input_ids.device)):
+                raise ValueError("prefix was computed for other sequences than input_ids_LT: call "
+                                 "sequence_prefix(input_ids_LT) for these")
+            if layers is not None and prefix.layers != layers:
+                raise ValueError(f"layers={layers} but the prefix holds the features of {prefix.layers}: "
+                                 "compute the prefix with these layers")
         device = self.device
         input_ids_LT = input_ids_LT.to(device)
         anchors_LA = anchors_LA.to(device=device, dtype=torch.long)
         if mode == "exact":
-            logits, features = self._score_exact(input_ids_LT, anchors_LA, trees, chunk_size, layers)
+            logits, features = self._score_exact(input_ids_LT, anchors_LA, trees, chunk_size, layers, prefix)
         else:
             logits = self._score_windowed(input_ids_LT, anchors_LA, trees, window, chunk_size)
             features = self.sequence_features(input_ids_LT, layers) if layers else None
@@ -136,16 +178,15 @@ class TreeScoring:
         positions = anchors_LA.reshape(-1, 1) + trees.positions.to(device)
         return ids, positions, trees.ancestor_mask.to(device)
 
-    def _score_exact(self, input_ids_LT, anchors_LA, trees, chunk_size, layers):
+    def _score_exact(self, input_ids_LT, anchors_LA, trees, chunk_size, layers, prefix=None):
         L, T = input_ids_LT.shape
         A = anchors_LA.shape[1]
         B1 = trees.budget + 1
         device = self.device
-        prefix = self.new_cache()
-        with self._capture(layers) as captured:
-            self._decoder(input_ids=input_ids_LT, cache=prefix, use_cache=True)
-        features = self._features(captured, layers)
-        kv = [(layer.keys, layer.values) for layer in prefix.layers]
+        if prefix is None:
+            prefix = self.sequence_prefix(input_ids_LT, layers)
+        features = prefix.features if layers is not None else None
+        kv = prefix.kv
         del prefix
 
         ids_N, pos_N, anc_N = self._tree_inputs(input_ids_LT, anchors_LA, trees)

@@ -121,15 +121,30 @@ def test_bad_arguments_name_the_option(models):
             bench_heldout.run(["unused"], prompts=1, skip=0, max_new_tokens=4, **kwargs)
 
 
-def test_the_context_features_are_computed_once_per_row_and_equal_a_fresh_pass(models, monkeypatch):
+def test_the_rows_causal_pass_runs_once_and_equals_a_fresh_one(models, monkeypatch):
+    """One causal pass per row gives the drafter's features and the K/V of every later scoring:
+    a second budget, temperature or the oracle on the same row runs none, and the scores equal
+    those of score_trees' own pass."""
     target, drafter = models
     ids = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12])
     rows, anchors = [(ids, 3, None)], [torch.tensor([2, 4])]
-    calls, real = [], target.sequence_features
-    monkeypatch.setattr(target, "sequence_features", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls, real = [], target.sequence_prefix
+    monkeypatch.setattr(target, "sequence_prefix", lambda *a, **k: calls.append(k or a[1:]) or real(*a, **k))
     first = hl.analytic_block_lengths(drafter, target, rows, [2], anchors, 4, 1.0)
     again = hl.analytic_block_lengths(drafter, target, rows, [2], anchors, 8, 0.6)
     assert len(calls) == 1, "a second budget or temperature on the same row re-ran the target"
+    hl.oracle_block_lengths(target, rows, anchors, 4, K, 1.0)
+    hl.oracle_block_lengths(target, rows, anchors, 4, K, 0.6)
+    assert len(calls) == 2, "the oracle's waves ran a causal pass each"  # its own, without features
     fresh = hl._context_features(target, ids.clone(), [2])  # another tensor: computed anew
-    assert len(calls) == 2 and torch.equal(fresh, real(ids[None], [2]).float())
+    assert len(calls) == 3 and torch.equal(fresh, target.sequence_features(ids[None], [2]).float())
     assert first[0].shape == again[0].shape == (2,)
+    # the memoised pass scores exactly as score_trees' own
+    tree = hl.drafter_trees(drafter, target, ids, anchors[0], 4)
+    own = target.score_trees(ids[None], anchors[0][None], tree).logits
+    reused = target.score_trees(ids[None], anchors[0][None], tree, prefix=hl._row_prefix(target, ids, [2])).logits
+    assert torch.equal(own, reused)
+    with pytest.raises(ValueError, match="other sequences"):
+        target.score_trees(ids[None].flip(1), anchors[0][None], tree, prefix=hl._row_prefix(target, ids, [2]))
+    with pytest.raises(ValueError, match="layers"):
+        target.score_trees(ids[None], anchors[0][None], tree, layers=[0], prefix=hl._row_prefix(target, ids, [2]))
