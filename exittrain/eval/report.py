@@ -200,6 +200,7 @@ def table_rows(runs: list[Run]) -> list[dict]:
                 "ar_tokens_per_s": _num(r, "ar_tokens_per_s"),
                 "speedup": _num(r, "speedup"),
                 "lossless": r.get("lossless"),
+                "expected_tau": {t: c["tau"] for t, c in (r.get("analytic") or {}).items()},
             })
     return out
 
@@ -226,14 +227,17 @@ def training_rows(runs: list[Run]) -> list[dict]:
     return out
 
 
-DECODING_HEADER = ["run", "label", "B", "T", "prompts", "tau", "95% CI", "tau_oracle", "tau/oracle", "tok/s",
-                   "AR tok/s", "speedup"]
+DECODING_HEADER = ["run", "label", "B", "T", "prompts", "tau", "95% CI", "E[tau] at T", "tau_oracle", "tau/oracle",
+                   "tok/s", "AR tok/s", "speedup"]
 
 
 def _decoding_cells(r: dict) -> list:
     ci = f"{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}" if r["ci95"] else "-"
     temp = cell(None if r["temperature"] is None else float(r["temperature"]), "{:g}")
-    return [r["run"], r["label"], r["budget"], temp, r["prompts"] or "-", cell(r["tau"]), ci, cell(r["tau_oracle"]),
+    # the expected TEV tau at the analytic temperatures (fit's and eval's eval.analytic_temperatures)
+    expected = ", ".join(f"{t}: {v:.2f}" for t, v in (r.get("expected_tau") or {}).items()) or "-"
+    return [r["run"], r["label"], r["budget"], temp, r["prompts"] or "-", cell(r["tau"]), ci, expected,
+            cell(r["tau_oracle"]),
             cell(r["efficiency"]), cell(r["tokens_per_s"], "{:.1f}"), cell(r["ar_tokens_per_s"], "{:.1f}"),
             cell(r["speedup"], "{:.2f}x")]
 

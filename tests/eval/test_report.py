@@ -176,3 +176,18 @@ def test_wandb_logging(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError):
         report.main([str(ev), "--out", str(tmp_path / "o"), "--wandb"])
     assert failing.calls[-1][0] == "finish" and failing.calls[0][1]["mode"] == "offline"
+
+
+def test_the_expected_tau_at_temperature_shows_beside_the_decoded_one(tmp_path):
+    fit = make_fit_run(tmp_path / "fit_run", tree=False)
+    metrics = json.loads((fit / "metrics.json").read_text())
+    metrics["tables"]["exittrain"][0]["analytic"] = {
+        "0.6": {"tau": 2.314, "ci95": [2.1, 2.5], "anchors": 64},
+        "1": {"tau": 1.987, "ci95": [1.8, 2.2], "anchors": 64}}
+    write_json(fit / "metrics.json", metrics)
+    report.main([str(fit), "--out", str(tmp_path / "out")])
+    md = (tmp_path / "out" / "report.md").read_text()
+    line = next(l for l in md.splitlines() if l.startswith("| fit_run | exittrain |"))
+    assert "| 0.6: 2.31, 1: 1.99 |" in line
+    warm = next(l for l in md.splitlines() if l.startswith("| fit_run | warm_start |"))
+    assert "| - |" in warm
