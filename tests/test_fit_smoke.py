@@ -102,6 +102,14 @@ def test_fit_smoke_on_the_embedded_target(tmp_path):
     assert list((run_dir / "checkpoints").rglob("*.ckpt"))
     assert list((run_dir / "wandb").glob("offline-run-*"))
     assert "Held-out decoding" in proc.stdout
+    # beside the decoded tau, the expected TEV tau at the analytic temperatures, paired with the warm start's
+    for label in ("warm_start", "exittrain", "served"):
+        (row,) = metrics["tables"][label]
+        assert set(row["analytic"]) == {f"{t:g}" for t in cfg.eval.analytic_temperatures}
+        for cell in row["analytic"].values():
+            assert 1.0 <= cell["tau"] <= block_size and cell["anchors"] > 0
+            assert ("vs_warm_start" in cell) == (label != "warm_start")
+    assert "E[tau] T=0.6 (95% CI)" in proc.stdout and "exittrain - warm_start, expected tau at B=8 T=1" in proc.stdout
 
 
 def test_the_installed_wheel_runs_the_smoke_fit_without_a_checkout(tmp_path):
