@@ -261,8 +261,12 @@ def compare(measured: dict, warm_name: str) -> list[dict]:
     return out
 
 
+NEGLIGIBLE = 0.005  # tokens per round (~0.2% of tau here): an interval can exclude 0 and still mean nothing
+
+
 def verdict(rows: list[dict]) -> list[str]:
-    """The settings whose paired interval against their matched control excludes 0, per sign, at T > 0."""
+    """The settings whose paired interval against their matched control excludes 0, per sign, at T > 0;
+    a difference under :data:`NEGLIGIBLE` says so (a tiny lambda moves few trees, by little, consistently)."""
     lines = []
     for r in rows:
         pair = r.get("vs_control")
@@ -271,8 +275,9 @@ def verdict(rows: list[dict]) -> list[str]:
         low, high = pair["ci95"]
         if low > 0 or high < 0:
             word = "beats" if low > 0 else "loses to"
+            size = f" (under {NEGLIGIBLE} tokens per round: negligible)" if abs(pair["delta"]) < NEGLIGIBLE else ""
             lines.append(f"{r['drafter']} {word} {r['control']} at B = {r['budget']}, T = {r['temperature']:g}: "
-                         f"{pair['delta']:+.4f} ({low:+.4f} to {high:+.4f})")  # 4 places: some are tiny
+                         f"{pair['delta']:+.4f} ({low:+.4f} to {high:+.4f}){size}")  # 4 places: some are tiny
     return lines
 
 

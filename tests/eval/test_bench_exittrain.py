@@ -54,7 +54,10 @@ def test_compare_pairs_each_arm_with_its_control_and_the_verdict_reads_the_inter
     # a null arm (no shift, real noise) has an interval across 0: no verdict line
     assert bx.verdict(bx.compare(_measured(shift=0.0, noise=0.3), "warm start")) == []
     losing = bx.verdict(bx.compare(_measured(shift=-0.2, noise=0.05), "warm start"))
-    assert len(losing) == 1 and "loses to" in losing[0]
+    assert len(losing) == 1 and "loses to" in losing[0] and "negligible" not in losing[0]
+    # a consistent but tiny shift excludes 0 and is called what it is
+    tiny = bx.verdict(bx.compare(_measured(shift=0.001, noise=0.0), "warm start"))
+    assert len(tiny) == 1 and "beats" in tiny[0] and "negligible" in tiny[0]
 
 
 def test_the_report_states_the_verdict_and_plots(tmp_path):
