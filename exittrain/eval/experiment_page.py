@@ -55,6 +55,8 @@ def experiment_lines(res: dict, json_link: str, cmd_link: str) -> list[str]:
         f"the oracle bound on the first {sm.get('oracle_prompts', sm['prompts'])} prompts; paired against the "
         "arm's matched block-CE control and against the warm start (95% intervals, bootstrapping prompts).",
         "",
+        *(f"- {note}" for note in res.get("notes", [])),
+        *([""] if res.get("notes") else []),
         "Verdict:",
         "",
         *(f"- {line}" for line in found),

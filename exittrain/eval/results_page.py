@@ -421,10 +421,16 @@ def summarize_ablation(ablation_json: str | Path, *, name: str, command: str, co
 
 
 def summarize_experiment_json(path: str | Path, *, name: str, command: str, commit: str, host: dict,
-                              date: str) -> dict:
-    """An ``experiment`` result: the summary of ``bench exittrain``'s ``exittrain.json``."""
+                              date: str, notes: list[str] | None = None) -> dict:
+    """An ``experiment`` result: the summary of ``bench exittrain``'s ``exittrain.json``. The CPU
+    capability is the run's own (its JSON's ``host``, which an emulation changes), else ``host``'s."""
+    data = read_experiment(path, _read)
+    host = dict(host)
+    own = data.get("host") or {}
+    if own.get("cpu_capability"):
+        host["cpu_capability"] = own["cpu_capability"]
     res = {"schema": SCHEMA, "kind": "experiment", "name": name, "command": command, "commit": commit,
-           "date": date, "host": host, "summary": summarize_experiment(read_experiment(path, _read))}
+           "date": date, "host": host, "summary": summarize_experiment(data), "notes": list(notes or [])}
     return check_result(res, f"summary of {path}")
 
 
@@ -467,7 +473,7 @@ def main(argv: list[str] | None = None) -> str:
             if not args.date:
                 parser.error("--add-experiment needs --date")
             res = summarize_experiment_json(args.add_experiment, name=args.name, command=args.command,
-                                            commit=commit, host=host, date=args.date)
+                                            commit=commit, host=host, date=args.date, notes=args.note)
         else:
             if not args.date:
                 parser.error("--add-ablation needs --date")

@@ -62,7 +62,7 @@ from transformers import initialization as hf_init
 
 from exittrain.models.drafter_config import DrafterConfig, check_pairing
 from exittrain.models.drafter_copy import copy_logits, copy_terms, init_copy_gate
-from exittrain.models.row_matmul import head_rows
+from exittrain.models.row_matmul import head_rows, is_plain_head
 from exittrain.models.drafter_init import (
     copy_target_layers,
     default_layer_ids,
@@ -220,8 +220,7 @@ class BlockDrafter(PreTrainedModel):
         hidden = hidden_NKH.to(lm_head.weight.device, lm_head.weight.dtype)
         # a plain head goes through head_rows: a few rows at decode time, in the layout this host
         # runs faster (exittrain/models/row_matmul.py); F.linear itself otherwise
-        plain = type(lm_head) is nn.Linear and lm_head.bias is None
-        logits = head_rows(hidden, lm_head.weight) if plain else lm_head(hidden)
+        logits = head_rows(hidden, lm_head.weight) if is_plain_head(lm_head) else lm_head(hidden)
         # back on the drafter's device: with the target's device_map the head may sit on another GPU
         logits = logits.to(hidden_NKH.device)
         return logits if copy is None else copy_logits(logits, copy)

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-__all__ = ["MAX_ROWS", "head_rows", "layout_choices", "linear_only"]
+__all__ = ["MAX_ROWS", "head_rows", "is_plain_head", "layout_choices", "linear_only"]
 
 MAX_ROWS = 64  # beyond this many rows the kernels are compute-bound and F.linear is as good
 _TIMED_REPEATS = 3
@@ -67,6 +67,13 @@ def _choose(x_MH: torch.Tensor, weight_VH: torch.Tensor) -> bool:
         transposed_ms = _best_ms(lambda: _transposed(x_MH, weight_VH))
         _CHOICES[key] = (transposed_ms < _WIN_MARGIN * linear_ms, linear_ms, transposed_ms)
     return _CHOICES[key][0]
+
+
+def is_plain_head(module: torch.nn.Module) -> bool:
+    """Whether ``module(x)`` is exactly ``F.linear(x, module.weight)``, so :func:`head_rows` may
+    compute it: a bias-free ``nn.Linear`` with no accelerate hook (an offloaded or dispatched
+    module's weight is only in place inside its own forward)."""
+    return type(module) is torch.nn.Linear and module.bias is None and not hasattr(module, "_hf_hook")
 
 
 def head_rows(x: torch.Tensor, weight_VH: torch.Tensor) -> torch.Tensor:

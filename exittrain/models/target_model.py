@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from exittrain.models.row_matmul import head_rows
+from exittrain.models.row_matmul import head_rows, is_plain_head
 from exittrain.models.target_decode import TargetDecoding
 from exittrain.models.target_scoring import TreeScoring
 
@@ -176,14 +176,12 @@ class TargetModel(TargetDecoding, TreeScoring):
 
     def _causal_lm_logits(self, **kwargs) -> torch.Tensor:
         """``self.model(**kwargs).logits``. Where the model's logits are its plain LM head applied to
-        the decoder's last hidden state (:data:`PLAIN_HEAD_MODEL_TYPES`, a bias-free ``nn.Linear``
-        head), the decoder runs alone and the head goes through
+        the decoder's last hidden state (:data:`PLAIN_HEAD_MODEL_TYPES`, a plain head:
+        :func:`~exittrain.models.row_matmul.is_plain_head`), the decoder runs alone and the head goes through
         :func:`~exittrain.models.row_matmul.head_rows`: a few tree rows in the layout this host
         runs faster. Same numbers up to float summation order."""
         head = self.lm_head
-        plain = (getattr(self.config, "model_type", None) in PLAIN_HEAD_MODEL_TYPES
-                 and type(head) is nn.Linear and head.bias is None)
-        if not plain:
+        if getattr(self.config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES or not is_plain_head(head):
             return self.model(**kwargs).logits
         hidden = self._decoder(**kwargs).last_hidden_state
         return head_rows(hidden.to(head.weight.device), head.weight)

@@ -169,6 +169,15 @@ def test_an_experiment_result_shows_its_verdict_and_paired_table(tmp_path):
         _experiment_json(tmp_path, ["exittrain-x beats control-x"]), name="e", command="c", commit="a", host=HOST,
         date="2026-12-01")
     assert "- exittrain-x beats control-x" in results_page.render_page([found], PAGE)
+    # the run's own CPU capability (an emulation changes it), not the summarising machine's; notes kept
+    data = json.loads(_experiment_json(tmp_path, []).read_text())
+    write_json(tmp_path / "emulated.json", {**data, "host": {**HOST, "cpu_capability": "AVX2"}})
+    emulated = results_page.summarize_experiment_json(
+        tmp_path / "emulated.json", name="e", command="c", commit="a", host={**HOST, "emulation": "ATEN..."},
+        date="2026-12-01", notes=["Measured at one commit."])
+    assert emulated["host"]["cpu_capability"] == "AVX2" and emulated["notes"] == ["Measured at one commit."]
+    page = results_page.render_page([emulated], PAGE)
+    assert "| `AVX2` (emulated) |" in page and "- Measured at one commit." in page
     write_json(tmp_path / "not_it.json", {"rows": []})
     with pytest.raises(ValueError, match="not a bench exittrain output"):
         results_page.summarize_experiment_json(tmp_path / "not_it.json", name="e", command="c", commit="a",

@@ -83,3 +83,21 @@ def test_the_drafter_head_equals_the_target_head_module(forced, transposed):
     forced(transposed)
     with torch.no_grad():
         torch.testing.assert_close(drafter.head(hidden), target.lm_head(hidden), atol=1e-5, rtol=1e-5)
+
+
+def test_only_a_plain_head_of_a_known_model_type_is_computed_here(monkeypatch):
+    assert rm.is_plain_head(torch.nn.Linear(4, 9, bias=False))
+    assert not rm.is_plain_head(torch.nn.Linear(4, 9, bias=True))
+    hooked = torch.nn.Linear(4, 9, bias=False)
+    hooked._hf_hook = object()  # accelerate dispatched or offloaded it: the weight may not be in place
+    assert not rm.is_plain_head(hooked)
+
+    target = tiny_target("llama")
+    called = []
+    monkeypatch.setattr("exittrain.models.target_model.head_rows", lambda *a: called.append(1) or F.linear(*a))
+    tree = random_trees(1, k=3, budget=6, seed=1)
+    target.tree_forward(target.prefill(torch.tensor([random_context(3, 7)])).cache, 5, tree)
+    assert called == [1]
+    target.config.model_type = "gemma2"  # soft-capped logits: the model's own forward, not the plain head
+    target.tree_forward(target.prefill(torch.tensor([random_context(3, 7)])).cache, 5, tree)
+    assert called == [1]
