@@ -217,10 +217,13 @@ class BlockDrafter(PreTrainedModel):
         """Logits (N, K, V) of ``q_1..q_K`` from the pre-head states: the frozen target LM head;
         with ``copy`` (:meth:`copy_terms`), the copy-mixed log-probabilities in float32."""
         lm_head = self._target_module("lm_head")
-        hidden = hidden_NKH.to(lm_head.weight.device, lm_head.weight.dtype)
-        # a plain head goes through head_rows: a few rows at decode time, in the layout this host
-        # runs faster (exittrain/models/row_matmul.py); F.linear itself otherwise
-        logits = head_rows(hidden, lm_head.weight) if is_plain_head(lm_head) else lm_head(hidden)
+        hidden = hidden_NKH.to(lm_head.weight.dtype)
+        if is_plain_head(lm_head):
+            # a few rows at decode time, in the layout this host runs faster (row_matmul.py); the
+            # weight is in place (no accelerate hook), so the rows go to its device
+            logits = head_rows(hidden.to(lm_head.weight.device), lm_head.weight)
+        else:  # a hooked head moves its inputs itself (its weight may be offloaded until its forward)
+            logits = lm_head(hidden)
         # back on the drafter's device: with the target's device_map the head may sit on another GPU
         logits = logits.to(hidden_NKH.device)
         return logits if copy is None else copy_logits(logits, copy)
