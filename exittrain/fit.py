@@ -40,6 +40,7 @@ __all__ = [
     "check_objective",
     "module_overrides",
     "stage_module_args",
+    "analytic_settings",
     "eval_settings",
     "require_drafter_folder",
     "build_target",
@@ -179,15 +180,23 @@ def eval_settings(cfg: DictConfig) -> dict:
     )
 
 
-def held_out_law(cfg: DictConfig, target, prompts: list[list[int]]):
-    """The :class:`~exittrain.eval.analytic_table.HeldOutLaw` of ``cfg.eval.analytic_temperatures``
-    on ``prompts`` (None when the list is empty): analytic tau beside the decoded tau."""
-    from exittrain.eval.analytic_table import HeldOutLaw, check_analytic_settings
+def analytic_settings(cfg: DictConfig) -> tuple[list[float], int]:
+    """``(eval.analytic_temperatures, eval.analytic_anchors)``, checked (ValueError naming the key)."""
+    from exittrain.eval.analytic_table import check_analytic_settings
 
     temperatures = list(cfg.eval.get("analytic_temperatures") or [])
     anchors = cfg.eval.get("analytic_anchors", 16)
     check_analytic_settings(temperatures, anchors)
-    if not temperatures or target is None:
+    return temperatures, anchors
+
+
+def held_out_law(cfg: DictConfig, target, prompts: list[list[int]]):
+    """The :class:`~exittrain.eval.analytic_table.HeldOutLaw` of ``cfg.eval.analytic_temperatures``
+    on ``prompts`` (None when the list is empty): analytic tau beside the decoded tau."""
+    from exittrain.eval.analytic_table import HeldOutLaw
+
+    temperatures, anchors = analytic_settings(cfg)
+    if not temperatures:
         return None
     return HeldOutLaw(target, prompts, temperatures, anchors_per_answer=anchors,
                       max_new_tokens=int(cfg.eval.max_new_tokens), seed=int(cfg.seed))
@@ -348,7 +357,7 @@ def setup_run(cfg: DictConfig, target: TargetArg = None) -> FitRun:
     seed_everything(cfg.seed)
     stages = plan_stages(cfg)
     settings = eval_settings(cfg)
-    held_out_law(cfg, None, [])  # its settings, checked before anything loads
+    analytic_settings(cfg)  # checked before anything loads
     check_objective(cfg, stages)
     started = time.perf_counter()
 

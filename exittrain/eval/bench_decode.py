@@ -32,6 +32,7 @@ threads. Writes ``<out>.json`` and ``<out>.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -120,8 +121,6 @@ def drafter_round_ms(target, drafter, text: list[int], contexts: list[int], roun
 
 def _head_layout(layout: str):
     """``auto``: head_rows picks the layout; ``linear``: F.linear everywhere (the reference twin)."""
-    import contextlib
-
     return linear_only() if layout == "linear" else contextlib.nullcontext()
 
 

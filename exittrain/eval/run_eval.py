@@ -12,7 +12,7 @@ from pathlib import Path
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from exittrain.fit import build_target, eval_settings, held_out_law, require_drafter_folder
+from exittrain.fit import analytic_settings, build_target, eval_settings, held_out_law, require_drafter_folder
 from exittrain.run_dir import RunDir
 
 __all__ = ["run_eval"]
@@ -45,7 +45,7 @@ def run_eval(cfg: DictConfig, *, target=None) -> dict:
     require_drafter_folder("drafter", str(path), "pass drafter=RUN_DIR/drafter of a fit run")
     out = RunDir(cfg.paths.output_dir)
     settings = eval_settings(cfg)
-    held_out_law(cfg, None, [])  # its settings, checked before the target loads
+    analytic_settings(cfg)  # checked before the target loads
     target = build_target(cfg, target)
     drafter = load_drafter(path, target)
     datamodule = instantiate(cfg.data)(
