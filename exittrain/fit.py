@@ -441,6 +441,7 @@ def train_stage(run: FitRun, stage: str) -> None:
 
 def finish_run(run: FitRun) -> dict:
     """Rank 0: export the drafter, write the tree example and ``metrics.json``, print the tables."""
+    from exittrain.decoding.draft_vocab import count_answer_tokens, save_token_counts
     from exittrain.eval.analytic_table import format_differences
     from exittrain.eval.decode_eval import format_table
     from exittrain.eval.tree_example import tree_example
@@ -450,6 +451,9 @@ def finish_run(run: FitRun) -> dict:
     out = run.run_dir
     drafter_dir = out.drafter_path("exittrain")
     save_drafter(run.full, drafter_dir)
+    # the answer tokens by frequency, from which a decoder takes its draft vocabulary
+    save_token_counts(drafter_dir, count_answer_tokens(run.datamodule.answer_token_rows()),
+                      source=str(run.datamodule.cache_path))
     exported = export_beside(run.full, out.path, run.target)  # the served format, beside drafter/ (or why not)
     run.summary["drafter_dflash"] = exported
     if exported["path"] and exported["dropped"]:

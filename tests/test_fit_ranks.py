@@ -202,6 +202,7 @@ def test_fit_on_rank_zero_regenerates_evaluates_and_writes(rank, tmp_path, monke
     assert set(summary["tables"]) == {"warm_start", "exittrain"}
     for name in RANK_ZERO_FILES:
         assert (tmp_path / "run" / name).exists(), name
+    assert (tmp_path / "run" / "drafter" / "draft_vocab.json").is_file()  # the answer tokens, for draft_vocab
     # one autoregressive baseline per prompt and temperature serves both tables
     assert len(baselines) == cfg.eval.num_prompts * len(cfg.eval.temperatures)
     ar = {label: [r["ar_tokens_per_s"] for r in table] for label, table in summary["tables"].items()}

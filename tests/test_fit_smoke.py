@@ -94,6 +94,11 @@ def test_fit_smoke_on_the_embedded_target(tmp_path):
         assert row["tau"] == pytest.approx(sum(pooled) / len(pooled))
 
     assert (run_dir / "drafter" / "config.json").is_file()
+    # the training answers' tokens by frequency, for a decoder's draft vocabulary
+    from exittrain.decoding.draft_vocab import load_token_counts
+
+    counts = load_token_counts(run_dir / "drafter")
+    assert counts["rows"] > 0 and counts["counts"] == sorted(counts["counts"], reverse=True)
     # the served format beside it, without the copy branch, and that drafter's own held-out table
     served = json.loads((run_dir / "drafter_dflash" / "config.json").read_text())
     assert served["architectures"] == ["DFlashDraftModel"] and metrics["drafter_dflash"]["dropped"]

@@ -327,6 +327,12 @@ class ExitTrainDataModule(pl.LightningDataModule):
             if split is not None:
                 yield from zip(*(split[c] for c in columns))
 
+    def answer_token_rows(self):
+        """``(input_ids, loss_mask)`` of every training and validation row (after :meth:`setup`):
+        what the draft vocabulary counts (exittrain/decoding/draft_vocab.py)."""
+        self.setup("fit")
+        return self._split_rows("input_ids", "loss_mask")
+
     def _open_store(self, path: Path) -> FeatureStore | None:
         """The :class:`FeatureStore` of the entry at ``path`` for every train and val row; None when
         neither ``feature_layers`` nor ``top_logprobs`` asks for one. Warns about what the entry lacks."""

@@ -17,7 +17,8 @@ that position (ALGORITHM.md section 6). Two interchangeable implementations:
   cache): it keeps the raw features and re-reads them all every round with ``drafter(...)``,
   which re-projects the whole context (the last W positions with a window).
 
-Both keep the committed token ids for the drafter's copy branch. The two give the same draft
+Both keep the committed token ids for the drafter's copy branch, and pass ``vocab_ids``, a draft
+vocabulary (:mod:`exittrain.decoding.draft_vocab`) or None, to the drafter's head. The two give the same draft
 logits up to float rounding: attention scores depend only on position differences, and the
 full re-read places the context at 0..C-1 where the cache keeps absolute positions. The decoder
 tests compare them.
@@ -37,9 +38,10 @@ class FullDrafterContext:
     ``ids_1C`` their token ids; :meth:`extend` appends a round's committed positions.
     """
 
-    def __init__(self, drafter, features_1CF: torch.Tensor, ids_1C: torch.Tensor):
+    def __init__(self, drafter, features_1CF: torch.Tensor, ids_1C: torch.Tensor, vocab_ids=None):
         self.drafter = drafter
         self.window = drafter.config.context_window
+        self.vocab_ids = vocab_ids
         self.features = features_1CF
         self.ids = ids_1C
         self._trim()
@@ -63,7 +65,9 @@ class FullDrafterContext:
 
     def draft(self, root_1: torch.Tensor) -> torch.Tensor:
         """Draft logits (1, K, V) for the root that follows the committed context."""
-        return self.drafter(self.features, root_1, context_ids=self.ids)
+        # vocab_ids only when set: a reference drafter (serve/dflash_reference.py) has no such option
+        extra = {} if self.vocab_ids is None else {"vocab_ids": self.vocab_ids}
+        return self.drafter(self.features, root_1, context_ids=self.ids, **extra)
 
 
 class CachedDrafterContext:
@@ -73,9 +77,10 @@ class CachedDrafterContext:
     position is 0, so the root of the next round sits at :attr:`length`.
     """
 
-    def __init__(self, drafter, features_1CF: torch.Tensor, ids_1C: torch.Tensor):
+    def __init__(self, drafter, features_1CF: torch.Tensor, ids_1C: torch.Tensor, vocab_ids=None):
         self.drafter = drafter
         self.window = drafter.config.context_window
+        self.vocab_ids = vocab_ids
         self.ids = ids_1C
         C = features_1CF.shape[1]
         start = C - self.window if self.window is not None and C > self.window else 0
@@ -99,10 +104,10 @@ class CachedDrafterContext:
 
     def draft(self, root_1: torch.Tensor) -> torch.Tensor:
         position = torch.full((1,), self.length, dtype=torch.long, device=root_1.device)
-        return self.drafter.draft_block(root_1, position, self.kv, context_ids=self.ids)
+        return self.drafter.draft_block(root_1, position, self.kv, context_ids=self.ids, vocab_ids=self.vocab_ids)
 
 
-def drafter_context(drafter, features_1CF: torch.Tensor, ids_1C: torch.Tensor, *, cached: bool):
+def drafter_context(drafter, features_1CF: torch.Tensor, ids_1C: torch.Tensor, *, cached: bool, vocab_ids=None):
     """The cached context (``cached=True``) or its full re-read reference twin."""
     cls = CachedDrafterContext if cached else FullDrafterContext
-    return cls(drafter, features_1CF, ids_1C)
+    return cls(drafter, features_1CF, ids_1C, vocab_ids)

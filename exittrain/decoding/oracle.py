@@ -119,7 +119,7 @@ def oracle_generate(
         clock.lap("commit")
         new = verdict.accepted_tokens[0, :n_accept].tolist() + [int(verdict.bonus[0])]
         root = new[-1]
-        result.rounds.append(RoundStats(n_accept + 1, n_accept, clock.times))
+        result.rounds.append(RoundStats(n_accept + 1, n_accept, clock.times, n))
         if _finish(tokens, new, eos, max_new_tokens):
             break
     start_all.lap("total")

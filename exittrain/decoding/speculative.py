@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from exittrain.core import VERIFIERS, build_tree
+from exittrain.core import VERIFIERS, build_tree, check_ngrams
+from exittrain.core.copy_tail import copy_chain, graft_chain
 from exittrain.core.verify import sample_categorical, warp_probs
 from exittrain.decoding.drafter_context import drafter_context
 
@@ -34,11 +35,13 @@ ROUND_PARTS = ("draft", "tree", "target", "verify", "commit")
 
 @dataclass
 class RoundStats:
-    """One round: tokens it yielded (accepted + bonus, before any EOS/max cut) and stage times (s)."""
+    """One round: tokens it yielded (accepted + bonus, before any EOS/max cut), stage times (s),
+    and the draft nodes the target verified (the budget plus any copy tail; 0 where no tree)."""
 
     block_length: int
     accept_length: int
     times: dict[str, float]
+    tree_nodes: int = 0
 
 
 @dataclass
@@ -102,6 +105,20 @@ def _finish(tokens: list[int], new: list[int], eos_ids: set[int], max_new_tokens
     return False
 
 
+def _check_vocab(ids, vocab_size: int, budget: int) -> torch.Tensor | None:
+    """``draft_vocab`` as (S,) sorted unique long ids in 0..V-1 with S >= budget, or None."""
+    if ids is None:
+        return None
+    ids = torch.as_tensor(ids)
+    if ids.dim() != 1 or ids.dtype != torch.long or ids.numel() < budget or ids.unique().numel() != ids.numel() \
+            or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(
+            f"draft_vocab must be distinct long token ids in 0..{vocab_size - 1}, at least budget={budget} of them "
+            f"(draft_vocabulary() gives them), got {ids.numel()} of dtype {ids.dtype}"
+        )
+    return ids.sort().values
+
+
 class _Clock:
     """Stage timer; synchronises an accelerator before reading the clock so times are real."""
 
@@ -126,9 +143,32 @@ class SpeculativeDecoder:
     positions (:class:`~exittrain.decoding.drafter_context.CachedDrafterContext`); False re-reads
     the whole context every round, the slow reference twin. Both decode the same tokens. Oracle
     trees, which need no drafter, are :func:`exittrain.decoding.oracle_generate`.
+
+    ``copy_tail`` (default 0, off) grafts up to that many copy tokens onto each round's tree
+    (:mod:`exittrain.core.copy_tail`): the n-gram copy chain at the root (``copy_ngrams``,
+    longest first) is walked down the tree, and what follows the deepest node that carries it
+    is appended under that node, past the drafter's horizon if need be. ``copy_match`` is how
+    many chain tokens the tree must already hold for the graft to happen (0: graft beside the
+    tree too). The tree stays independent of the target's scores, so every verifier stays exact.
+
+    ``draft_vocab`` (default None: every token) is a draft vocabulary, (S,) token ids
+    (:func:`exittrain.decoding.draft_vocab.draft_vocabulary`): the drafter's LM head scores only
+    those, which on a CPU saves most of the drafter's time; the verifiers still see the whole
+    vocabulary, so decoding stays exact. S must be at least the budget.
     """
 
-    def __init__(self, target, drafter, budget: int = 16, verifier: str = "tev", drafter_cache: bool = True):
+    def __init__(
+        self,
+        target,
+        drafter,
+        budget: int = 16,
+        verifier: str = "tev",
+        drafter_cache: bool = True,
+        copy_tail: int = 0,
+        copy_match: int = 1,
+        copy_ngrams: tuple[int, ...] = (3, 2),
+        draft_vocab: torch.Tensor | None = None,
+    ):
         if verifier not in VERIFIERS:
             raise ValueError(f"verifier must be one of {sorted(VERIFIERS)}, got {verifier!r}")
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
@@ -137,13 +177,25 @@ class SpeculativeDecoder:
             raise ValueError("drafter is required; create one with new_drafter(target) or load_drafter(path, target)")
         if not drafter.has_target:
             drafter.attach_target(target)
+        for key, value in (("copy_tail", copy_tail), ("copy_match", copy_match)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{key} must be an integer >= 0 (0 turns the copy tail off), got {value!r}")
         self.target, self.drafter, self.budget, self.verifier = target, drafter, budget, verifier
         self.drafter_cache = bool(drafter_cache)
+        self.copy_tail, self.copy_match = copy_tail, copy_match
+        self.copy_ngrams = check_ngrams(copy_ngrams, key="copy_ngrams")
+        self.draft_vocab = _check_vocab(draft_vocab, target.vocab_size, budget)
         self.layers = list(drafter.config.target_layer_ids)
 
-    def _tree(self, logq_1KV: torch.Tensor):
-        """The round's draft tree from the drafter's log-probabilities (1, K, V): best-first, ``budget`` nodes."""
-        return build_tree(logq_1KV, self.budget, validate=False)
+    def _tree(self, logq_1KV: torch.Tensor, context, root_1: torch.Tensor):
+        """The round's draft tree: best-first, ``budget`` nodes from the drafter's log-probabilities
+        (1, K, V), then the copy tail when it is on (the committed ids and the root give its chain)."""
+        tree = build_tree(logq_1KV, self.budget, validate=False)
+        if self.copy_tail and self.copy_ngrams:
+            ids_T = torch.cat([context.ids[0], root_1.reshape(1)])
+            chain = copy_chain(ids_T, self.copy_ngrams, tree.max_depth + self.copy_tail)
+            tree, _ = graft_chain(tree, chain, self.copy_tail, self.copy_match)
+        return tree
 
     def _verify(self, tree, logits, temperature, top_k, top_p, generator):
         if self.verifier == "greedy":
@@ -165,14 +217,16 @@ class SpeculativeDecoder:
         seed: int | None = None,
     ) -> GenerationResult:
         """Decode up to ``max_new_tokens`` new tokens; stops after an EOS token (which is kept)."""
-        ids, generator, eos = _prepare(self.target, input_ids, max_new_tokens, temperature, seed, self.budget + 1)
+        tree_rows = self.budget + self.copy_tail + 1
+        ids, generator, eos = _prepare(self.target, input_ids, max_new_tokens, temperature, seed, tree_rows)
         device = self.target.device
 
         start = time.perf_counter()
         pre = self.target.prefill(ids[:, :-1], layers=self.layers)
         cache = pre.cache
         # the drafter's context: features (1, C, F) and ids of the committed positions before the root
-        context = drafter_context(self.drafter, pre.features, ids[:, :-1], cached=self.drafter_cache)
+        context = drafter_context(self.drafter, pre.features, ids[:, :-1], cached=self.drafter_cache,
+                                  vocab_ids=self.draft_vocab)
         root = ids[:, -1]
         tokens: list[int] = []
         result = GenerationResult(tokens)
@@ -180,7 +234,7 @@ class SpeculativeDecoder:
             clock = _Clock(device)
             logq_1KV = torch.log_softmax(context.draft(root).float(), dim=-1)
             clock.lap("draft")
-            tree = self._tree(logq_1KV)
+            tree = self._tree(logq_1KV, context, root)
             clock.lap("tree")
             C = cache.get_seq_length()
             out = self.target.tree_forward(cache, root, tree, layers=self.layers)
@@ -201,7 +255,7 @@ class SpeculativeDecoder:
                 root = verdict.bonus
                 clock.lap("draft")
             clock.lap("commit")
-            result.rounds.append(RoundStats(n_accept + 1, n_accept, clock.times))
+            result.rounds.append(RoundStats(n_accept + 1, n_accept, clock.times, tree.budget))
             if done:
                 break
         result.seconds = time.perf_counter() - start

@@ -1,7 +1,8 @@
 """Decoding benchmark on the embedded target: our decoder beside Hugging Face's greedy and prompt lookup.
 
 ``python -m exittrain bench decode --drafter PATH [--budgets 16] [--prompts 10] [--skip 16]
-[--new-tokens 96] [--cache on off] [--head-layout auto linear] [--contexts 100 600]``
+[--new-tokens 96] [--cache on off] [--head-layout auto linear] [--copy-tail 0 8] [--draft-vocab 0 4096]
+[--contexts 100 600]``
 
 Side by side in one run, on the same held-out prompts and the same fp32 target, at temperature 0:
 
@@ -11,7 +12,10 @@ Side by side in one run, on the same held-out prompts and the same fp32 target, 
 - our :class:`~exittrain.decoding.SpeculativeDecoder` (TEV) at each budget, with the drafter
   cache on and/or off (``--cache``; off is the full re-read, the reference twin), with the LM
   head in the layout timed fastest on this host and/or plain ``F.linear`` (``--head-layout auto
-  linear``; :mod:`exittrain.models.row_matmul`; ``linear`` is the reference twin).
+  linear``; :mod:`exittrain.models.row_matmul`; ``linear`` is the reference twin), and with
+  each ``--copy-tail`` length (:mod:`exittrain.core.copy_tail`; 0 is off) and each
+  ``--draft-vocab`` size (:mod:`exittrain.decoding.draft_vocab`, read from the drafter folder's
+  ``draft_vocab.json``; 0 is the whole vocabulary).
 
 The methods take turns prompt by prompt, so a machine whose load drifts slows them alike; the
 ratios (tokens/s over greedy, over prompt lookup) are the figures to compare, not the absolute
@@ -119,6 +123,21 @@ def drafter_round_ms(target, drafter, text: list[int], contexts: list[int], roun
     return rows
 
 
+def draft_vocabularies(drafter_path: str | None, size: int, target) -> torch.Tensor | None:
+    """The draft vocabulary of ``size`` tokens from the drafter folder's ``draft_vocab.json`` (None for 0)."""
+    from exittrain.decoding.draft_vocab import FILE_NAME, draft_vocabulary, load_token_counts
+
+    if size == 0:
+        return None
+    record = load_token_counts(drafter_path) if drafter_path else None
+    if record is None:
+        raise ValueError(
+            f"--draft-vocab {size}: the drafter folder {drafter_path!r} has no {FILE_NAME} (fit writes it); for a "
+            "drafter trained before, run python -m exittrain.decoding.draft_vocab CACHE_ENTRY DRAFTER_DIR"
+        )
+    return draft_vocabulary(record, size, target.vocab_size, target.eos_token_ids)
+
+
 def _head_layout(layout: str):
     """``auto``: head_rows picks the layout; ``linear``: F.linear everywhere (the reference twin)."""
     return linear_only() if layout == "linear" else contextlib.nullcontext()
@@ -126,19 +145,22 @@ def _head_layout(layout: str):
 
 def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int, new_tokens: int, domain: str,
         caches: list[bool], lookup_tokens: int = 10, contexts: list[int] | None = None,
-        round_positions: int = 4, head_layouts: list[str] = ("auto",)) -> dict:
+        round_positions: int = 4, head_layouts: list[str] = ("auto",), copy_tails: list[int] = (0,),
+        vocab_sizes: list[int] = (0,)) -> dict:
     from exittrain.models import load_drafter, load_target, new_drafter
 
     target = load_target(None)
     drafter = (load_drafter(drafter_path, target) if drafter_path else new_drafter(target, seed=0)).eval()
     prompts = heldout_prompts(target, domain, n_prompts, skip)
-    decoders = {(b, c, h): SpeculativeDecoder(target, drafter, budget=b, verifier="tev", drafter_cache=c)
-                for b in budgets for c in caches for h in head_layouts}
+    vocabs = {n: draft_vocabularies(drafter_path, n, target) for n in vocab_sizes}
+    decoders = {(b, c, h, t, n): SpeculativeDecoder(target, drafter, budget=b, verifier="tev", drafter_cache=c,
+                                                    copy_tail=t, draft_vocab=vocabs[n])
+                for b in budgets for c in caches for h in head_layouts for t in copy_tails for n in vocab_sizes}
     lookup = {"prompt_lookup_num_tokens": lookup_tokens}
     # warm-up: one short decode of each kind so lazy initialisation is not timed
     hf_generate(target, prompts[0], 4)
     hf_generate(target, prompts[0], 4, **lookup)
-    for (_, _, layout), decoder in decoders.items():
+    for (_, _, layout, _, _), decoder in decoders.items():
         with _head_layout(layout):
             decoder.generate(prompts[0], 4)
 
@@ -159,7 +181,7 @@ def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int,
     pl["vs_greedy"] = pl["tokens_per_s"] / base["tokens_per_s"]
     pl["equals_greedy"] = sum(a == b for a, b in zip(plookup[0], greedy[0]))
     rows = []
-    for (budget, cached, layout), results in ours.items():
+    for (budget, cached, layout, tail, vocab), results in ours.items():
         rounds = [r for res in results for r in res.rounds]
         stage = {s: sum(r.times.get(s, 0.0) for r in rounds) for s in ROUND_PARTS}
         summary = _summary([r.tokens for r in results], [r.seconds for r in results])
@@ -167,6 +189,9 @@ def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int,
             "budget": budget,
             "drafter_cache": cached,
             "head_layout": layout,
+            "copy_tail": tail,
+            "draft_vocab": vocab,
+            "nodes_per_round": sum(r.tree_nodes for r in rounds) / len(rounds),
             "tau": sum(r.block_length for r in rounds) / len(rounds),
             **summary,
             "vs_greedy": summary["tokens_per_s"] / base["tokens_per_s"],
@@ -195,20 +220,22 @@ def to_markdown(result: dict) -> str:
     ]
     dash = ["-"] * len(ROUND_PARTS)
     rows = [
-        ["HF greedy generate", "1.00", f"{g['tokens_per_s']:.1f}", "1.00x", "-", f"{n}/{n}", "-", *dash],
-        [f"HF prompt lookup ({result['lookup_tokens']})", "-", f"{pl['tokens_per_s']:.1f}", f"{pl['vs_greedy']:.2f}x",
-         "1.00x", f"{pl['equals_greedy']}/{n}", "-", *dash],
+        ["HF greedy generate", "1.00", "-", f"{g['tokens_per_s']:.1f}", "1.00x", "-", f"{n}/{n}", "-", *dash],
+        [f"HF prompt lookup ({result['lookup_tokens']})", "-", "-", f"{pl['tokens_per_s']:.1f}",
+         f"{pl['vs_greedy']:.2f}x", "1.00x", f"{pl['equals_greedy']}/{n}", "-", *dash],
     ]
     for r in result["rows"]:
         rows.append([
             f"ours B={r['budget']}, drafter cache {'on' if r['drafter_cache'] else 'off'}, "
-            f"head {r.get('head_layout', 'linear')}", f"{r['tau']:.2f}",
+            f"head {r.get('head_layout', 'linear')}" + (f", copy tail {r['copy_tail']}" if r.get("copy_tail") else "")
+            + (f", draft vocab {r['draft_vocab']}" if r.get("draft_vocab") else ""),
+            f"{r['tau']:.2f}", f"{r['nodes_per_round']:.1f}" if "nodes_per_round" in r else "-",
             f"{r['tokens_per_s']:.1f}", f"{r['vs_greedy']:.2f}x", f"{r['vs_prompt_lookup']:.2f}x",
             f"{r['equals_greedy']}/{n}", f"{r['ms_per_round']:.1f}",
             *(f"{r['stage_ms_per_round'][s]:.1f}" for s in ROUND_PARTS),
         ])
     lines += markdown_table(
-        ["method", "tau", "tok/s", "vs greedy", "vs prompt lookup", "= greedy", "ms/round",
+        ["method", "tau", "nodes/round", "tok/s", "vs greedy", "vs prompt lookup", "= greedy", "ms/round",
          *(f"{s} ms" for s in ROUND_PARTS)], rows,
     )
     lines += [
@@ -241,6 +268,10 @@ def main(argv=None) -> None:
                         help="decode with the drafter cache on, off (the full re-read), or both")
     parser.add_argument("--head-layout", nargs="+", choices=["auto", "linear"], default=["auto"],
                         help="the LM head in the layout timed fastest here (auto), plain F.linear, or both")
+    parser.add_argument("--copy-tail", type=int, nargs="+", default=[0],
+                        help="copy tail lengths to decode with (0: off; SpeculativeDecoder(copy_tail=))")
+    parser.add_argument("--draft-vocab", type=int, nargs="+", default=[0],
+                        help="draft vocabulary sizes (0: every token; else the drafter folder's draft_vocab.json)")
     parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of the baseline")
     parser.add_argument("--contexts", type=int, nargs="+", default=[100, 600],
                         help="context lengths of the drafter micro-benchmark")
@@ -250,7 +281,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     result = run(args.drafter, args.budgets, args.prompts, args.skip, args.new_tokens, args.domain,
                  [c == "on" for c in dict.fromkeys(args.cache)], args.lookup_tokens, args.contexts,
-                 args.round_positions, list(dict.fromkeys(args.head_layout)))
+                 args.round_positions, list(dict.fromkeys(args.head_layout)), list(dict.fromkeys(args.copy_tail)),
+                 list(dict.fromkeys(args.draft_vocab)))
     write_results(args.out, result, to_markdown(result))
 
 

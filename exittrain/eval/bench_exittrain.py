@@ -44,7 +44,6 @@ arm runs a few dozen steps on a CPU: a verdict here is about this scale.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path

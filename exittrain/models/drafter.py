@@ -62,7 +62,6 @@ from transformers import initialization as hf_init
 
 from exittrain.models.drafter_config import DrafterConfig, check_pairing
 from exittrain.models.drafter_copy import copy_logits, copy_terms, init_copy_gate
-from exittrain.models.row_matmul import head_rows, is_plain_head
 from exittrain.models.drafter_init import (
     copy_target_layers,
     default_layer_ids,
@@ -71,6 +70,8 @@ from exittrain.models.drafter_init import (
 )
 from exittrain.models.drafter_io import check_saved_files
 from exittrain.models.drafter_layers import ContextKV, DrafterLayer, DrafterRMSNorm
+from exittrain.models.row_matmul import head_rows, is_plain_head
+from exittrain.models.vocab_head import vocab_logits, vocab_logits_reference
 
 logger = logging.getLogger(__name__)
 
@@ -213,17 +214,27 @@ class BlockDrafter(PreTrainedModel):
             return None
         return copy_terms(self.copy_gate, self.config.copy_ngrams, hidden_NKH, ids_LT, anchors_LA)
 
-    def head(self, hidden_NKH: torch.Tensor, copy: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def head(
+        self,
+        hidden_NKH: torch.Tensor,
+        copy: tuple[torch.Tensor, torch.Tensor] | None = None,
+        vocab_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits (N, K, V) of ``q_1..q_K`` from the pre-head states: the frozen target LM head;
-        with ``copy`` (:meth:`copy_terms`), the copy-mixed log-probabilities in float32."""
+        with ``copy`` (:meth:`copy_terms`), the copy-mixed log-probabilities in float32. With
+        ``vocab_ids`` (S,) only those tokens are scored and the others get -inf before the copy
+        mix (:mod:`exittrain.models.vocab_head`; a decode-time option)."""
         lm_head = self._target_module("lm_head")
         hidden = hidden_NKH.to(lm_head.weight.dtype)
-        if is_plain_head(lm_head):
+        if vocab_ids is not None and is_plain_head(lm_head):
+            logits = vocab_logits(hidden.to(lm_head.weight.device), lm_head.weight, vocab_ids)
+        elif is_plain_head(lm_head):
             # a few rows at decode time, in the layout this host runs faster (row_matmul.py); the
             # weight is in place (no accelerate hook), so the rows go to its device
             logits = head_rows(hidden.to(lm_head.weight.device), lm_head.weight)
         else:  # a hooked head moves its inputs itself (its weight may be offloaded until its forward)
             logits = lm_head(hidden)
+            logits = logits if vocab_ids is None else vocab_logits_reference(logits, vocab_ids)
         # back on the drafter's device: with the target's device_map the head may sit on another GPU
         logits = logits.to(hidden_NKH.device)
         return logits if copy is None else copy_logits(logits, copy)
@@ -264,6 +275,7 @@ class BlockDrafter(PreTrainedModel):
         context_ids: torch.Tensor | None = None,
         context_window: int | None = None,
         apply_lm_head: bool = True,
+        vocab_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Draft one block per root from cached context K/V (:meth:`project_context`).
 
@@ -273,7 +285,8 @@ class BlockDrafter(PreTrainedModel):
         all). With a context window W (``context_window``, else the config's) only the last W
         cached positions are used. ``context_ids`` (N, C') the token ids before each root,
         right-aligned, negative = padding: required by the copy branch, ignored without it.
-        Returns logits (N, K, V), or the pre-head states (N, K, H) with ``apply_lm_head=False``.
+        Returns logits (N, K, V), or the pre-head states (N, K, H) with ``apply_lm_head=False``;
+        ``vocab_ids`` restricts the head to a draft vocabulary (:meth:`head`).
         """
         N = root_tokens.shape[0]
         if root_tokens.shape != (N,) or root_positions.shape != (N,):
@@ -320,7 +333,7 @@ class BlockDrafter(PreTrainedModel):
         if self.copy_gate is not None:
             ids = torch.cat([context_ids.to(device=device, dtype=torch.long), root_tokens.view(N, 1).to(device)], dim=1)
             copy = self.copy_terms(hidden, ids, torch.full((N, 1), ids.shape[1] - 1, device=device))
-        return self.head(hidden, copy)
+        return self.head(hidden, copy, vocab_ids)
 
     def forward(
         self,
@@ -331,6 +344,7 @@ class BlockDrafter(PreTrainedModel):
         context_ids: torch.Tensor | None = None,
         context_window: int | None = None,
         apply_lm_head: bool = True,
+        vocab_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Draft one block per root from its context features (no cache).
 
@@ -353,7 +367,7 @@ class BlockDrafter(PreTrainedModel):
         kv = self.project_context(context_features, torch.arange(C, device=device).expand(N, C))
         return self.draft_block(
             root_tokens, torch.full((N,), C, device=device), kv, context_mask=context_mask,
-            context_ids=context_ids, context_window=W, apply_lm_head=apply_lm_head,
+            context_ids=context_ids, context_window=W, apply_lm_head=apply_lm_head, vocab_ids=vocab_ids,
         )
 
     # -- training path ----------------------------------------------------------------------------

@@ -80,5 +80,5 @@ class ChainDecoder(SpeculativeDecoder):
             raise ValueError(f"budget={budget!r}: a chain has at most K={K} nodes (the drafter's draft tokens)")
         super().__init__(target, drafter, budget=budget, verifier=verifier, drafter_cache=drafter_cache)
 
-    def _tree(self, logq_1KV: torch.Tensor) -> DraftTree:
+    def _tree(self, logq_1KV: torch.Tensor, context, root_1: torch.Tensor) -> DraftTree:
         return chain_tree(logq_1KV, self.budget)

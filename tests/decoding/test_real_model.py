@@ -71,3 +71,13 @@ def test_greedy_equals_hf_generate_fresh_and_trained_drafter(target, prompts, gr
         taus[name], longest[name] = sum(rounds) / len(rounds), max(rounds)
     # the trained drafter gets draft tokens accepted, so cache compaction of accepted paths is exercised
     assert taus["trained"] > taus["fresh"] and longest["trained"] >= 2, (taus, longest)
+
+
+def test_copy_tail_on_real_prompts_stays_greedy_and_grafts(target, prompts, greedy, drafters):
+    """Real answers restate their prompts: the tail grafts in some rounds, and the text is greedy's."""
+    decoder = SpeculativeDecoder(target, drafters["trained"], budget=8, verifier="tev", copy_tail=8)
+    results = [decoder.generate(p, NEW_TOKENS, temperature=0.0) for p in prompts]
+    assert [r.tokens for r in results] == greedy
+    grafted = [r for res in results for r in res.rounds if r.tree_nodes > 8]
+    assert grafted, "no round grafted a copy chain on five real prompts"
+    assert all(r.tree_nodes <= 16 for res in results for r in res.rounds)

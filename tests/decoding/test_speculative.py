@@ -67,6 +67,45 @@ def test_stops_at_eos(no_eos, target, drafter, monkeypatch):
     assert out.tokens == free[: free.index(eos) + 1]
 
 
+# repeats its 2-grams, so the copy chain at the root is long from the first round
+REPEATING = [5, 17, 33, 2, 40, 41, 9, 12, 5, 17, 33, 2, 40, 41, 9, 5, 17]
+
+
+@pytest.mark.parametrize("verifier", ["tev", "predraw", "sequential", "greedy"])
+@pytest.mark.parametrize("copy_match", [0, 1])
+def test_copy_tail_output_equals_target_greedy(no_eos, target, drafter, verifier, copy_match):
+    expected = hf_greedy(target, REPEATING, 30)
+    decoder = SpeculativeDecoder(target, drafter, budget=3, verifier=verifier, copy_tail=6, copy_match=copy_match,
+                                 copy_ngrams=(2, 1))
+    result = decoder.generate(REPEATING, max_new_tokens=30, seed=0)
+    assert result.tokens == expected
+    assert any(r.tree_nodes > 3 for r in result.rounds), "the copy tail never grafted: the test proves nothing"
+    assert all(3 <= r.tree_nodes <= 3 + 6 for r in result.rounds)
+    assert all(1 <= r.block_length <= r.tree_nodes + 1 for r in result.rounds)
+    if copy_match == 0:  # the first round's chain (33, 2, 40, 41, 9, 5, 17) is deeper than any 3-node tree
+        assert result.rounds[0].tree_nodes > 3
+
+
+def test_copy_tail_reaches_past_the_drafter_horizon(no_eos, target, drafter, monkeypatch):
+    """A chain that is the target's own greedy text is accepted whole, past depth K, and the rows
+    deeper than K are committed right: the rounds after it still decode greedy's tokens."""
+    import exittrain.decoding.speculative as speculative
+
+    expected = hf_greedy(target, PROMPT, 30)
+    text = PROMPT + expected
+
+    def greedy_chain(ids_T, ngrams, length):  # what greedy says next, from the root on
+        return text[ids_T.numel() : ids_T.numel() + length]
+
+    monkeypatch.setattr(speculative, "copy_chain", greedy_chain)
+    decoder = SpeculativeDecoder(target, drafter, budget=2, copy_tail=10, copy_match=0)
+    result = decoder.generate(PROMPT, max_new_tokens=30, seed=0)
+    assert result.tokens == expected
+    K = drafter.config.num_draft_tokens
+    assert all(r.accept_length >= 10 > K for r in result.rounds[:-1])
+    assert len(result.rounds) == 3  # 11 tokens a round: 11 + 11 + 8
+
+
 def exact_three_token_law(target, prompt, temperature):
     """P(y1, y2, y3 | prompt) of the warped target, by enumeration over a small vocabulary."""
     from exittrain.core import warp_probs
@@ -88,15 +127,22 @@ def exact_three_token_law(target, prompt, temperature):
     return law
 
 
-@pytest.mark.parametrize("n", [400, pytest.param(1500, marks=pytest.mark.slow)])
-def test_sampling_law_over_three_tokens(no_eos, target, drafter, n):
+@pytest.mark.parametrize(
+    "n, prompt, tail",
+    [(400, PROMPT, {}), (400, REPEATING, {"copy_tail": 3, "copy_match": 0, "copy_ngrams": (2, 1),
+                      "draft_vocab": torch.arange(0, 64, 2)}),
+     pytest.param(1500, PROMPT, {}, marks=pytest.mark.slow)],
+    ids=["400", "400-copy-tail-vocab", "1500"],
+)
+def test_sampling_law_over_three_tokens(no_eos, target, drafter, n, prompt, tail):
     """Spanning several rounds, the decoded 3-token prefixes follow the target's law (chi-square).
 
-    The same 1e-4 test at two sizes: 400 draws (the fast tier) and 1500 (slow, more power)."""
+    The same 1e-4 test at two sizes: 400 draws (the fast tier) and 1500 (slow, more power), and
+    with a copy tail grafted on every round's tree and a draft vocabulary of half the tokens."""
     temperature = 0.35  # concentrated, so a few hundred outcomes carry the mass
-    law = exact_three_token_law(target, PROMPT, temperature)
-    decoder = SpeculativeDecoder(target, drafter, budget=6, verifier="tev")
-    counts = Counter(tuple(decoder.generate(PROMPT, 3, temperature=temperature, seed=s).tokens) for s in range(n))
+    law = exact_three_token_law(target, prompt, temperature)
+    decoder = SpeculativeDecoder(target, drafter, budget=6, verifier="tev", **tail)
+    counts = Counter(tuple(decoder.generate(prompt, 3, temperature=temperature, seed=s).tokens) for s in range(n))
     # pool outcomes with small expected counts into one cell
     stat, df, other_obs, other_exp = 0.0, 0, 0, 0.0
     for key, p in law.items():
@@ -119,6 +165,12 @@ def test_bad_arguments(target, drafter):
         SpeculativeDecoder(target, drafter, verifier="beam")
     with pytest.raises(ValueError, match="budget"):
         SpeculativeDecoder(target, drafter, budget=0)
+    with pytest.raises(ValueError, match="copy_tail"):
+        SpeculativeDecoder(target, drafter, copy_tail=-1)
+    with pytest.raises(ValueError, match="copy_match"):
+        SpeculativeDecoder(target, drafter, copy_match=1.5)
+    with pytest.raises(ValueError, match="copy_ngrams"):
+        SpeculativeDecoder(target, drafter, copy_tail=4, copy_ngrams=(0,))
     decoder = SpeculativeDecoder(target, drafter, budget=4)
     with pytest.raises(ValueError, match="batch size 1"):
         decoder.generate([PROMPT, PROMPT], 4)

@@ -58,16 +58,34 @@ def test_markdown_has_the_baselines_our_rows_and_the_drafter_rounds():
         "lookup_tokens": 10, "round_positions": 4,
         "greedy": {"tokens_per_s": 10.0},
         "prompt_lookup": {"tokens_per_s": 15.0, "vs_greedy": 1.5, "equals_greedy": 2},
-        "rows": [{"budget": 8, "drafter_cache": True, "head_layout": "auto", "tau": 3.0, "tokens_per_s": 18.0, "vs_greedy": 1.8,
-                  "vs_prompt_lookup": 1.2, "equals_greedy": 2, "ms_per_round": 10.0, "stage_ms_per_round": stage}],
+        "rows": [{"budget": 8, "drafter_cache": True, "head_layout": "auto", "tau": 3.0, "tokens_per_s": 18.0,
+                  "vs_greedy": 1.8, "vs_prompt_lookup": 1.2, "equals_greedy": 2, "ms_per_round": 10.0,
+                  "stage_ms_per_round": stage, "copy_tail": 0, "nodes_per_round": 8.0},
+                 {"budget": 4, "drafter_cache": True, "head_layout": "auto", "tau": 3.5, "tokens_per_s": 19.0,
+                  "vs_greedy": 1.9, "vs_prompt_lookup": 1.27, "equals_greedy": 2, "ms_per_round": 11.0,
+                  "stage_ms_per_round": stage, "copy_tail": 8, "draft_vocab": 4096, "nodes_per_round": 6.5}],
         "drafter_round": [{"context": 100, "full_ms": 20.0, "cached_ms": 5.0, "speedup": 4.0}],
         "head_layout": [{"rows": 7, "weight": [100, 8], "dtype": "float32", "threads": 2, "layout": "W @ x.T",
                          "linear_ms": 35.0, "transposed_ms": 9.0}],
     }
     md = bench_decode.to_markdown(result)
     assert "Some CPU, capability AVX2, 2 threads" in md
-    assert "| HF prompt lookup (10) | - | 15.0 | 1.50x | 1.00x | 2/2 |" in md
-    ours = "| ours B=8, drafter cache on, head auto | 3.00 | 18.0 | 1.80x | 1.20x | 2/2 | 10.0 | 0.0 | 1.0 | 2.0 | 3.0 | 4.0 |"
+    assert "| HF prompt lookup (10) | - | - | 15.0 | 1.50x | 1.00x | 2/2 |" in md
+    ours = ("| ours B=8, drafter cache on, head auto | 3.00 | 8.0 | 18.0 | 1.80x | 1.20x | 2/2 | 10.0 | 0.0 | 1.0 "
+            "| 2.0 | 3.0 | 4.0 |")
     assert ours in md
+    tail = "| ours B=4, drafter cache on, head auto, copy tail 8, draft vocab 4096 | 3.50 | 6.5 | 19.0 | 1.90x |"
+    assert tail in md
     assert "| 100 | 20.0 | 5.0 | 4.0x |" in md
     assert "| 7 | 35.0 | 9.0 | W @ x.T |" in md
+
+
+def test_draft_vocabularies_come_from_the_drafter_folder(target, tmp_path):
+    from exittrain.decoding.draft_vocab import count_answer_tokens, save_token_counts
+
+    assert bench_decode.draft_vocabularies(None, 0, target) is None
+    with pytest.raises(ValueError, match="no draft_vocab.json"):
+        bench_decode.draft_vocabularies(str(tmp_path), 8, target)
+    save_token_counts(tmp_path, count_answer_tokens([([7, 7, 3, 9], [1, 1, 1, 1])]), source="rows")
+    vocab = bench_decode.draft_vocabularies(str(tmp_path), 5, target)
+    assert vocab.tolist()[:3] == [0, 1, 3] and {7, 9} <= set(vocab.tolist()) and len(vocab) >= 5

@@ -36,7 +36,7 @@ def test_analytic_tau_is_the_mean_first_round_block_length_of_tev_decoding(model
     analytic = float(hl.analytic_block_lengths(drafter, target, rows, [2], anchors, budget, temperature)[0][0])
     decoder = SpeculativeDecoder(target, drafter, budget, verifier="tev")
     trees, build = [], decoder._tree
-    decoder._tree = lambda logq: trees.append(build(logq)) or trees[-1]
+    decoder._tree = lambda *args: trees.append(build(*args)) or trees[-1]
     lengths = torch.tensor([
         float(decoder.generate(prompt, max_new_tokens=1, temperature=temperature, seed=s).rounds[0].block_length)
         for s in range(seeds)
