@@ -33,7 +33,14 @@ import torch
 
 from exittrain.atomic import atomic_open
 
-__all__ = ["FILE_NAME", "count_answer_tokens", "draft_vocabulary", "load_token_counts", "save_token_counts"]
+__all__ = [
+    "FILE_NAME",
+    "count_answer_tokens",
+    "draft_vocabulary",
+    "load_draft_vocabulary",
+    "load_token_counts",
+    "save_token_counts",
+]
 
 FILE_NAME = "draft_vocab.json"
 
@@ -91,6 +98,20 @@ def draft_vocabulary(record: dict, size: int, vocab_size: int, always: Iterable[
         chosen.add(next(fill))
     chosen.update(int(t) for t in always if 0 <= int(t) < vocab_size)
     return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def load_draft_vocabulary(folder: str | Path | None, size: int, target) -> torch.Tensor | None:
+    """The draft vocabulary of ``size`` tokens for ``target`` from a drafter folder's file (None for
+    size 0), ready for ``SpeculativeDecoder(draft_vocab=...)``; ValueError naming the fix without one."""
+    if size == 0:
+        return None
+    record = load_token_counts(folder) if folder else None
+    if record is None:
+        raise ValueError(
+            f"a draft vocabulary of {size} tokens: the drafter folder {str(folder)!r} has no {FILE_NAME} (fit writes "
+            "it); for a drafter trained before, run python -m exittrain.decoding.draft_vocab CACHE_ENTRY DRAFTER_DIR"
+        )
+    return draft_vocabulary(record, size, target.vocab_size, target.eos_token_ids)
 
 
 def main(argv=None) -> None:

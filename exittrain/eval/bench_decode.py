@@ -44,6 +44,7 @@ import torch
 
 from exittrain import progress as progress_log
 from exittrain.decoding import ROUND_PARTS, SpeculativeDecoder
+from exittrain.decoding.draft_vocab import load_draft_vocabulary
 from exittrain.decoding.drafter_context import drafter_context
 from exittrain.eval.bench import write_results
 from exittrain.models.row_matmul import layout_choices, linear_only
@@ -123,21 +124,6 @@ def drafter_round_ms(target, drafter, text: list[int], contexts: list[int], roun
     return rows
 
 
-def draft_vocabularies(drafter_path: str | None, size: int, target) -> torch.Tensor | None:
-    """The draft vocabulary of ``size`` tokens from the drafter folder's ``draft_vocab.json`` (None for 0)."""
-    from exittrain.decoding.draft_vocab import FILE_NAME, draft_vocabulary, load_token_counts
-
-    if size == 0:
-        return None
-    record = load_token_counts(drafter_path) if drafter_path else None
-    if record is None:
-        raise ValueError(
-            f"--draft-vocab {size}: the drafter folder {drafter_path!r} has no {FILE_NAME} (fit writes it); for a "
-            "drafter trained before, run python -m exittrain.decoding.draft_vocab CACHE_ENTRY DRAFTER_DIR"
-        )
-    return draft_vocabulary(record, size, target.vocab_size, target.eos_token_ids)
-
-
 def _head_layout(layout: str):
     """``auto``: head_rows picks the layout; ``linear``: F.linear everywhere (the reference twin)."""
     return linear_only() if layout == "linear" else contextlib.nullcontext()
@@ -152,7 +138,7 @@ def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int,
     target = load_target(None)
     drafter = (load_drafter(drafter_path, target) if drafter_path else new_drafter(target, seed=0)).eval()
     prompts = heldout_prompts(target, domain, n_prompts, skip)
-    vocabs = {n: draft_vocabularies(drafter_path, n, target) for n in vocab_sizes}
+    vocabs = {n: load_draft_vocabulary(drafter_path, n, target) for n in vocab_sizes}
     decoders = {(b, c, h, t, n): SpeculativeDecoder(target, drafter, budget=b, verifier="tev", drafter_cache=c,
                                                     copy_tail=t, draft_vocab=vocabs[n])
                 for b in budgets for c in caches for h in head_layouts for t in copy_tails for n in vocab_sizes}

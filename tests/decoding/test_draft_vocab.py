@@ -64,6 +64,18 @@ def test_command_writes_the_file_from_a_cache_entry(tmp_path, capsys):
         dv.main([str(bad), str(tmp_path / "drafter")])
 
 
+def test_a_drafter_folder_gives_the_decoder_its_vocabulary(tmp_path):
+    target = tiny_target("llama")
+    assert dv.load_draft_vocabulary(None, 0, target) is None
+    with pytest.raises(ValueError, match="no draft_vocab.json"):
+        dv.load_draft_vocabulary(tmp_path, 8, target)
+    dv.save_token_counts(tmp_path, dv.count_answer_tokens([([7, 7, 3, 9], [1, 1, 1, 1])]), source="rows")
+    vocab = dv.load_draft_vocabulary(tmp_path, 5, target)
+    # 7, 3, 9 by frequency, the lowest unseen ids after them, and the stop tokens
+    assert {0, 1, 3, 7, 9} <= set(vocab.tolist()) and set(target.eos_token_ids) <= set(vocab.tolist())
+    assert vocab.tolist() == sorted(vocab.tolist())
+
+
 @pytest.fixture(scope="module")
 def target():
     t = tiny_target("llama", seed=3)

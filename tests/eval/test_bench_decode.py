@@ -78,14 +78,3 @@ def test_markdown_has_the_baselines_our_rows_and_the_drafter_rounds():
     assert tail in md
     assert "| 100 | 20.0 | 5.0 | 4.0x |" in md
     assert "| 7 | 35.0 | 9.0 | W @ x.T |" in md
-
-
-def test_draft_vocabularies_come_from_the_drafter_folder(target, tmp_path):
-    from exittrain.decoding.draft_vocab import count_answer_tokens, save_token_counts
-
-    assert bench_decode.draft_vocabularies(None, 0, target) is None
-    with pytest.raises(ValueError, match="no draft_vocab.json"):
-        bench_decode.draft_vocabularies(str(tmp_path), 8, target)
-    save_token_counts(tmp_path, count_answer_tokens([([7, 7, 3, 9], [1, 1, 1, 1])]), source="rows")
-    vocab = bench_decode.draft_vocabularies(str(tmp_path), 5, target)
-    assert vocab.tolist()[:3] == [0, 1, 3] and {7, 9} <= set(vocab.tolist()) and len(vocab) >= 5
