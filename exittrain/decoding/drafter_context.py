@@ -65,9 +65,7 @@ class FullDrafterContext:
 
     def draft(self, root_1: torch.Tensor) -> torch.Tensor:
         """Draft logits (1, K, V) for the root that follows the committed context."""
-        # vocab_ids only when set: a reference drafter (serve/dflash_reference.py) has no such option
-        extra = {} if self.vocab_ids is None else {"vocab_ids": self.vocab_ids}
-        return self.drafter(self.features, root_1, context_ids=self.ids, **extra)
+        return self.drafter(self.features, root_1, context_ids=self.ids, vocab_ids=self.vocab_ids)
 
 
 class CachedDrafterContext:

@@ -226,12 +226,11 @@ class BlockDrafter(PreTrainedModel):
         mix (:mod:`exittrain.models.vocab_head`; a decode-time option)."""
         lm_head = self._target_module("lm_head")
         hidden = hidden_NKH.to(lm_head.weight.dtype)
-        if vocab_ids is not None and is_plain_head(lm_head):
-            logits = vocab_logits(hidden.to(lm_head.weight.device), lm_head.weight, vocab_ids)
-        elif is_plain_head(lm_head):
+        if is_plain_head(lm_head):
             # a few rows at decode time, in the layout this host runs faster (row_matmul.py); the
             # weight is in place (no accelerate hook), so the rows go to its device
-            logits = head_rows(hidden.to(lm_head.weight.device), lm_head.weight)
+            hidden, weight = hidden.to(lm_head.weight.device), lm_head.weight
+            logits = head_rows(hidden, weight) if vocab_ids is None else vocab_logits(hidden, weight, vocab_ids)
         else:  # a hooked head moves its inputs itself (its weight may be offloaded until its forward)
             logits = lm_head(hidden)
             logits = logits if vocab_ids is None else vocab_logits_reference(logits, vocab_ids)

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from exittrain.models.drafter import default_layer_ids
+from exittrain.models.vocab_head import vocab_logits_reference
 
 __all__ = ["ReferenceDFlashDrafter", "read_dflash_config", "write_random_dflash_drafter"]
 
@@ -203,11 +204,13 @@ class ReferenceDFlashDrafter(nn.Module):
         return bool(self._target)
 
     @torch.no_grad()
-    def forward(self, features_1CF: torch.Tensor, root_1: torch.Tensor, context_ids=None) -> torch.Tensor:
+    def forward(self, features_1CF: torch.Tensor, root_1: torch.Tensor, context_ids=None,
+                vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Draft logits (1, K, V) for the root after a context with target features (1, C, F).
 
         The context sits at positions 0..C-1 and the block [root, mask x K] at C..C+K.
-        ``context_ids`` is accepted for the interface and unused (DFlash has no copy branch).
+        ``context_ids`` is accepted for the interface and unused (DFlash has no copy branch);
+        ``vocab_ids``, a draft vocabulary, masks every other token to -inf (the full head, masked).
         """
         target = self._target["target"]
         C, S = features_1CF.shape[1], self.config.block_size
@@ -220,4 +223,5 @@ class ReferenceDFlashDrafter(nn.Module):
         hidden_1SH = self.model(
             target_hidden=features_1CF.to(noise_1SH.dtype), noise_embedding=noise_1SH, position_ids=positions
         )
-        return self.model.compute_logits(hidden_1SH[:, 1:], target.lm_head)  # (1, K, V)
+        logits_1KV = self.model.compute_logits(hidden_1SH[:, 1:], target.lm_head)
+        return logits_1KV if vocab_ids is None else vocab_logits_reference(logits_1KV, vocab_ids)

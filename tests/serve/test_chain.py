@@ -146,6 +146,12 @@ def test_exittrain_drafter_reads_the_folder_as_the_reference_does(tiny_pair, one
     features_1CF = target.prefill(ids[:, :-1], layers=reference.config.target_layer_ids).features
     with torch.no_grad():
         assert torch.allclose(ours(features_1CF, ids[:, -1]), reference(features_1CF, ids[:, -1]), atol=1e-5)
+        # with a draft vocabulary: equal on its tokens, -inf on every other one in both
+        vocab = torch.arange(0, target.vocab_size, 2)
+        mine = ours(features_1CF, ids[:, -1], vocab_ids=vocab)
+        theirs = reference(features_1CF, ids[:, -1], vocab_ids=vocab)
+        assert torch.equal(torch.isinf(mine), torch.isinf(theirs)) and torch.isinf(theirs[..., 1::2]).all()
+        assert torch.allclose(mine[..., vocab], theirs[..., vocab], atol=1e-5)
     prompt = [3, 1, 4, 1, 5, 2, 6]
     a = ChainDecoder(target, ours).generate(prompt, 20)
     b = ChainDecoder(target, reference, drafter_cache=False).generate(prompt, 20)
