@@ -30,7 +30,7 @@ lint: setup  ## ruff
 	$(VPY) -m ruff check exittrain tests
 
 bench: setup  ## core micro-benchmarks (tree build, exit law, verifiers)
-	$(VPY) -m exittrain.eval.bench_core
+	$(VPY) -m exittrain.bench.core
 
 bench-ablation: setup  ## ExitTrain vs control vs baseline, oracle, verifier latency (~1 h on 2 cores; run in background)
 	$(VPY) -m exittrain bench ablation --out results/ablation

@@ -18,12 +18,12 @@ from __future__ import annotations
 import importlib
 import sys
 
-from exittrain.eval.bench import BENCHES  # a dict of module names: imports nothing heavy
+from exittrain.bench.registry import BENCHES  # a dict of module names: imports nothing heavy
 
 HYDRA_COMMANDS = ("fit", "eval")
 PLAIN_COMMANDS = {
-    "report": "exittrain.eval.report:main",
-    "bench": "exittrain.eval.bench:main",
+    "report": "exittrain.report.run_report:main",
+    "bench": "exittrain.bench.registry:main",
     "export": "exittrain.export:main",
 }
 USAGE = f"""usage: python -m exittrain {{fit,eval,report,bench,export}} [args]

@@ -2,7 +2,7 @@
 
 The command's config name (``--config-name=fit``) picks its library function from
 :data:`COMMANDS`: ``fit`` -> :func:`exittrain.fit.fit`, ``eval`` ->
-:func:`exittrain.eval.run_eval.run_eval`. The recipes are registered as the ``recipe`` group
+:func:`exittrain.evaluate.run_eval`. The recipes are registered as the ``recipe`` group
 (:func:`exittrain.configs.register_recipes`) before Hydra starts, so ``+recipe=code`` works
 exactly as typed. Every output goes to Hydra's run directory. Nothing in the package imports
 this module.
@@ -23,7 +23,7 @@ from exittrain.host_memory import keep_freed_host_memory
 # command (= primary config name in conf/) -> "module:function" taking the composed config
 COMMANDS = {
     "fit": "exittrain.fit:fit",
-    "eval": "exittrain.eval.run_eval:run_eval",
+    "eval": "exittrain.evaluate:run_eval",
 }
 
 

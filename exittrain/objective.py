@@ -8,7 +8,7 @@ Shape legend: L sequences in a batch, T sequence length, A anchors per sequence,
 anchors (trees; row n = l * A + a), n valid anchors, K = ``num_draft_tokens`` drafter positions,
 V vocabulary, B tree budget (rows root-first: B + 1), F target feature width, S soft-label width.
 
-One batch (ALGORITHM.md sections 6-8):
+One batch (docs/algorithm.md sections 7-9):
 
 1. ``features`` (L, T, F) = the frozen target's hidden states of the drafter's layers, no grad, fp32.
    With ``feature_cache`` they come from the batch (``features``, bf16, put there by the data's
@@ -35,8 +35,8 @@ Metrics always use the raw law (alpha = 0): ``analytic_block_length`` is the mea
 trees of ``sum_v P(v)``, the block length TEV achieves on that tree in expectation;
 ``greedy_block_length`` is 1 + how deep each tree holds the row's own next K tokens
 (:func:`exittrain.core.followed_depth`), the block a T = 0 verifier accepts when the answers are
-the target's own greedy ones. ``weight_type="missing"`` uses the raw reach P(v) (ALGORITHM.md
-section 7), so ``alpha`` only affects ``flow`` and ``exit``.
+the target's own greedy ones. ``weight_type="missing"`` uses the raw reach P(v) (docs/algorithm.md
+section 8.3), so ``alpha`` only affects ``flow`` and ``exit``.
 """
 
 from __future__ import annotations
@@ -130,27 +130,27 @@ class ObjectiveSettings:
         soft_label_weight: beta in [0, 1] of the soft labels; 0 trains on the answer tokens alone.
         soft_label_top_k: S, the target tokens per position in pi.
         law_temperature: temperature of the target distribution the node loss's weights (and
-            ``missing``'s labels) are computed from (ALGORITHM.md section 4): 1 is the raw law, 0
+            ``missing``'s labels) are computed from (docs/algorithm.md section 4.4): 1 is the raw law, 0
             the one-hot argmax of a T = 0 decoder. The tree metrics always use the raw law.
     """
 
     stage: str = "exittrain"
-    anchors_per_seq: int = 8
+    anchors_per_seq: int = 32
     budget: int = 16
     weight_type: str = "flow"
     alpha: float = 1e-4
     lambda_tok: float = 1.0
-    lambda_exit: float = 0.1
+    lambda_exit: float = 1.0
     gamma: float | None = None
     scoring: str = "exact"
     window: int = 64
     score_chunk_size: int | None = None
     context_window: int | None = None
-    analytic_every: int = 1
+    analytic_every: int = 200
     seed: int = 0
     vocab_sample: int | None = None
     feature_cache: bool = False
-    soft_label_weight: float = 0.0
+    soft_label_weight: float = 1.0
     soft_label_top_k: int = 16
     law_temperature: float = 1.0
 

@@ -7,7 +7,7 @@ Files of a ``fit`` run:
 
 - ``metrics.json``, the run's summary (:meth:`RunDir.write_fit_summary`): ``recipe``, ``stages``
   (the stages run, in order), ``target``, ``tables`` {label: summary rows of
-  :func:`~exittrain.eval.decode_eval.summarize`}, ``<stage>_metrics`` {metric: value} (the
+  :func:`~exittrain.heldout.decode_eval.summarize`}, ``<stage>_metrics`` {metric: value} (the
   trainer's scalar metrics at the stage's end), ``timings`` {name: seconds} and ``drafter`` (the
   exported drafter's folder). The held-out table after stage ``s`` has label ``STAGE_LABELS[s]``.
   On ranks other than 0 nothing is written.
@@ -15,8 +15,8 @@ Files of a ``fit`` run:
   :class:`~exittrain.lit.callbacks.MetricsFileCallback`): ``global_step``, ``epoch``, ``final``
   {metric: value or null}, ``best`` [{monitor, mode, score, path}] and, with a decoding callback,
   ``decode_eval`` {best, history [{step, block_length, ...}]}.
-- ``eval_<label>.json``: the per-prompt rows of :func:`~exittrain.eval.decode_eval.evaluate_prompts`.
-- ``tree_example.json``: one draft tree (:func:`exittrain.eval.tree_example.tree_example`).
+- ``eval_<label>.json``: the per-prompt rows of :func:`~exittrain.heldout.decode_eval.evaluate_prompts`.
+- ``tree_example.json``: one draft tree (:func:`exittrain.heldout.tree_example.tree_example`).
 
 Files of an ``eval`` run: ``results.json`` (``rows`` per prompt, ``summary`` rows, ``drafter``),
 ``results.csv`` (the rows without their list columns) and ``tree_example.json``.
@@ -90,7 +90,7 @@ def _need_rows(value: Any, path: Path, what: str) -> list[dict]:
 
 
 def save_tree_example(example: dict, path: str | os.PathLike) -> Path:
-    """Write ``example`` (from :func:`~exittrain.eval.tree_example.tree_example`) as JSON to ``path``, atomically."""
+    """Write ``example`` (from :func:`~exittrain.heldout.tree_example.tree_example`) as JSON to ``path``, atomically."""
     return write_json_atomic(path, example)
 
 

@@ -3,7 +3,10 @@
 - ``exittrain/core`` is pure: torch and the standard library only.
 - ``exittrain/models`` holds nn.Modules, no Lightning.
 - Lightning appears only in ``exittrain/lit/`` and the DataModule (``exittrain/data/datamodule.py``).
-- Nothing in the package imports the entry point ``exittrain.cli`` but ``exittrain/__main__.py``.
+- Entry points sit on top: nothing in the package imports ``exittrain.cli`` but ``exittrain/__main__.py``,
+  and nothing imports the commands' runs ``exittrain.fit`` and ``exittrain.evaluate`` (the CLI calls
+  them by name); the benchmarks build through the library modules ``fit`` itself uses.
+- The import graph among ``exittrain.*`` modules has no cycle (:func:`import_graph` states the rule).
 
 Each rule has a negative control: the scan must flag a synthetic source that breaks it.
 """
@@ -19,27 +22,38 @@ CORE = PACKAGE / "core"
 LIGHTNING = {"lightning", "pytorch_lightning", "lightning_fabric"}
 # where Lightning may be imported, relative to the package
 LIGHTNING_HOMES = ("lit/", "data/datamodule.py")
-CLI_IMPORTERS = {"__main__.py", "cli.py"}  # the entry point on top, and the module itself
+# entry point -> the files that may import it: the layer above it, and the module itself
+ENTRY_POINTS = {
+    "exittrain.cli": {"__main__.py", "cli.py"},
+    "exittrain.fit": {"cli.py", "fit.py"},
+    "exittrain.evaluate": {"cli.py", "evaluate.py"},
+}
 
 
 def imported_modules(path: Path, package: Path = PACKAGE) -> set[str]:
     """Every module an ``import`` in ``path`` names: ``import a.b`` gives ``a.b``; ``from a import b`` gives
     ``a`` and ``a.b`` (``b`` may be a submodule). Relative imports are resolved against ``package``."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    # the package ``path`` belongs to, as module parts: exittrain/eval/report.py -> ("exittrain", "eval")
-    here = path.parent.relative_to(package.parent).parts
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = here[: len(here) - (node.level - 1)]
-                base = ".".join([*parent, *([base] if base else [])])
+            base = from_base(node, path, package)
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names)
     return found
+
+
+def from_base(node: ast.ImportFrom, path: Path, package: Path = PACKAGE) -> str:
+    """The absolute module a ``from ... import`` in ``path`` reads from, relative imports resolved."""
+    base = node.module or ""
+    if node.level:
+        # the package ``path`` belongs to, as module parts: exittrain/models/drafter.py -> ("exittrain", "models")
+        here = path.parent.relative_to(package.parent).parts
+        parent = here[: len(here) - (node.level - 1)]
+        base = ".".join([*parent, *([base] if base else [])])
+    return base
 
 
 def roots(modules: set[str]) -> set[str]:
@@ -92,16 +106,23 @@ def test_lightning_only_in_lit_and_the_datamodule():
     )
 
 
-def cli_importers(package: Path = PACKAGE) -> list[str]:
-    return sorted(
-        name for name, path in package_files(package).items()
-        if name not in CLI_IMPORTERS and "exittrain.cli" in imported_modules(path, package)
+def entry_point_importers(package: Path = PACKAGE) -> dict[str, list[str]]:
+    """{entry point: the files that import it but may not}, for every entry point one imports."""
+    files = {name: imported_modules(path, package) for name, path in package_files(package).items()}
+    out = {}
+    for module, allowed in ENTRY_POINTS.items():
+        found = sorted(name for name, modules in files.items() if name not in allowed and module in modules)
+        if found:
+            out[module] = found
+    return out
+
+
+def test_nothing_imports_an_entry_point():
+    offenders = entry_point_importers()
+    assert not offenders, (
+        f"library code never imports an entry point (exittrain.cli, or a command's run): {offenders}. "
+        "Move what it needs into a library module (exittrain.settings, exittrain.build, ...) and import that"
     )
-
-
-def test_nothing_imports_the_cli():
-    offenders = cli_importers()
-    assert not offenders, f"library code never imports the entry point exittrain.cli: {offenders}"
 
 
 @pytest.mark.parametrize(
@@ -132,9 +153,214 @@ def test_the_rules_flag_a_package_that_breaks_them(tmp_path):
         "eval/rel_x.py": "from .. import cli\n",
         "eval/rel_ok.py": "from . import cli\n",  # exittrain.eval.cli, not the entry point
         "fit_x.py": "def run():\n    from exittrain.cli import hydra_entry\n",
+        "bench/arm.py": "def train():\n    from exittrain.fit import build_module\n",
+        "bench/ok.py": "from exittrain.build import build_module\n",
+        "report_y.py": "from exittrain import evaluate\n",
+        "fit.py": "from exittrain.fit import fit\n",  # the module itself
     }
     for name, text in sources.items():
         (fake / name).parent.mkdir(parents=True, exist_ok=True)
         (fake / name).write_text(text)
     assert lightning_outside_its_homes(fake) == {"cli.py": ["lightning"], "eval/bench_x.py": ["lightning"]}
-    assert cli_importers(fake) == ["eval/rel_x.py", "eval/report_x.py", "fit_x.py"]
+    assert entry_point_importers(fake) == {
+        "exittrain.cli": ["eval/rel_x.py", "eval/report_x.py", "fit_x.py"],
+        "exittrain.fit": ["bench/arm.py"],
+        "exittrain.evaluate": ["report_y.py"],
+    }
+
+
+# -- no import cycles -----------------------------------------------------------------------------
+
+
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    """exittrain/models/drafter.py -> ``exittrain.models.drafter``; models/__init__.py -> ``exittrain.models``."""
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _prefixes(name: str) -> list[str]:
+    """``a.b.c`` -> ``["a", "a.b", "a.b.c"]``."""
+    parts = name.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package modules it imports, from every ``import`` statement anywhere in its
+    source (inside functions and ``if TYPE_CHECKING:`` too: a cycle of lazy imports is still a cycle).
+
+    The rule: an edge goes to each module whose code the import runs or whose namespace it reads.
+
+    - ``import a.b.c`` -> ``a.b.c``; ``from a import b`` -> ``a.b`` when that is a module file
+      (``a/b.py`` or ``a/b/__init__.py``), else ``a`` (``b`` is a name defined in ``a``); relative
+      imports are resolved first. A name that is no module of the package resolves to its longest
+      prefix that is one; imports of other packages are dropped. A package's ``__init__.py`` is the
+      module named by the package, with its own edges (an ``__init__`` that re-exports imports).
+    - Python runs the ``__init__`` of every package on the way (``a``, ``a.b`` for ``a.b.c``), so
+      those are edges too, except the packages that contain the importer: they are already
+      imported when it runs. Hence ``pkg/__init__.py`` importing ``pkg.one`` and ``pkg/one.py``
+      doing ``from exittrain.pkg import two`` (a module) is no cycle, while ``pkg/one.py`` doing
+      ``from exittrain.pkg import NAME`` (a name ``pkg/__init__.py`` defines) is one: it reads the
+      half-run ``__init__``. A module outside ``pkg`` importing ``pkg.one`` also runs
+      ``pkg/__init__.py``, so what that ``__init__`` imports can close a cycle.
+    - A module importing itself is no edge. ``importlib.import_module(string)`` is not seen.
+    """
+    modules = {module_name(p, package): p for p in sorted(package.rglob("*.py"))}
+
+    def known(name: str) -> str | None:
+        return next((p for p in reversed(_prefixes(name)) if p in modules), None)
+
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(known(alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = from_base(node, path, package)
+                targets.update(
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else known(base) for alias in node.names
+                )
+        inside = set(_prefixes(name))  # the importer's own packages: already run when it runs
+        edges = set()
+        for target in targets - {None, name}:
+            edges.add(target)
+            edges.update(p for p in _prefixes(target)[:-1] if p in modules and p not in inside)
+        graph[name] = edges
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The cycles of ``graph`` as closed chains ``[a, b, c, a]``: for every module on a cycle, the
+    shortest cycle through it (so every module of every strongly connected component shows up),
+    each chain starting at its smallest name, without repeats, sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components: list[set[str]] = []
+
+    def connect(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while not component or w != v:
+                w = stack.pop()
+                component.add(w)
+            components.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    cycles = set()
+    for component in (c for c in components if len(c) > 1):
+        for start in sorted(component):
+            path = _shortest_cycle(graph, component, start)
+            first = path.index(min(path))
+            cycles.add(tuple(path[first:] + path[:first]))
+    return sorted([*c, c[0]] for c in cycles)
+
+
+def _shortest_cycle(graph: dict[str, set[str]], component: set[str], start: str) -> list[str]:
+    """The modules of a shortest cycle from ``start`` back to it inside ``component`` (breadth first)."""
+    came_from = {start: None}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & component):
+                if w == start:
+                    path = [v]
+                    while came_from[path[-1]] is not None:
+                        path.append(came_from[path[-1]])
+                    return path[::-1]
+                if w not in came_from:
+                    came_from[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"{start} is on no cycle of its component {sorted(component)}")
+
+
+def format_cycles(cycles: list[list[str]]) -> str:
+    return "\n".join(" -> ".join(chain) for chain in cycles)
+
+
+def test_the_import_graph_sees_the_package():
+    graph = import_graph()
+    assert {"exittrain", "exittrain.models", "exittrain.models.drafter", "exittrain.fit"} <= set(graph)
+    assert "exittrain.models.drafter" in graph["exittrain.models"]  # the __init__ re-exports from it
+    assert "exittrain.models.drafter_layers" in graph["exittrain.models.drafter"]
+
+
+def test_the_package_has_no_import_cycles():
+    cycles = import_cycles(import_graph())
+    assert not cycles, (
+        "import cycles among exittrain modules (imports inside functions count):\n" + format_cycles(cycles)
+        + "\nDefine each name once, in the module that owns it, and import it from there"
+    )
+
+
+def write_package(root: Path, sources: dict[str, str]) -> Path:
+    fake = root / "exittrain"
+    for name, text in {"__init__.py": "", **sources}.items():
+        (fake / name).parent.mkdir(parents=True, exist_ok=True)
+        (fake / name).write_text(text)
+    return fake
+
+
+def test_the_cycle_scan_flags_a_cycle_through_a_function_level_import(tmp_path):
+    """Negative control: a 3-module cycle, one edge an import inside a function, is flagged; the
+    same package without that edge is not."""
+    sources = {
+        "a.py": "from exittrain import b\n",  # b is a module: an edge to exittrain.b
+        "b.py": "import exittrain.c\n",
+        "c.py": "def f():\n    from exittrain.a import thing\n",
+    }
+    cyclic = import_cycles(import_graph(write_package(tmp_path / "cyclic", sources)))
+    assert format_cycles(cyclic) == "exittrain.a -> exittrain.b -> exittrain.c -> exittrain.a"
+    acyclic = write_package(tmp_path / "acyclic", {**sources, "c.py": "def f():\n    import json\n"})
+    assert import_graph(acyclic)["exittrain.a"] == {"exittrain.b"}
+    assert import_graph(acyclic)["exittrain.b"] == {"exittrain.c"}
+    assert import_cycles(import_graph(acyclic)) == []
+
+
+def test_the_cycle_scan_reads_package_inits_by_its_rule(tmp_path):
+    """Control of the ``__init__`` rule (:func:`import_graph`): an ``__init__`` importing its own
+    submodules, which import siblings through ``from exittrain.pkg import sibling`` or relatively,
+    is no cycle; a submodule reading a name from the half-run ``__init__`` is one, and so is a
+    cycle closed by the ``__init__`` Python runs on the way to a module of another package."""
+    ok = write_package(tmp_path / "ok", {
+        "pkg/__init__.py": "from exittrain.pkg.one import f\nfrom .two import g\n",
+        "pkg/one.py": "from exittrain.pkg import two\n",
+        "pkg/two.py": "from . import three\nfrom .three import h\n",
+        "pkg/three.py": "import json\n",
+        "user.py": "from exittrain.pkg.one import f\n",
+    })
+    graph = import_graph(ok)
+    assert graph["exittrain.pkg"] == {"exittrain.pkg.one", "exittrain.pkg.two"}
+    assert graph["exittrain.pkg.one"] == {"exittrain.pkg.two"}
+    assert graph["exittrain.pkg.two"] == {"exittrain.pkg.three"}
+    assert graph["exittrain.user"] == {"exittrain.pkg", "exittrain.pkg.one"}  # pkg/__init__.py runs first
+    assert import_cycles(graph) == []
+
+    name_from_init = write_package(tmp_path / "name", {
+        "pkg/__init__.py": "from exittrain.pkg.one import f\nLIMIT = 3\n",
+        "pkg/one.py": "from exittrain.pkg import LIMIT\n",  # a name, not a module: reads pkg/__init__.py
+    })
+    assert format_cycles(import_cycles(import_graph(name_from_init))) == (
+        "exittrain.pkg -> exittrain.pkg.one -> exittrain.pkg"
+    )
+    through_init = write_package(tmp_path / "through", {
+        "fit.py": "def run():\n    from exittrain.ev.table import t\n",  # runs ev/__init__.py first
+        "ev/__init__.py": "from exittrain.ev.run import go\n",
+        "ev/run.py": "from exittrain.fit import run\n",
+        "ev/table.py": "t = 1\n",
+    })
+    assert format_cycles(import_cycles(import_graph(through_init))) == (
+        "exittrain.ev -> exittrain.ev.run -> exittrain.fit -> exittrain.ev"
+    )

@@ -22,16 +22,19 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
+from exittrain import build, settings
 from exittrain import fit as fit_lib
 from exittrain.configs import CONF_DIR, RECIPES_DIR, register_recipes
 from exittrain.core import build_tree
+from exittrain.data import chat_prompt_ids
 from exittrain.data.datamodule import ExitTrainDataModule
-from exittrain.data.regenerate import GenerationConfig, cache_path, chat_prompt_ids, read_meta, regenerate
+from exittrain.data.regenerate import GenerationConfig, cache_path, read_meta, regenerate
 from exittrain.data.sources import load_domain, load_prompts
-from exittrain.eval.run_eval import run_eval
+from exittrain.evaluate import run_eval
 from exittrain.lit import ExitTrainModule
 from exittrain.lit.module import check_module_args
 from exittrain.models import DrafterConfig, TargetModel, load_drafter, new_drafter
+from exittrain.objective import STAGES
 from tests.data.helpers import tiny_llama
 from tests.lit.helpers import loader, make_module
 from tests.lit.helpers import trainer as make_trainer
@@ -376,7 +379,7 @@ def test_every_shipped_config_passes_the_early_check(recipe, extra):
     register_recipes()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("fit", overrides=[f"+recipe={recipe}", *extra])
-    assert fit_lib.check_objective(cfg, list(fit_lib.STAGES)) is None  # a bad value would raise ValueError
+    assert settings.check_objective(cfg, list(STAGES)) is None  # a bad value would raise ValueError
 
 
 @pytest.mark.parametrize("eval_every, expect", [(None, 150), (20, 20), (0, 0)])
@@ -386,11 +389,11 @@ def test_stage_eval_every_sets_the_decode_check_and_the_checkpoint_interval(tmp_
     from exittrain.lit import DecodeEvalCallback
 
     cfg = compose_fit(f"paths.output_dir={tmp_path}")
-    callbacks = fit_lib.build_callbacks(cfg, "exittrain", [[1, 2, 3]], tmp_path, eval_every)
+    callbacks = build.build_callbacks(cfg, "exittrain", [[1, 2, 3]], tmp_path, eval_every)
     decode = next(c for c in callbacks if isinstance(c, DecodeEvalCallback))
     ckpt = next(c for c in callbacks if isinstance(c, ModelCheckpoint))
     assert decode.every_n_steps == expect and ckpt._every_n_train_steps == expect
-    assert fit_lib.module_overrides(cfg, "exittrain") == {"lr": 3.0e-4, "anchors_per_seq": 8}  # not eval_every
+    assert settings.module_overrides(cfg, "exittrain") == {"lr": 3.0e-4, "anchors_per_seq": 8}  # not eval_every
 
 
 def test_bad_drafter_settings_fail_before_the_regeneration(tmp_path, target):
@@ -511,7 +514,7 @@ def ckpt_config(path, tmp_path):
 
 def test_a_good_checkpoint_resumes_its_stage(tmp_path, last_ckpt):
     """The control for the corrupt cases below: the intact file resumes the stage it recorded."""
-    assert fit_lib.plan_stages(ckpt_config(last_ckpt, tmp_path)) == ["exittrain"]
+    assert settings.plan_stages(ckpt_config(last_ckpt, tmp_path)) == ["exittrain"]
 
 
 def _truncated_half(data: bytes) -> bytes:
@@ -543,7 +546,7 @@ def test_corrupt_ckpt_path_names_the_file_the_fault_and_the_fix(tmp_path, last_c
     bad = tmp_path / "bad.ckpt"
     bad.write_bytes(make(last_ckpt.read_bytes()))
     with pytest.raises(ValueError) as err:
-        fit_lib.plan_stages(ckpt_config(bad, tmp_path))
+        settings.plan_stages(ckpt_config(bad, tmp_path))
     message = str(err.value)
     assert message.startswith(f"ckpt_path checkpoint {bad} {fault}"), message
     assert CKPT_FIX in message and "or leave ckpt_path unset to re-run the stage from its start" in message
@@ -559,7 +562,7 @@ def test_ckpt_path_that_is_missing_a_folder_or_not_a_dict(tmp_path, kind):
         torch.save(torch.zeros(3), path)  # loads safely, but is no Lightning checkpoint
     fault = {"missing": "does not exist", "folder": "is a folder, not a file", "tensor": "holds a Tensor, not a"}[kind]
     with pytest.raises(ValueError) as err:
-        fit_lib.plan_stages(ckpt_config(path, tmp_path))
+        settings.plan_stages(ckpt_config(path, tmp_path))
     message = str(err.value)
     assert message.startswith(f"ckpt_path checkpoint {path} {fault}"), message
     assert CKPT_FIX in message
@@ -665,7 +668,7 @@ def test_a_local_warm_start_that_is_no_drafter_folder_fails_before_the_target_lo
     elif kind == "a file":
         path.write_text("not a drafter")
     with pytest.raises(ValueError) as err:
-        fit_lib.plan_stages(compose_fit(f"warm_start={path}", f"paths.output_dir={tmp_path}"))
+        settings.plan_stages(compose_fit(f"warm_start={path}", f"paths.output_dir={tmp_path}"))
     what = "does not exist" if kind == "missing" else "is not a saved drafter folder (no config.json in it)"
     assert str(err.value) == (
         f"warm_start={path} {what}: pass RUN_DIR/warmstart_drafter or RUN_DIR/drafter of an earlier fit run"
@@ -674,7 +677,7 @@ def test_a_local_warm_start_that_is_no_drafter_folder_fails_before_the_target_lo
 
 def test_a_hub_id_as_warm_start_is_left_to_the_loader(tmp_path):
     cfg = compose_fit("warm_start=some-org/some-drafter", f"paths.output_dir={tmp_path}")
-    assert fit_lib.plan_stages(cfg) == ["exittrain"]
+    assert settings.plan_stages(cfg) == ["exittrain"]
 
 
 def test_eval_of_a_folder_that_is_no_drafter_names_it_before_the_target_loads(tmp_path):

@@ -8,8 +8,8 @@ import torch
 import yaml
 from hydra import compose, initialize_config_dir
 
+from exittrain.bench.registry import BENCHES
 from exittrain.configs import CONF_DIR, RECIPES_DIR, register_recipes
-from exittrain.eval.bench import BENCHES
 
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 

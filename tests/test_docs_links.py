@@ -1,5 +1,7 @@
-"""Every relative link of the tracked Markdown files resolves to a tracked file (and its heading), and
-RESULTS.md is what `python -m exittrain report --results` makes of results/."""
+"""Every relative link of the tracked Markdown files (README.md, RESULTS.md, docs/**) resolves to a
+tracked file (and its heading), every "docs/algorithm.md section N" citation names a numbered
+section of that page, and RESULTS.md is what `python -m exittrain report --results` makes of
+results/."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from exittrain.eval import results_page
+from exittrain.report import results_page
 
 ROOT = Path(__file__).resolve().parents[1]
 _FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
@@ -17,6 +19,14 @@ _INLINE_CODE = re.compile(r"`[^`\n]*`")
 _LINK = re.compile(r"!?\[[^\]\n]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 _REF_LINK = re.compile(r"^\s*\[[^\]]+\]:\s*(\S+)", re.M)
 _HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
+ALGORITHM = "docs/algorithm.md"
+# the page's path, then: section 4, sections 4 and 5(d), sections 6-8, section 6.5, or § 7
+_SECTION_REF = r"\d+(?:\.\d+)*(?:\([a-z]\))?"
+_CITATION = re.compile(
+    rf"docs/algorithm\.md[,:;]?\s*(?:§\s*|sections?\s+)({_SECTION_REF}(?:\s*(?:,|-|–|and|&|to)\s*{_SECTION_REF})*)",
+    re.I,
+)
+_NUMBERED = re.compile(r"^#{2,6}\s+(\d+(?:\.\d+)*)\.?\s", re.M)
 
 
 def tracked_files(root: Path) -> set[str]:
@@ -66,6 +76,28 @@ def broken_links(root: Path, tracked: set[str]) -> list[str]:
     return bad
 
 
+def numbered_sections(markdown: str) -> set[str]:
+    """The numbers of the numbered headings (``## 4. Title``, ``### 6.5 Title``) outside fences."""
+    return set(_NUMBERED.findall(_FENCE.sub("", markdown)))
+
+
+def bad_section_citations(root: Path, tracked: set[str]) -> list[str]:
+    """``FILE: CITATION (why)`` for every "docs/algorithm.md section N" of a tracked .py or .md file
+    whose section N (or N.M) has no numbered heading in docs/algorithm.md."""
+    page = root / ALGORITHM
+    sections = numbered_sections(page.read_text(encoding="utf-8")) if page.is_file() else set()
+    bad = []
+    for name in sorted(p for p in tracked if p.endswith((".py", ".md"))):
+        path = root / name
+        if not path.is_file():  # tracked but deleted in the working tree
+            continue
+        for match in _CITATION.finditer(path.read_text(encoding="utf-8", errors="replace")):
+            for number in re.findall(r"\d+(?:\.\d+)*", match.group(1)):
+                if number not in sections:
+                    bad.append(f"{name}: {' '.join(match.group(0).split())} (no section {number} in {ALGORITHM})")
+    return bad
+
+
 def _normalise(posix: str) -> str:
     parts: list[str] = []
     for part in posix.split("/"):
@@ -80,8 +112,31 @@ def _normalise(posix: str) -> str:
 
 def test_every_relative_link_resolves_to_a_tracked_file():
     tracked = tracked_files(ROOT)
-    assert "README.md" in tracked and "RESULTS.md" in tracked
+    assert "README.md" in tracked and "RESULTS.md" in tracked and ALGORITHM in tracked
     assert not broken_links(ROOT, tracked), "\n".join(broken_links(ROOT, tracked))
+
+
+def test_algorithm_citations_name_existing_sections():
+    tracked = tracked_files(ROOT)
+    assert numbered_sections((ROOT / ALGORITHM).read_text(encoding="utf-8")), f"{ALGORITHM} has no numbered sections"
+    assert not bad_section_citations(ROOT, tracked), "\n".join(bad_section_citations(ROOT, tracked))
+
+
+def test_the_checker_sees_bad_section_citations(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / ALGORITHM).write_text(
+        "# The algorithm\n\n## 1. Notation\n\n### 1.2 Trees\n\n## 2. The exit law\n\n```\n## 9. fenced\n```\n"
+    )
+    page = ALGORITHM  # never spelt out with a section here: this file's own text is scanned too
+    (tmp_path / "m.py").write_text(
+        f'"""See {page} section 1, {page} sections 1.2 and 2(d), {page}: section 1-2,\n'
+        f'({page}\n    section 3), {page} section 1.3 and {page} §9."""\n'
+    )
+    (tmp_path / "untracked.py").write_text(f"{page} section 7\n")
+    bad = bad_section_citations(tmp_path, {ALGORITHM, "m.py"})
+    assert [b.split(" (")[0] for b in bad] == [
+        f"m.py: {page} section 3", f"m.py: {page} section 1.3", f"m.py: {page} §9",
+    ]
 
 
 def test_the_checker_sees_broken_links(tmp_path):

@@ -21,8 +21,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from lightning.pytorch.utilities import rank_zero_only
 
+from exittrain.build import prepare_data
 from exittrain.configs import CONF_DIR, register_recipes
-from exittrain.fit import fit, prepare_data
+from exittrain.fit import fit
 from exittrain.lit.run_logging import close_logger, make_logger
 from exittrain.models import TargetModel
 from tests.models.helpers import VOCAB, tiny_target
@@ -187,7 +188,7 @@ RANK_ZERO_FILES = ("eval_warm_start.json", "eval_exittrain.json", "tree_example.
 
 def test_fit_on_rank_zero_regenerates_evaluates_and_writes(rank, tmp_path, monkeypatch):
     cfg, target = _tiny_fit(tmp_path)
-    from exittrain.eval import decode_eval
+    from exittrain.heldout import decode_eval
 
     baselines = []
     real_ar = decode_eval.autoregressive_generate
@@ -233,7 +234,7 @@ def test_fit_on_rank_one_trains_and_leaves_evaluation_and_files_to_rank_zero(ran
     def rank_zero_only_work(*args, **kwargs):
         raise AssertionError("rank 1 ran rank 0's evaluation or export")
 
-    monkeypatch.setattr("exittrain.eval.decode_eval.evaluate_prompts", rank_zero_only_work)
+    monkeypatch.setattr("exittrain.heldout.decode_eval.evaluate_prompts", rank_zero_only_work)
     monkeypatch.setattr("exittrain.lit.save_drafter", rank_zero_only_work)
     rank(1)
 

@@ -135,7 +135,7 @@ def test_interactive_asks_stdout_and_survives_odd_streams(monkeypatch, tmp_path)
 def test_fit_callbacks_use_the_bar_on_a_terminal_and_log_lines_otherwise(monkeypatch, tmp_path, tty):
     from lightning.pytorch.callbacks import ProgressBar
 
-    from exittrain.fit import build_callbacks
+    from exittrain.build import build_callbacks
     from exittrain.lit import ProgressLogCallback
 
     monkeypatch.setattr(progress, "interactive", lambda stream=None: tty)
@@ -149,7 +149,7 @@ def test_fit_callbacks_use_the_bar_on_a_terminal_and_log_lines_otherwise(monkeyp
 
 
 def test_the_evaluation_logs_one_line_per_decode_off_a_terminal(monkeypatch, caplog):
-    from exittrain.eval.decode_eval import evaluate_prompts
+    from exittrain.heldout.decode_eval import evaluate_prompts
     from exittrain.models import new_drafter
     from tests.models.helpers import tiny_target
 

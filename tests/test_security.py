@@ -31,10 +31,10 @@ from omegaconf import OmegaConf, open_dict
 
 import exittrain
 from exittrain import configs
-from exittrain.fit import plan_stages
 from exittrain.lit import ExportDrafterCallback, MetricsFileCallback, save_drafter
 from exittrain.lit.run_logging import close_logger, make_logger
 from exittrain.models import load_drafter, load_target, new_drafter
+from exittrain.settings import plan_stages
 from tests.lit.helpers import loader, make_module
 from tests.lit.helpers import trainer as make_trainer
 from tests.models.helpers import tiny_target

@@ -17,7 +17,7 @@ match wins), at most ``length`` of them, and only tokens already committed.
 **Exactness.** The grafted tree depends on the committed text only, never on the target's
 scores of this round, and siblings still carry distinct tokens (a chain token that some child
 of the graft point already carries would have been walked into). Every verifier of
-:mod:`exittrain.core.verify` is exact on any such tree (ALGORITHM.md section 5), so decoding with
+:mod:`exittrain.core.verify` is exact on any such tree (docs/algorithm.md section 6.1), so decoding with
 a copy tail stays lossless. Grafted nodes may be deeper than K: ``max_depth`` grows with them,
 and they have no drafter score (``scores`` is -inf there, as on padding, but they are valid).
 

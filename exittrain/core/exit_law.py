@@ -4,7 +4,7 @@ Shape legend: N trees, B budget, V vocabulary; "rows" are the B+1 positions root
 (row 0 = root, row j = node in column j-1).
 
 For a tree T with root r and target next-token distributions ``p_u`` after each row u
-(ALGORITHM.md section 4):
+(docs/algorithm.md section 4):
 
 - edge probability       ``p(v)   = p_{pi(v)}(x_v)``
 - reach probability      ``P(r) = 1``, ``P(v) = P(pi(v)) * p(v)``
@@ -18,7 +18,7 @@ from (after temperature, top-k and top-p). Padding columns get zero reach, zero 
 probability and zero exit mass.
 
 ``alpha > 0`` floors the edge probabilities used for the reach, ``P~``: a training weight
-(ALGORITHM.md section 7), no longer a probability law (the exit masses then need not sum to 1).
+(docs/algorithm.md section 4.5), no longer a probability law (the exit masses then need not sum to 1).
 ``edge`` and ``missing`` always use the raw probabilities.
 """
 

@@ -1,4 +1,4 @@
-"""Training objectives: block cross-entropy and the ExitTrain node losses (ALGORITHM.md section 7).
+"""Training objectives: block cross-entropy and the ExitTrain node losses (docs/algorithm.md section 8).
 
 Shape legend: N anchors (trees), K drafter positions, V vocabulary, B budget.
 

@@ -15,7 +15,7 @@ copied. Depths without a copy token get -1, and so does every depth of an anchor
 ``q'_k = (1 - g) q_k + g onehot(c_k)``; depths without one keep ``q_k``. In log space over any
 candidate axis that holds ``c_k``: ``log q' = log q + log(1 - g)`` everywhere, and at ``c_k``
 ``logaddexp(log q(c_k) + log(1 - g), log g)``. ``q'`` still sums to 1 and depends on the context
-only, not on the tree path (ALGORITHM.md section 1), so tree building, the exit law and every
+only, not on the tree path (docs/algorithm.md section 1.2), so tree building, the exit law and every
 verifier use it unchanged; the verifiers stay exact whatever the drafter proposes.
 
 Why: answers often restate their prompt (code restates its signature and docstring), and a small

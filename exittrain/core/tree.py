@@ -4,7 +4,7 @@ Shape legend: N trees (anchors), K drafter positions (depth limit), V vocabulary
 B budget (nodes per tree, root excluded), M = min(B, V) candidate tokens per depth,
 C pruned candidates per depth.
 
-Contract of :func:`build_tree` (ALGORITHM.md section 2): the tree of budget B is the set of the B
+Contract of :func:`build_tree` (docs/algorithm.md section 2): the tree of budget B is the set of the B
 highest-scoring token paths of length 1..K, where the score of a path is the sum of the drafter's
 log-probabilities ``log q_d(y_d)`` along it and, at each depth, only the M most likely tokens of
 ``q_d`` are candidates. Nodes come out in the order DDTree's best-first heap pops them.
@@ -53,10 +53,11 @@ class DraftTree:
     """A batch of N draft trees padded to budget B.
 
     Fields (each (N, B)): ``tokens`` (long), ``parents`` (long: 0 = root, j = node in column j-1),
-    ``depths`` (long, 1..K for valid nodes), ``valid`` (bool). Node j (1-based) sits in column j-1
-    and parents come before children. Padding columns hold token 0, parent 0, depth 0,
+    ``depths`` (long, 1..``max_depth`` for valid nodes), ``valid`` (bool). Node j (1-based) sits in
+    column j-1 and parents come before children. Padding columns hold token 0, parent 0, depth 0,
     valid False: they hang off the root and carry no probability anywhere in the project.
-    ``max_depth`` is K, the drafter horizon the tree was built for. ``scores`` (N, B) holds the
+    ``max_depth`` is K, the drafter horizon the tree was built for, or deeper once a copy tail is
+    grafted on (:mod:`exittrain.core.copy_tail`, docs/algorithm.md section 2.5). ``scores`` (N, B) holds the
     drafter path log-probabilities, -inf on padding.
 
     Derived tensors (computed on first use and cached): :attr:`ancestor_mask`,
@@ -337,7 +338,7 @@ def _rounder(dtype: torch.dtype):
 
 
 def build_tree_reference(logprobs: torch.Tensor, budget: int) -> DraftTree:
-    """DDTree's best-first heap (ALGORITHM.md section 2), the slow twin of :func:`build_tree`.
+    """DDTree's best-first heap (docs/algorithm.md section 2), the slow twin of :func:`build_tree`.
 
     Heap key: ``(-score, depth, rank path)``; see the module docstring. Scores are rounded to the
     score dtype after every addition so that both builders compare identical numbers.

@@ -4,7 +4,7 @@ Shape legend: N trees, B budget, K depth limit, V vocabulary; rows are root-firs
 
 All four take the target logits of every row, ``logits`` (N, B+1, V), apply one sampling warp
 (:func:`warp_probs`: temperature, then top-k, then top-p; temperature 0 is greedy) and return a
-:class:`Verdict`. They share the exit law and the bonus law of ALGORITHM.md section 4, so the
+:class:`Verdict`. They share the exit law and the bonus law of docs/algorithm.md section 4, so the
 output block ``path(exit) + bonus`` is an exact sample of the target: decoding is lossless.
 
 - greedy: follow the argmax child; bonus = argmax at the exit.

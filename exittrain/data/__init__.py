@@ -1,12 +1,18 @@
-"""Data layer: prompt sources per domain, target self-distillation, batching, the DataModule."""
+"""Data layer: prompt sources per domain, target self-distillation, batching, the DataModule.
+
+Importing it imports no Lightning: :class:`ExitTrainDataModule` (the one Lightning piece) is loaded
+on first access, so a command that only prepares the data (:class:`PromptPlan`) never pays for it.
+"""
+
+from typing import TYPE_CHECKING, Any
 
 from exittrain.data.collate import Collator, TruncationStats, truncation_stats
-from exittrain.data.datamodule import EMBEDDED_TARGET_NAME, ExitTrainDataModule, default_target_provider
+from exittrain.data.generation import chat_prompt_ids
+from exittrain.data.prompt_plan import PromptPlan
 from exittrain.data.regenerate import (
     GenerationConfig,
     cache_key,
     cache_path,
-    chat_prompt_ids,
     read_meta,
     regenerate,
     split_response,
@@ -25,17 +31,21 @@ from exittrain.data.sources import (
     normalize_prompt,
     remove_overlap,
 )
+from exittrain.data.target_provider import default_target_provider
+
+if TYPE_CHECKING:
+    from exittrain.data.datamodule import ExitTrainDataModule
 
 __all__ = [
     "BUILTIN_SOURCES",
     "DOMAIN_SOURCES",
-    "EMBEDDED_TARGET_NAME",
     "HUB_SOURCES",
     "Collator",
     "DomainPrompts",
     "ExitTrainDataModule",
     "GenerationConfig",
     "LoadStats",
+    "PromptPlan",
     "PromptSource",
     "TruncationStats",
     "cache_key",
@@ -53,3 +63,11 @@ __all__ = [
     "split_response",
     "truncation_stats",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ExitTrainDataModule":
+        from exittrain.data.datamodule import ExitTrainDataModule
+
+        return ExitTrainDataModule
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

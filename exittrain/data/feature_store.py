@@ -30,8 +30,9 @@ alone on disk) and raise ``ValueError`` naming the row and the file to delete ot
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,9 @@ import torch
 from exittrain.data.regenerate import features_file, load_features, load_top_logprobs, top_logprobs_file
 from exittrain.safe_io import check_safetensors
 
-__all__ = ["STORE_MODES", "FeatureStore", "RowLayout", "token_fingerprint"]
+__all__ = ["STORE_MODES", "FeatureStore", "RowLayout", "check_store_settings", "open_entry_store", "token_fingerprint"]
+
+logger = logging.getLogger(__name__)
 
 STORE_MODES = ("memory", "disk")
 
@@ -182,6 +185,10 @@ class FeatureStore:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def summary(self) -> dict[str, Any]:
+        """What the store serves: ``mode``, ``feature_layers`` (None: none), ``top_logprobs`` (0: none)."""
+        return {"mode": self.mode, "feature_layers": self.feature_layers, "top_logprobs": self.top_k}
+
     def _layout(self, row_id: int) -> RowLayout:
         layout = self.rows.get(int(row_id))
         if layout is None:
@@ -241,3 +248,58 @@ def _check_top(path: Path, k: int, row_id: int, n: int | None, layout: RowLayout
             f"{layout.tokens - layout.prompt} response tokens; delete {top_logprobs_file(k)} from the entry "
             "(training then asks the target for them) or the entry itself to regenerate it"
         )
+
+
+def check_store_settings(top_logprobs: int, feature_store: str) -> None:
+    """Raise ValueError, naming the setting, for a ``top_logprobs`` that is not an int >= 0 or a
+    ``feature_store`` that is not one of :data:`STORE_MODES` (the DataModule's arguments)."""
+    if not isinstance(top_logprobs, int) or top_logprobs < 0:
+        raise ValueError(f"top_logprobs={top_logprobs!r} must be an int >= 0 (0 keeps none)")
+    if feature_store not in STORE_MODES:
+        raise ValueError(
+            f"feature_store={feature_store!r}: must be one of {STORE_MODES} (host memory, or read per batch "
+            "from the cache entry)"
+        )
+
+
+def open_entry_store(
+    path: Path,
+    rows: Iterable[tuple[int, Sequence[int], int]],
+    *,
+    max_length: int,
+    feature_layers: Sequence[int] | None,
+    top_k: int,
+    mode: str,
+) -> FeatureStore | None:
+    """The :class:`FeatureStore` of the cache entry at ``path`` for ``rows`` (``(prompt_index, input_ids,
+    n_prompt_tokens)`` of every row a run reads, cut at ``max_length``); None when neither
+    ``feature_layers`` nor ``top_k`` asks for one. Warns about what the entry lacks (training then computes it)."""
+    if not feature_layers and not top_k:
+        return None
+    layouts = {
+        int(r): RowLayout(len(ids), int(p), min(len(ids), max_length), token_fingerprint(ids)) for r, ids, p in rows
+    }
+    store = FeatureStore.open(path, layouts, feature_layers=feature_layers, top_k=top_k, mode=mode)
+    if feature_layers and not store.has_features:
+        logger.warning(
+            "the cache entry %s keeps no target features of layers %s (written without them): training computes "
+            "them every step; delete the entry to regenerate it with them",
+            path,
+            feature_layers,
+        )
+    if top_k and not store.has_top_logprobs:
+        logger.warning(
+            "the cache entry %s keeps no top-%d log-probabilities: training asks the target for the soft labels "
+            "every step; delete the entry to regenerate it with them",
+            path,
+            top_k,
+        )
+    logger.info(
+        "feature store (%s): %d rows, features of layers %s, top-%d log-probabilities (%s)",
+        store.mode,
+        len(store),
+        store.feature_layers,
+        store.top_k,
+        path,
+    )
+    return store

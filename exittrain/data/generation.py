@@ -77,8 +77,8 @@ class GenerationConfig:
             for fewer prefill tokens.
     """
 
-    max_new_tokens: int = 128
-    batch_size: int = 48
+    max_new_tokens: int = 96
+    batch_size: int = 32
     do_sample: bool = False
     temperature: float = 1.0
     top_p: float = 1.0

@@ -4,7 +4,9 @@
 the chat template, one batch, what is kept while the target answers) and writes the answers, and
 optionally the target's features and top-k log-probabilities, to the cache
 (:mod:`exittrain.data.regen_cache`: the row format, the key, the folders and files). This module
-is also the public face of both: import their names from here.
+is also the public face of both: import their names from here, but for the chat template of a
+prompt, :func:`~exittrain.data.generation.chat_prompt_ids`, which the package exports
+(``from exittrain.data import chat_prompt_ids``).
 
 Prompts whose templated length exceeds ``GenerationConfig.max_prompt_tokens`` are not answered; they
 are counted in the cache metadata (``rejected_too_long``) and logged.
@@ -75,7 +77,6 @@ __all__ = [
     "Answer",
     "GenerationConfig",
     "answering_model",
-    "chat_prompt_ids",
     "eos_token_ids",
     "generate_batch",
     "padding_token_id",

@@ -27,11 +27,32 @@ loaders and Lightning prefetch batches before they are trained on.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sized
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sized
+from typing import Any
 
 from torch.utils.data import DistributedSampler
 
-__all__ = ["ResumableSampler"]
+__all__ = ["ResumableSampler", "resume_point"]
+
+logger = logging.getLogger(__name__)
+
+
+def resume_point(order: Mapping[str, Any], **now: int) -> tuple[int, int]:
+    """``(epoch, batches done)`` to resume a checkpoint's ``train_order`` from (``epoch``, ``batches_done``
+    and the settings that fix the order). With ``now`` (``seed``, ``batch_size``, ``world_size``)
+    differing from the saved ones the order cannot continue: the checkpoint's epoch restarts from its
+    first batch, with a warning."""
+    saved = {k: order.get(k) for k in now}
+    if saved != now:
+        logger.warning(
+            "the checkpoint's data order (%s) differs from this run's (%s): epoch %d restarts from its first batch",
+            saved,
+            now,
+            order["epoch"],
+        )
+        return int(order["epoch"]), 0
+    return int(order["epoch"]), int(order["batches_done"])
 
 
 class ResumableSampler(DistributedSampler):

@@ -5,7 +5,7 @@ feature width, N positions committed in one round (root + accepted path), K draf
 V vocabulary, W the drafter's context window.
 
 A round's drafter needs, for every committed position before the root, the target features of
-that position (ALGORITHM.md section 6). Two interchangeable implementations:
+that position (docs/algorithm.md section 7). Two interchangeable implementations:
 
 - :class:`CachedDrafterContext` (the fast path, as DFlash decodes): each round projects only the
   positions it just committed into every drafter layer's keys and values

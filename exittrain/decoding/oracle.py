@@ -1,4 +1,4 @@
-"""Oracle trees: the budget-B tree of highest target flow, for the tau_oracle column (ALGORITHM.md section 8).
+"""Oracle trees: the budget-B tree of highest target flow, for the tau_oracle column (docs/algorithm.md section 5.2).
 
 Built best-first from the target's own (warped) conditionals: a candidate child y of row u has
 score ``log P(u) + log p_u(y)``; the best candidate becomes a node, which costs one target

@@ -2,7 +2,7 @@
 
 Shape legend: C committed context length, B budget, K drafter horizon, V vocabulary, F feature width.
 
-Round structure (ALGORITHM.md sections 0 and 5). The round's root is the last committed token
+Round structure (docs/algorithm.md sections 1 and 6). The round's root is the last committed token
 that the target has not yet processed: the last prompt token in the first round, then the
 previous round's bonus token. The drafter sees the target features of the positions before the
 root and the root's embedding, and proposes K distributions; :func:`build_tree` turns them into

@@ -150,9 +150,9 @@ class DecodeEvalCallback(Callback):
     def __init__(
         self,
         prompts: Prompts | Callable[[], Prompts],
-        every_n_steps: int = 100,
+        every_n_steps: int = 150,
         budget: int = 16,
-        max_new_tokens: int = 64,
+        max_new_tokens: int = 48,
         temperature: float = 0.0,
         verifier: str = "tev",
         *,

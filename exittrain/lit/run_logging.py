@@ -1,6 +1,7 @@
 """The run's rank, seed and stage loggers: the Lightning pieces that ``fit`` and ``eval`` need.
 
-Kept here so that :mod:`exittrain.fit` and :mod:`exittrain.eval.run` never import Lightning.
+Kept here, in Lightning's home, so that :mod:`exittrain.fit`, :mod:`exittrain.build` and
+:mod:`exittrain.evaluate` reach Lightning only through ``exittrain.lit`` (tests/test_architecture.py).
 """
 
 from __future__ import annotations

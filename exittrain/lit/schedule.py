@@ -22,7 +22,7 @@ class OptimizerSettings:
 
     lr: float = 6e-4
     weight_decay: float = 0.0
-    warmup_ratio: float = 0.02
+    warmup_ratio: float = 0.05
     min_lr_ratio: float = 0.1
 
     def __post_init__(self) -> None:

@@ -6,8 +6,9 @@ free of Lightning (tests/test_architecture.py).
 
 from __future__ import annotations
 
-import lightning as L
 from lightning.pytorch.callbacks import Callback
+
+from exittrain.lit.train_steps import train_steps
 
 
 class _CollectStepMetrics(Callback):
@@ -28,10 +29,9 @@ def timed_training_steps(module, datamodule, *, steps: int, precision: str, part
     Returns one dict per step: ``{part: ms}`` for each of ``parts`` the module logged as
     ``train/time_<part>_ms``, and ``anchors``."""
     collect = _CollectStepMetrics(parts)
-    trainer = L.Trainer(
-        max_steps=steps, accelerator="cpu", precision=precision, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[collect], limit_val_batches=0,
-        num_sanity_val_steps=0,
+    train_steps(
+        module, datamodule, steps=steps, accelerator="cpu", precision=precision, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[collect],
+        limit_val_batches=0, num_sanity_val_steps=0,
     )
-    trainer.fit(module, datamodule=datamodule)
     return collect.rows

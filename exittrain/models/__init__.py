@@ -1,6 +1,8 @@
 """nn.Modules and wrappers: the frozen target (target.py) and the block drafter (drafter.py)."""
 
-from exittrain.models.drafter import BlockDrafter, DrafterConfig, check_pairing, load_drafter, new_drafter
+from exittrain.models.drafter import BlockDrafter
+from exittrain.models.drafter_build import load_drafter, new_drafter
+from exittrain.models.drafter_config import DrafterConfig, check_pairing
 from exittrain.models.target import (
     EMBEDDED_TARGET_NAME,
     PrefillOutput,

@@ -1,4 +1,4 @@
-"""The block drafter (ALGORITHM.md section 6): a DFlash draft model, plus exittrain's extensions.
+"""The block drafter (docs/algorithm.md section 7): a DFlash draft model, plus exittrain's extensions.
 
 Shape legend: N blocks (one per root / anchor), C context positions, F = len(layer_ids) * H
 target feature width, H target hidden size, D drafter width, S = block_size, K = S - 1 predicted
@@ -45,8 +45,8 @@ All three run the same layer code (:mod:`exittrain.models.drafter_layers`).
 head in a plain dict, outside the module tree: they are not in ``parameters()``,
 ``state_dict()`` or the saved safetensors. The config records the target (name, vocabulary,
 hidden size, depth, layer ids); loading against another target raises a ``ValueError`` naming
-both targets and the field that differs. :func:`load_drafter` also reads DFlash folders
-(:mod:`exittrain.models.dflash_format`).
+both targets and the field that differs. :func:`~exittrain.models.drafter_build.load_drafter`
+also reads DFlash folders (:mod:`exittrain.models.dflash_format`).
 """
 
 from __future__ import annotations
@@ -62,12 +62,7 @@ from transformers import initialization as hf_init
 
 from exittrain.models.drafter_config import DrafterConfig, check_pairing
 from exittrain.models.drafter_copy import copy_logits, copy_terms, init_copy_gate
-from exittrain.models.drafter_init import (
-    copy_target_layers,
-    default_layer_ids,
-    layer_copy_problem,
-    target_layer_shape,
-)
+from exittrain.models.drafter_init import copy_target_layers
 from exittrain.models.drafter_io import check_saved_files
 from exittrain.models.drafter_layers import ContextKV, DrafterLayer, DrafterRMSNorm
 from exittrain.models.row_matmul import head_rows, is_plain_head
@@ -75,17 +70,7 @@ from exittrain.models.vocab_head import vocab_logits, vocab_logits_reference
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "BlockDrafter",
-    "ContextKV",
-    "DrafterConfig",
-    "check_pairing",
-    "default_layer_ids",
-    "layer_copy_problem",
-    "load_drafter",
-    "new_drafter",
-    "target_layer_shape",
-]
+__all__ = ["BlockDrafter"]
 
 
 class BlockDrafter(PreTrainedModel):
@@ -454,7 +439,3 @@ class BlockDrafter(PreTrainedModel):
         if target is not None:
             model.attach_target(target, check_name=check_name)
         return model
-
-
-# the constructors live beside the model; imported last (they need BlockDrafter)
-from exittrain.models.drafter_build import load_drafter, new_drafter  # noqa: E402

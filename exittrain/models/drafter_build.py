@@ -8,7 +8,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from huggingface_hub import snapshot_download
 
+from exittrain.models.dflash_format import is_dflash_folder, load_dflash
 from exittrain.models.drafter import BlockDrafter
 from exittrain.models.drafter_config import DrafterConfig
 from exittrain.models.drafter_init import default_heads, default_layer_ids, layer_copy_problem, target_layer_shape
@@ -135,12 +137,8 @@ def load_drafter(
     :func:`exittrain.models.dflash_format.load_dflash` with the same pairing checks. A hub id
     (``z-lab/Qwen3-8B-DFlash-b16``) is downloaded first (needs the network or a filled hub cache).
     """
-    from exittrain.models.dflash_format import is_dflash_folder, load_dflash
-
     if isinstance(path, str) and not Path(path).exists() and path.count("/") == 1:
         # a hub id (org/name): fetch the drafter's files once, then read them like a local folder
-        from huggingface_hub import snapshot_download
-
         hub = {k: hf_kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only") if k in hf_kwargs}
         local = snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "mask_embedding.pt"], **hub)
         if is_dflash_folder(local):

@@ -1,4 +1,4 @@
-"""The drafter's n-gram copy branch (ALGORITHM.md section 6; an exittrain extension that the DFlash
+"""The drafter's n-gram copy branch (docs/algorithm.md section 7.4; an exittrain extension that the DFlash
 format has no place for, so the export drops it).
 
 The root's last n tokens (n in ``copy_ngrams``, longest first) are looked up in the context ids,

@@ -1,6 +1,6 @@
 """The frozen target model: loading, tree scoring, cache compaction, drafter features.
 
-ALGORITHM.md section 3. The target is a Hugging Face causal LM (Llama, Qwen2, Qwen3, ... with
+docs/algorithm.md section 3. The target is a Hugging Face causal LM (Llama, Qwen2, Qwen3, ... with
 full attention in every layer) wrapped in :class:`TargetModel`, which never trains: its
 parameters have ``requires_grad=False``, it stays in eval mode, and every method runs under
 ``torch.no_grad()``.

@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from exittrain.eval.bench import write_results
+    from exittrain.bench.registry import write_results
     from exittrain.serve.compare import to_markdown
 
     args = parse_args(argv)

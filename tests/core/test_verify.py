@@ -1,4 +1,4 @@
-"""Losslessness and agreement of the four verifiers (ALGORITHM.md sections 4 and 5)."""
+"""Losslessness and agreement of the four verifiers (docs/algorithm.md sections 4 and 6)."""
 
 import math
 

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
+from exittrain.data import chat_prompt_ids
 from exittrain.data.collate import Collator, truncation_stats
 from exittrain.data.datamodule import ExitTrainDataModule
 from exittrain.data.prompt_selection import split_by_task
-from exittrain.data.regenerate import chat_prompt_ids
 from exittrain.data.sources import normalize_prompt
 from tests.data.helpers import CountingTarget, tiny_llama
 from tests.lit.helpers import trainer as lit_trainer
@@ -140,6 +140,9 @@ def test_datamodule_rejects_bad_arguments(tmp_path, sources):
         _datamodule(tmp_path, sources, None, max_train_prompts=0)
     with pytest.raises(ValueError, match="unknown domain 'poetry'"):
         ExitTrainDataModule("poetry", target_name="tiny").prompts()
+    # the prompt plan's checks (tests/data/test_prompt_plan.py), raised by the constructor
+    with pytest.raises(ValueError, match="exclude_seed=0.*set max_train_prompts"):
+        _datamodule(tmp_path, sources, None, seed=1, exclude_seed=0)
 
 
 @pytest.mark.slow
@@ -322,26 +325,3 @@ def test_both_forms_of_a_codeio_task_land_on_one_side_of_the_split(tmp_path, smo
     val_tasks = [tasks[i] for i in dm.val_set["prompt_index"]]
     assert len(val_tasks) >= 3  # round(0.25 * 12) rows asked, whole tasks given
     assert any(val_tasks.count(t) == 2 for t in val_tasks)  # a description and its stub, together
-
-
-def test_exclude_seed_leaves_out_every_task_of_the_other_seeds_sample(tmp_path, smollm2_tokenizer):
-    # 10 CodeI/O tasks in two forms; the warm start (seed 0) samples 6 prompts, the fresh run (seed 1)
-    # must see none of their tasks, in either form, and still sample up to 6 of the rest
-    train = ["pkg:codeio?limit=10&seed=3", "pkg:codeio_stub?limit=10&seed=3"]
-    common = dict(max_length=640, max_train_prompts=6)
-    warm = _datamodule(tmp_path, (train, ["pkg:humaneval"]), None, tokenizer=smollm2_tokenizer, **common)
-    fresh = _datamodule(tmp_path, (train, ["pkg:humaneval"]), None, tokenizer=smollm2_tokenizer, seed=1,
-                        exclude_seed=0, **common)
-    warm_tasks = set(warm.prompts().train_tasks())
-    fresh_tasks = fresh.prompts().train_tasks()
-    assert len(fresh.prompts().train) == 6 and len(warm.prompts().train) == 6
-    assert warm_tasks and not warm_tasks & set(fresh_tasks), "a fresh prompt shares a task with the warm start"
-    # the negative control: the same seed without the exclusion overlaps the warm start's tasks
-    same = _datamodule(tmp_path, (train, ["pkg:humaneval"]), None, tokenizer=smollm2_tokenizer, seed=1, **common)
-    assert warm_tasks & set(same.prompts().train_tasks())
-    assert "exclude_seed=0" in fresh._prompt_set_description()
-    assert "exclude_seed" not in warm._prompt_set_description()  # the default keeps old cache keys
-    with pytest.raises(ValueError, match="exclude_seed=1.*seed other than 1"):
-        _datamodule(tmp_path, (train, ["pkg:humaneval"]), None, seed=1, exclude_seed=1, **common)
-    with pytest.raises(ValueError, match="exclude_seed=0.*set max_train_prompts"):
-        _datamodule(tmp_path, (train, ["pkg:humaneval"]), None, seed=1, exclude_seed=0, max_length=640)

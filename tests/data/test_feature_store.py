@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from exittrain.data.collate import Collator
-from exittrain.data.feature_store import FeatureStore, RowLayout
+from exittrain.data.feature_store import FeatureStore, RowLayout, check_store_settings, open_entry_store
 from exittrain.data.regenerate import features_file, top_logprobs_file
 from tests.models.helpers import tiny_target
 from tests.store_helpers import dataset_rows, layouts, synthetic_rows, write_entry
@@ -114,3 +114,27 @@ def test_a_stored_row_of_the_wrong_length_is_refused_at_open(entry, tmp_path, mo
     save_file(tensors, str(tmp_path / name))
     with pytest.raises(ValueError, match=f"of row 11 cover .* delete {name}"):
         FeatureStore.open(tmp_path, layouts(rows, MAX_LENGTH), feature_layers=LAYERS, top_k=K, mode=mode)
+
+
+def test_open_entry_store_opens_only_when_asked_and_warns_about_what_the_entry_lacks(entry, caplog):
+    path, rows, kept = entry
+    triples = [(r, ids.tolist(), p) for r, (ids, p) in rows.items()]
+    assert open_entry_store(path, triples, max_length=MAX_LENGTH, feature_layers=None, top_k=0, mode="memory") is None
+    store = open_entry_store(path, triples, max_length=MAX_LENGTH, feature_layers=LAYERS, top_k=K, mode="disk")
+    assert store.summary() == {"mode": "disk", "feature_layers": LAYERS, "top_logprobs": K}
+    assert store.rows == layouts(rows, MAX_LENGTH) and "keeps no" not in caplog.text
+    other = open_entry_store(path, triples, max_length=MAX_LENGTH, feature_layers=[0, 2], top_k=3, mode="memory")
+    assert other.summary() == {"mode": "memory", "feature_layers": None, "top_logprobs": 0}
+    assert "keeps no target features of layers [0, 2]" in caplog.text
+    assert "keeps no top-3 log-probabilities" in caplog.text
+
+
+def test_bad_store_settings_raise_naming_the_setting():
+    check_store_settings(0, "memory")
+    check_store_settings(4, "disk")
+    with pytest.raises(ValueError, match="top_logprobs=-2 must be an int >= 0"):
+        check_store_settings(-2, "memory")
+    with pytest.raises(ValueError, match="top_logprobs=1.5"):
+        check_store_settings(1.5, "memory")
+    with pytest.raises(ValueError, match="feature_store='ram': must be one of"):
+        check_store_settings(0, "ram")

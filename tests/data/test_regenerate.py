@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
+from exittrain.data import chat_prompt_ids
 from exittrain.data.regenerate import (
     MIN_SHARED_PREFIX,
     GenerationConfig,
     cache_path,
-    chat_prompt_ids,
     features_file,
     load_features,
     load_top_logprobs,

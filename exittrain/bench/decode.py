@@ -1,0 +1,276 @@
+"""Decoding benchmark on the embedded target: our decoder beside Hugging Face's greedy and prompt lookup.
+
+``python -m exittrain bench decode --drafter PATH [--budgets 16] [--prompts 10] [--skip 16]
+[--new-tokens 96] [--cache on off] [--head-layout auto linear] [--copy-tail 0 8] [--draft-vocab 0 4096]
+[--contexts 100 600]``
+
+Side by side in one run, on the same held-out prompts and the same fp32 target, at temperature 0:
+
+- Hugging Face ``model.generate(do_sample=False)``: plain greedy decoding, the baseline;
+- Hugging Face prompt lookup, ``generate(do_sample=False, prompt_lookup_num_tokens=N)``: a free
+  drafter that copies n-grams of the prompt and the text so far;
+- our :class:`~exittrain.decoding.SpeculativeDecoder` (TEV) at each budget, with the drafter
+  cache on and/or off (``--cache``; off is the full re-read, the reference twin), with the LM
+  head in the layout timed fastest on this host and/or plain ``F.linear`` (``--head-layout auto
+  linear``; :mod:`exittrain.models.row_matmul`; ``linear`` is the reference twin), and with
+  each ``--copy-tail`` length (:mod:`exittrain.core.copy_tail`; 0 is off) and each
+  ``--draft-vocab`` size (:mod:`exittrain.decoding.draft_vocab`, read from the drafter folder's
+  ``draft_vocab.json``; 0 is the whole vocabulary).
+
+The methods take turns prompt by prompt, so a machine whose load drifts slows them alike; the
+ratios (tokens/s over greedy, over prompt lookup) are the figures to compare, not the absolute
+times. Our rows also give tau, the per-round stage times (draft, tree, target, verify, commit;
+``perf_counter`` laps with an accelerator sync) and whether the tokens equal greedy ``generate``'s.
+
+The prompts are the held-out evaluation prompts of ``bench heldout``: the domain's evaluation
+prompts from ``--skip`` on (``fit`` decodes the first ones).
+
+A drafter micro-benchmark then times one round's drafter work at each of ``--contexts`` tokens of
+context (a real text: the evaluation prompts concatenated): the full re-read (project every
+context position, then draft), and the cache (project the ``--round-positions`` positions a round
+commits, then draft over the cached K/V). The drafter's context window, when it has one, bounds
+both. The output names the host: CPU model, ``torch.backends.cpu.get_cpu_capability()`` and
+threads. Writes ``<out>.json`` and ``<out>.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+
+from exittrain import progress as progress_log
+from exittrain.bench.registry import write_results
+from exittrain.decoding import ROUND_PARTS, SpeculativeDecoder
+from exittrain.decoding.draft_vocab import load_draft_vocabulary
+from exittrain.decoding.drafter_context import drafter_context
+from exittrain.models.row_matmul import layout_choices, linear_only
+from exittrain.tables import markdown_table
+
+
+def host() -> dict:
+    """The machine the figures come from: CPU model, torch's CPU capability, threads, torch version."""
+    from exittrain.precision import cpu_model
+
+    return {
+        "cpu_model": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def heldout_prompts(target, domain: str, n: int, skip: int) -> list[list[int]]:
+    """The domain's evaluation prompts ``skip .. skip + n``, chat-templated as in training."""
+    from exittrain.data import ExitTrainDataModule
+
+    data = ExitTrainDataModule(domain, tokenizer=target.tokenizer, progress=False)
+    prompts = data.eval_prompts(skip + n)[skip:]
+    if not prompts:
+        raise ValueError(f"--skip {skip} leaves no {domain} evaluation prompt; lower --skip")
+    return prompts
+
+
+def hf_generate(target, prompt: list[int], new_tokens: int, **extra) -> tuple[list[int], float]:
+    """(new tokens, seconds) of Hugging Face ``generate`` at temperature 0 (``extra``: e.g. prompt lookup)."""
+    ids = torch.tensor([prompt], device=target.device)
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    out = target.model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+        eos_token_id=target.eos_token_ids, pad_token_id=target.eos_token_id or 0, **extra,
+    )
+    sync()
+    return out[0, len(prompt):].tolist(), time.perf_counter() - start
+
+
+def _summary(tokens: list[list[int]], seconds: list[float]) -> dict:
+    count, total = sum(map(len, tokens)), sum(seconds)
+    return {"tokens": count, "seconds": total, "tokens_per_s": count / total}
+
+
+@torch.no_grad()
+def drafter_round_ms(target, drafter, text: list[int], contexts: list[int], round_positions: int,
+                     reps: int = 5) -> list[dict]:
+    """Median ms of one round's drafter work at each context length, full re-read and cached."""
+    layers = list(drafter.config.target_layer_ids)
+    need = max(contexts) + 1
+    if len(text) < need:
+        raise ValueError(f"the micro-benchmark needs a text of {need} tokens, got {len(text)}; lower --contexts")
+    ids = torch.tensor([text[:need]], device=target.device)
+    features = target.prefill(ids, layers=layers).features  # (1, need, F)
+    rows = []
+    for C in contexts:
+        n = min(round_positions, C - 1)
+        root = ids[:, C]
+        timed = {}
+        for cached in (False, True):
+            laps = []
+            for _ in range(reps + 1):  # the first is a warm-up
+                # a context holding C - n positions, then one round: n positions committed, one block drafted
+                context = drafter_context(drafter, features[:, : C - n], ids[:, : C - n], cached=cached)
+                start = time.perf_counter()
+                context.extend(features[:, C - n : C], ids[:, C - n : C])
+                context.draft(root)
+                laps.append(time.perf_counter() - start)
+            timed["cached" if cached else "full"] = 1e3 * statistics.median(laps[1:])
+        rows.append({"context": C, "full_ms": timed["full"], "cached_ms": timed["cached"],
+                     "speedup": timed["full"] / timed["cached"]})
+    return rows
+
+
+def _head_layout(layout: str):
+    """``auto``: head_rows picks the layout; ``linear``: F.linear everywhere (the reference twin)."""
+    return linear_only() if layout == "linear" else contextlib.nullcontext()
+
+
+def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int, new_tokens: int, domain: str,
+        caches: list[bool], lookup_tokens: int = 10, contexts: list[int] | None = None,
+        round_positions: int = 4, head_layouts: list[str] = ("auto",), copy_tails: list[int] = (0,),
+        vocab_sizes: list[int] = (0,)) -> dict:
+    from exittrain.models import load_drafter, load_target, new_drafter
+
+    target = load_target(None)
+    drafter = (load_drafter(drafter_path, target) if drafter_path else new_drafter(target, seed=0)).eval()
+    prompts = heldout_prompts(target, domain, n_prompts, skip)
+    vocabs = {n: load_draft_vocabulary(drafter_path, n, target) for n in vocab_sizes}
+    decoders = {(b, c, h, t, n): SpeculativeDecoder(target, drafter, budget=b, verifier="tev", drafter_cache=c,
+                                                    copy_tail=t, draft_vocab=vocabs[n])
+                for b in budgets for c in caches for h in head_layouts for t in copy_tails for n in vocab_sizes}
+    lookup = {"prompt_lookup_num_tokens": lookup_tokens}
+    # warm-up: one short decode of each kind so lazy initialisation is not timed
+    hf_generate(target, prompts[0], 4)
+    hf_generate(target, prompts[0], 4, **lookup)
+    for (_, _, layout, _, _), decoder in decoders.items():
+        with _head_layout(layout):
+            decoder.generate(prompts[0], 4)
+
+    greedy, plookup = ([], []), ([], [])
+    ours = {key: [] for key in decoders}
+    ticker = progress_log.Ticker("bench decode", len(prompts), unit="prompt", every=1)
+    for done, prompt in enumerate(prompts, 1):  # methods take turns per prompt: a drifting load slows all alike
+        for store, extra in ((greedy, {}), (plookup, lookup)):
+            tokens, seconds = hf_generate(target, prompt, new_tokens, **extra)
+            store[0].append(tokens)
+            store[1].append(seconds)
+        for key, decoder in decoders.items():
+            with _head_layout(key[2]):
+                ours[key].append(decoder.generate(prompt, new_tokens, temperature=0.0))
+        ticker.update(done, greedy_s=f"{sum(greedy[1]):.0f}", lookup_s=f"{sum(plookup[1]):.0f}",
+                      ours_s=" ".join(f"{sum(r.seconds for r in v):.0f}" for v in ours.values()))
+    base, pl = _summary(*greedy), _summary(*plookup)
+    pl["vs_greedy"] = pl["tokens_per_s"] / base["tokens_per_s"]
+    pl["equals_greedy"] = sum(a == b for a, b in zip(plookup[0], greedy[0]))
+    rows = []
+    for (budget, cached, layout, tail, vocab), results in ours.items():
+        rounds = [r for res in results for r in res.rounds]
+        stage = {s: sum(r.times.get(s, 0.0) for r in rounds) for s in ROUND_PARTS}
+        summary = _summary([r.tokens for r in results], [r.seconds for r in results])
+        rows.append({
+            "budget": budget,
+            "drafter_cache": cached,
+            "head_layout": layout,
+            "copy_tail": tail,
+            "draft_vocab": vocab,
+            "nodes_per_round": sum(r.tree_nodes for r in rounds) / len(rounds),
+            "tau": sum(r.block_length for r in rounds) / len(rounds),
+            **summary,
+            "vs_greedy": summary["tokens_per_s"] / base["tokens_per_s"],
+            "vs_prompt_lookup": summary["tokens_per_s"] / pl["tokens_per_s"],
+            "ms_per_round": 1e3 * sum(stage.values()) / len(rounds),
+            "stage_ms_per_round": {s: 1e3 * v / len(rounds) for s, v in stage.items()},
+            "equals_greedy": sum(r.tokens == g for r, g in zip(results, greedy[0])),
+        })
+    text = [t for p in heldout_prompts(target, domain, 64, 0) for t in p]
+    micro = drafter_round_ms(target, drafter, text, contexts or [100, 600], round_positions)
+    return {"host": host(), "domain": domain, "prompts": len(prompts), "skip": skip, "new_tokens": new_tokens,
+            "drafter": drafter_path or "fresh", "context_window": drafter.config.context_window,
+            "lookup_tokens": lookup_tokens, "greedy": base, "prompt_lookup": pl, "rows": rows,
+            "round_positions": round_positions, "drafter_round": micro, "head_layout": layout_choices()}
+
+
+def to_markdown(result: dict) -> str:
+    h, g, pl = result["host"], result["greedy"], result["prompt_lookup"]
+    n = result["prompts"]
+    lines = [
+        f"Host: {h['cpu_model']}, capability {h['cpu_capability']}, {h['threads']} threads, torch {h['torch']}. "
+        f"Target: the embedded SmolLM2-135M-Instruct in fp32. Drafter: {result['drafter']} (context window "
+        f"{result['context_window']}). {n} held-out {result['domain']} prompts (from #{result['skip']}) x "
+        f"{result['new_tokens']} new tokens, T = 0; methods take turns per prompt, so compare the ratios.",
+        "",
+    ]
+    dash = ["-"] * len(ROUND_PARTS)
+    rows = [
+        ["HF greedy generate", "1.00", "-", f"{g['tokens_per_s']:.1f}", "1.00x", "-", f"{n}/{n}", "-", *dash],
+        [f"HF prompt lookup ({result['lookup_tokens']})", "-", "-", f"{pl['tokens_per_s']:.1f}",
+         f"{pl['vs_greedy']:.2f}x", "1.00x", f"{pl['equals_greedy']}/{n}", "-", *dash],
+    ]
+    for r in result["rows"]:
+        rows.append([
+            f"ours B={r['budget']}, drafter cache {'on' if r['drafter_cache'] else 'off'}, "
+            f"head {r.get('head_layout', 'linear')}" + (f", copy tail {r['copy_tail']}" if r.get("copy_tail") else "")
+            + (f", draft vocab {r['draft_vocab']}" if r.get("draft_vocab") else ""),
+            f"{r['tau']:.2f}", f"{r['nodes_per_round']:.1f}" if "nodes_per_round" in r else "-",
+            f"{r['tokens_per_s']:.1f}", f"{r['vs_greedy']:.2f}x", f"{r['vs_prompt_lookup']:.2f}x",
+            f"{r['equals_greedy']}/{n}", f"{r['ms_per_round']:.1f}",
+            *(f"{r['stage_ms_per_round'][s]:.1f}" for s in ROUND_PARTS),
+        ])
+    lines += markdown_table(
+        ["method", "tau", "nodes/round", "tok/s", "vs greedy", "vs prompt lookup", "= greedy", "ms/round",
+         *(f"{s} ms" for s in ROUND_PARTS)], rows,
+    )
+    lines += [
+        "",
+        f"Drafter work of one round ({result['round_positions']} newly committed positions, one block), median ms:",
+        "",
+        *markdown_table(
+            ["context tokens", "full re-read ms", "cached ms", "ratio"],
+            ([r["context"], f"{r['full_ms']:.1f}", f"{r['cached_ms']:.1f}", f"{r['speedup']:.1f}x"]
+             for r in result["drafter_round"]),
+        ),
+    ]
+    if result.get("head_layout"):
+        lines += ["", "LM head layout chosen on this host (row_matmul.head_rows, timed once per row count):", "",
+                  *markdown_table(["rows", "F.linear ms", "W @ x.T ms", "chosen"],
+                                  ([c["rows"], f"{c['linear_ms']:.1f}", f"{c['transposed_ms']:.1f}", c["layout"]]
+                                   for c in result["head_layout"]))]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drafter", default=None, help="saved drafter folder (default: a fresh drafter)")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[16])
+    parser.add_argument("--prompts", type=int, default=10)
+    parser.add_argument("--skip", type=int, default=16, help="evaluation prompts to leave out first (fit decodes them)")
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--domain", default="code", choices=["code", "dialogue", "math"])
+    parser.add_argument("--cache", nargs="+", choices=["on", "off"], default=["on"],
+                        help="decode with the drafter cache on, off (the full re-read), or both")
+    parser.add_argument("--head-layout", nargs="+", choices=["auto", "linear"], default=["auto"],
+                        help="the LM head in the layout timed fastest here (auto), plain F.linear, or both")
+    parser.add_argument("--copy-tail", type=int, nargs="+", default=[0],
+                        help="copy tail lengths to decode with (0: off; SpeculativeDecoder(copy_tail=))")
+    parser.add_argument("--draft-vocab", type=int, nargs="+", default=[0],
+                        help="draft vocabulary sizes (0: every token; else the drafter folder's draft_vocab.json)")
+    parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of the baseline")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[100, 600],
+                        help="context lengths of the drafter micro-benchmark")
+    parser.add_argument("--round-positions", type=int, default=4,
+                        help="positions one round commits in the drafter micro-benchmark")
+    parser.add_argument("--out", default="results/bench_decode")
+    args = parser.parse_args(argv)
+    result = run(args.drafter, args.budgets, args.prompts, args.skip, args.new_tokens, args.domain,
+                 [c == "on" for c in dict.fromkeys(args.cache)], args.lookup_tokens, args.contexts,
+                 args.round_positions, list(dict.fromkeys(args.head_layout)), list(dict.fromkeys(args.copy_tail)),
+                 list(dict.fromkeys(args.draft_vocab)))
+    write_results(args.out, result, to_markdown(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""`python -m exittrain bench {core,decode,train,ablation,memory,regen,heldout,exittrain} [args]`: run one benchmark."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import sys
+from pathlib import Path
+
+from exittrain.host_memory import keep_freed_host_memory
+
+BENCHES = {
+    "core": "exittrain.bench.core",
+    "decode": "exittrain.bench.decode",
+    "train": "exittrain.bench.train",
+    "ablation": "exittrain.bench.ablation",
+    "memory": "exittrain.bench.memory",
+    "regen": "exittrain.bench.regen",
+    "heldout": "exittrain.bench.heldout",
+    "exittrain": "exittrain.bench.exittrain_arms",
+}
+
+
+def write_results(out: str, result: dict, markdown: str) -> None:
+    """Write ``<out>.json`` and ``<out>.md`` (creating the folder) and print the table."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    path.with_suffix(".md").write_text(markdown)
+    print(markdown)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in BENCHES:
+        sys.stderr.write(f"usage: python -m exittrain bench {{{','.join(BENCHES)}}} [--help]\n")
+        raise SystemExit(2)
+    keep_freed_host_memory()  # as fit and eval do: the benchmarks measure the same process settings
+    # progress lines (exittrain.progress.Ticker) and the choices logged on the way go to stderr
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    importlib.import_module(BENCHES[argv[0]]).main(argv[1:])

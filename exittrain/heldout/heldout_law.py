@@ -1,0 +1,142 @@
+"""Expected TEV block length at temperatures, beside the decoded tau of ``fit``'s and ``eval``'s tables.
+
+Decoding at T > 0 gives a tau with sampling noise on top of the prompts' spread (a few prompts of
+64 tokens cannot tell two drafters apart, RESULTS.md). The analytic tau has none: at each anchor it
+is the exact expected block length ``sum_v P(v)`` of one TEV round (docs/algorithm.md sections 4.2 and 6.5;
+:func:`~exittrain.heldout.measures.analytic_block_lengths`). :class:`HeldOutLaw` holds, per
+temperature, the target's answers to the held-out prompts sampled at it and the seeded anchors
+within them, so every drafter of a run (the warm start, the ExitTrain drafter, the served one) is
+measured at the same anchors and their paired difference is valid.
+
+Limits: answers are at most ``max_new_tokens`` long, so the anchors sit early in the answer; a
+drafter with another block size gets its own anchors and no paired difference.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+log = logging.getLogger("exittrain")
+
+__all__ = ["HeldOutLaw", "held_out_law", "check_analytic_settings", "format_differences"]
+
+
+def check_analytic_settings(temperatures: Sequence, anchors_per_answer, key: str = "eval") -> None:
+    """ValueError naming ``{key}.analytic_temperatures`` / ``{key}.analytic_anchors`` when they are bad."""
+    for t in temperatures:
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(
+                f"{key}.analytic_temperatures={list(temperatures)}: each must be a number > 0 (T = 0 is the "
+                f"decoded tau itself); use [] to leave the analytic tau out"
+            )
+    if isinstance(anchors_per_answer, bool) or not isinstance(anchors_per_answer, int) or anchors_per_answer < 1:
+        raise ValueError(f"{key}.analytic_anchors={anchors_per_answer!r} must be an integer >= 1 (anchors per answer)")
+
+
+class HeldOutLaw:
+    """Analytic tau of drafters at ``temperatures`` on the target's answers to ``prompts``.
+
+    ``prompts``: templated token ids (the held-out prompts the table decodes). Answers at T are
+    sampled once, on first use, seeded by ``seed`` and without touching the global RNG (training
+    that follows draws what it would have drawn); anchors: ``anchors_per_answer`` seeded positions
+    per answer and block size.
+    """
+
+    def __init__(self, target, prompts: Sequence[Sequence[int]], temperatures: Sequence[float], *,
+                 anchors_per_answer: int, max_new_tokens: int, seed: int = 0, batch: int = 16,
+                 key: str = "eval") -> None:
+        check_analytic_settings(temperatures, anchors_per_answer, key)
+        if not prompts:
+            raise ValueError(f"{key}.num_prompts: no held-out prompts to sample answers to")
+        self.target, self.prompts = target, [list(p) for p in prompts]
+        self.temperatures = [float(t) for t in temperatures]
+        self.anchors_per_answer, self.max_new_tokens, self.seed, self.batch = (
+            anchors_per_answer, max_new_tokens, seed, batch)
+        self._rows: dict[float, list] = {}  # T -> answer rows
+        self._anchors: dict[tuple[float, int], list[torch.Tensor]] = {}  # (T, K) -> per-row anchors
+
+    def _rows_at(self, temperature: float) -> list:
+        from exittrain.heldout.measures import answer_rows
+
+        if temperature not in self._rows:
+            t0 = time.perf_counter()
+            with torch.random.fork_rng(devices=[]):  # answer_rows seeds the global generator
+                self._rows[temperature] = answer_rows(self.target, self.prompts, [], self.max_new_tokens,
+                                                      self.batch, temperature, self.seed)
+            log.info("analytic tau: %d answers sampled at T=%g (%.0f s)", len(self.prompts), temperature,
+                     time.perf_counter() - t0)
+        return self._rows[temperature]
+
+    def anchors(self, temperature: float, num_draft_tokens: int) -> list[torch.Tensor]:
+        """Per answer at ``temperature``, the sorted (A_r,) anchors of drafters with K = ``num_draft_tokens``."""
+        from exittrain.heldout.measures import heldout_anchors
+
+        key = (temperature, num_draft_tokens)
+        if key not in self._anchors:
+            self._anchors[key] = heldout_anchors(self._rows_at(temperature), num_draft_tokens,
+                                                 self.anchors_per_answer, self.seed)
+        return self._anchors[key]
+
+    @torch.no_grad()
+    def measure(self, drafter, budgets: Sequence[int]) -> dict[tuple[int, float], list[torch.Tensor]]:
+        """``{(budget, T): per-answer (A_r,) expected block lengths}`` of ``drafter``."""
+        from exittrain.heldout.measures import analytic_block_lengths
+
+        K = drafter.config.num_draft_tokens
+        layers = list(drafter.config.target_layer_ids)
+        out = {}
+        for T in self.temperatures:
+            rows, anchors = self._rows_at(T), self.anchors(T, K)
+            for budget in budgets:
+                out[(budget, T)] = analytic_block_lengths(drafter, self.target, rows, layers, anchors, budget, T)
+        return out
+
+    @staticmethod
+    def attach(table: list[dict], measured: dict, reference: dict | None = None,
+               reference_label: str = "warm_start") -> None:
+        """Add ``row["analytic"] = {"T": {tau, ci95, anchors[, vs_<reference_label>]}}`` to every table
+        row of a measured budget; the paired difference against ``reference`` (another drafter's
+        :meth:`measure`) where it was measured at the same anchors."""
+        from exittrain.heldout.measures import paired_difference, summary
+
+        for row in table:
+            for (budget, T), per_row in measured.items():
+                if row["budget"] != budget:
+                    continue
+                stats = summary(per_row)
+                cell = {"tau": stats["mean"], "ci95": stats["ci95"], "anchors": stats["anchors"]}
+                if reference is not None and (budget, T) in reference:
+                    pair = paired_difference(per_row, reference[(budget, T)])
+                    if pair is not None:
+                        cell[f"vs_{reference_label}"] = pair
+                row.setdefault("analytic", {})[f"{T:g}"] = cell
+
+
+def held_out_law(target, prompts: Sequence[Sequence[int]], analytic: tuple[Sequence[float], int], *,
+                 max_new_tokens: int, seed: int) -> HeldOutLaw | None:
+    """The :class:`HeldOutLaw` of ``analytic`` (the checked ``(eval.analytic_temperatures,
+    eval.analytic_anchors)``) on ``prompts``, or None when no temperature is set: the analytic tau
+    beside the decoded tau of ``fit``'s and ``eval``'s tables."""
+    temperatures, anchors = analytic
+    if not temperatures:
+        return None
+    return HeldOutLaw(target, prompts, temperatures, anchors_per_answer=anchors, max_new_tokens=max_new_tokens,
+                      seed=seed)
+
+
+def format_differences(table: list[dict], reference_label: str = "warm_start") -> list[str]:
+    """One line per table row and temperature with a paired difference against ``reference_label``."""
+    from exittrain.tables import paired_cell
+
+    lines = []
+    for row in table:
+        for T, cell in row.get("analytic", {}).items():
+            pair = cell.get(f"vs_{reference_label}")
+            if pair is not None:
+                lines.append(f"{row['label'] or '-'} - {reference_label}, expected tau at B={row['budget']} T={T}: "
+                             f"{paired_cell(pair)} ({cell['anchors']} anchors, paired)")
+    return lines

@@ -1,0 +1,321 @@
+"""Exact expected TEV block lengths of drafters, and the oracle bound, at held-out anchors.
+
+Shape legend: A anchors of one answer, B budget, K drafter horizon, V vocabulary, F feature
+width, H oracle rows held so far, M = min(B, V) candidate children per row.
+
+A *row* is one answered prompt: ``(ids (n,) long, n_prompt, features (n, F))`` from
+:func:`answer_rows`, greedy at T = 0 and sampled from the target at T > 0, so that the anchors
+follow the distribution that decoding at T visits. An *anchor* a is an answer position (the
+last prompt token first): its token is the root, ``ids[:a]`` the committed context.
+
+- :func:`analytic_block_lengths`: the drafter's tree is built exactly as
+  :class:`~exittrain.decoding.SpeculativeDecoder` builds it (``build_tree`` of the raw drafter
+  log-probabilities, fp32 target features of the context), the target scores every row of it
+  (``score_trees(mode="exact")``), and the exit law under the target warped to T
+  (``warp_probs``) gives ``sum_v P(v)``: exactly what one TEV round started at that anchor yields
+  in expectation (docs/algorithm.md sections 4.2 and 6.5).
+- :func:`oracle_block_lengths`: ``sum_v P(v)`` of the tree of the B nodes of highest warped
+  target reach, depth <= K (docs/algorithm.md section 5.2): the bound of every tree of B nodes.
+
+Limits: these are per-round expectations at positions of target samples, not the decoded tau,
+which visits only the positions where rounds start. Each anchor costs one target forward of
+B + 1 rows (the oracle: one per wave, of all rows held so far), so only a fixed-seed subset of
+anchors is scored (:func:`heldout_anchors`), the same for every drafter of one block size. The
+causal pass over a row (its K/V and the drafter's features) runs once for every drafter, budget
+and temperature (a bounded memo of the last 64 rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "answer_rows",
+    "heldout_anchors",
+    "analytic_block_lengths",
+    "drafter_trees",
+    "oracle_block_lengths",
+    "oracle_block_lengths_reference",
+    "paired_difference",
+]
+
+
+def _check_temperature(temperature: float, name: str = "temperature") -> None:
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature >= 0:
+        raise ValueError(f"{name} must be a number >= 0 (0 = greedy), got {temperature!r}")
+
+
+def _check_budget(budget: int) -> None:
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise ValueError(f"budget (--budgets) must be an integer >= 1 (tree nodes), got {budget!r}")
+
+
+def answer_rows(
+    target, prompts: list[list[int]], layers: list[int], max_new_tokens: int, batch: int,
+    temperature: float = 0.0, seed: int = 0, top_p: float | None = None,
+) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+    """The target's answers to templated ``prompts`` with the features of ``layers`` at every position.
+
+    Returns per prompt ``(ids (n,) long, n_prompt, features (n, F) bf16)``. T = 0: greedy, with the
+    target as loaded. T > 0: sampled at that temperature (top-k off, ``top_p`` or 1), batch i of
+    ``batch`` prompts under ``torch.manual_seed(seed + i)`` (as regeneration seeds), so the same
+    call gives the same answers. Answers stop after EOS or ``max_new_tokens`` tokens.
+    """
+    from exittrain.data.regenerate import GenerationConfig, eos_token_ids, generate_batch, padding_token_id
+
+    _check_temperature(temperature)
+    sample = temperature > 0
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, batch_size=batch, do_sample=sample,
+                           temperature=float(temperature) if sample else 1.0, top_p=1.0 if top_p is None else top_p,
+                           seed=seed)
+    model, tok = target.model, target.tokenizer
+    eos, pad = eos_token_ids(model, tok), padding_token_id(tok)
+    rows = []
+    for b, start in enumerate(range(0, len(prompts), batch)):
+        chunk = prompts[start : start + batch]
+        if sample:
+            torch.manual_seed(seed + b)
+        for prompt, answer in zip(chunk, generate_batch(model, tok, chunk, gen, pad, eos, layers)):
+            rows.append((torch.tensor(prompt + answer.response), len(prompt), answer.features))
+    return rows
+
+
+def heldout_anchors(rows, num_draft_tokens: int, per_row: int, seed: int) -> list[torch.Tensor]:
+    """Per row, the sorted (A_r,) anchor positions: ``per_row`` of the positions that have K tokens
+    after them (``n_prompt - 1 <= a < n - K``, those of the greedy measure), drawn without
+    replacement by one generator seeded with ``seed``; all of them when fewer, none (an empty
+    tensor) for an answer shorter than K. They depend on the rows and K only: every drafter of one
+    block size is scored at the same anchors, so paired differences are valid."""
+    if not isinstance(per_row, int) or isinstance(per_row, bool) or per_row < 1:
+        raise ValueError(f"per_row (--analytic-anchors) must be an integer >= 1, got {per_row!r}")
+    K = num_draft_tokens
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for ids, n_prompt, _ in rows:
+        first, stop = n_prompt - 1, ids.shape[0] - K
+        n = max(stop - first, 0)
+        pick = torch.randperm(n, generator=g)[:per_row] if n else torch.zeros(0, dtype=torch.long)
+        out.append(pick.sort().values + first)
+    return out
+
+
+@torch.no_grad()
+def analytic_block_lengths(
+    drafter, target, rows, layers: list[int], anchors: list[torch.Tensor], budget: int, temperature: float,
+    top_k: int | None = None, top_p: float | None = None, *, stored_features: bool = False,
+) -> list[torch.Tensor]:
+    """Per row, the (A_r,) exact expected TEV block length ``sum_v P(v)`` of ``drafter``'s tree at each anchor.
+
+    The drafter sees the fp32 target features of the context, recomputed by one causal target
+    pass (what decoding feeds it); ``stored_features=True`` reads the rows' stored (bf16)
+    features instead, sliced out of ``layers`` (the layers they hold, a superset of the
+    drafter's, in that order). At T = 0 the result is the greedy followed depth + 1 along the
+    target's argmax.
+    """
+    from exittrain.core import warp_probs
+    from exittrain.core.exit_law import exit_law
+
+    _check_temperature(temperature)
+    _check_budget(budget)
+    own = list(drafter.config.target_layer_ids)
+    H = drafter.config.target_hidden_size
+    pick = torch.cat([torch.arange(layers.index(x) * H, (layers.index(x) + 1) * H) for x in own]) if stored_features \
+        else None
+    out = []
+    for (ids, _, features), anchors_A in zip(rows, anchors, strict=True):
+        if anchors_A.numel() == 0:
+            out.append(torch.zeros(0))
+            continue
+        ids_1T, anchors_1A = ids[None].to(target.device), anchors_A[None].to(target.device)
+        tree = drafter_trees(drafter, target, ids, anchors_A, budget,
+                             features[:, pick].float() if stored_features else None)
+        prefix = _row_prefix(target, ids, own)  # the pass that gave the drafter's features gives the K/V
+        scores_ABV = target.score_trees(ids_1T, anchors_1A, tree, mode="exact", prefix=prefix).logits  # (A, B+1, V)
+        law = exit_law(tree, warp_probs(scores_ABV, temperature, top_k, top_p), validate=False)
+        out.append(law.expected_block_length.float().cpu())
+    return out
+
+
+# (target, ids, layers) -> the row's causal pass (SequencePrefix: K/V and fp32 features): every
+# drafter, budget and call on one row reads the same context, and one causal target pass over it
+# costs as much as scoring all its trees. A row's K/V is ~2 x layers x T x KV width floats (12 MB
+# for 250 tokens of SmolLM2): the memo is bounded.
+_PREFIXES: dict[tuple[int, int, tuple[int, ...]], tuple[object, torch.Tensor, object]] = {}
+_PREFIXES_KEPT = 64
+
+
+def _row_prefix(target, ids: torch.Tensor, layers: list[int] | None):
+    """The :class:`~exittrain.models.target_scoring.SequencePrefix` of ``ids[None]`` with the fp32
+    features of ``layers``, computed once per row tensor, target and layers."""
+    key = (id(target), id(ids), tuple(layers or ()))
+    hit = _PREFIXES.get(key)
+    if hit is not None and hit[0] is target and hit[1] is ids:  # the same objects, not a reused id
+        return hit[2]
+    prefix = target.sequence_prefix(ids[None].to(target.device), layers)
+    if prefix.features is not None:
+        prefix.features = prefix.features.float()
+    if len(_PREFIXES) >= _PREFIXES_KEPT:
+        _PREFIXES.pop(next(iter(_PREFIXES)))  # the oldest row
+    _PREFIXES[key] = (target, ids, prefix)  # holding ids and target keeps their ids unique
+    return prefix
+
+
+def _context_features(target, ids: torch.Tensor, layers: list[int]) -> torch.Tensor:
+    """(1, T, F) fp32 target features of ``ids`` at ``layers`` (the row's memoised causal pass)."""
+    return _row_prefix(target, ids, list(layers)).features
+
+
+@torch.no_grad()
+def drafter_trees(drafter, target, ids: torch.Tensor, anchors_A: torch.Tensor, budget: int,
+                  features_TF: torch.Tensor | None = None):
+    """The (A trees) DraftTree the decoder would build for a round rooted at each anchor of ``ids``:
+    ``build_tree(log_softmax(drafter logits), budget)`` with the drafter seeing the target features
+    before the anchor; ``features_TF`` (the drafter's own layers) or, when None, the fp32 features
+    of one causal target pass."""
+    from exittrain.core import build_tree
+
+    ids_1T = ids[None].to(target.device)
+    if features_TF is None:
+        features_1TF = _context_features(target, ids, list(drafter.config.target_layer_ids))
+    else:
+        features_1TF = features_TF[None].to(target.device)
+    logits_AKV = drafter.forward_anchors(features_1TF, ids_1T, anchors_A[None].to(target.device)).float()
+    return build_tree(torch.log_softmax(logits_AKV, -1), budget, validate=False)
+
+
+def _rank(score: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """(A, X) rank of each entry by higher score, then shallower depth (a parent before a child of
+    equal reach, so every top-r set is prefix-closed), then column order."""
+    by_depth = depth.argsort(dim=-1, stable=True)
+    order = by_depth.gather(1, (-score.gather(1, by_depth)).argsort(dim=-1, stable=True))
+    return torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1]).expand_as(order).contiguous())
+
+
+@torch.no_grad()
+def _oracle_row(target, ids: torch.Tensor, anchors_A: torch.Tensor, budget: int, K: int, temperature: float,
+                top_k, top_p) -> torch.Tensor:
+    """(A,) oracle ``sum P`` at the anchors of one sequence, in waves (see :func:`oracle_block_lengths`)."""
+    from exittrain.core import DraftTree, warp_probs
+
+    A = anchors_A.numel()
+    ids_1T, anchors_1A = ids[None].to(target.device), anchors_A[None].to(target.device)
+    M = min(budget, target.vocab_size)
+    neg = torch.tensor(float("-inf"))
+    # held rows (root-first): reach log P, depth; nodes: token, parent, validity
+    logr, dep = torch.zeros(A, 1), torch.zeros(A, 1, dtype=torch.long)
+    tok, par, val = (torch.zeros(A, 1, dtype=torch.long), torch.zeros(A, 1, dtype=torch.long),
+                     torch.zeros(A, 1, dtype=torch.bool))  # one padding column: scores the root alone
+    logr, dep = torch.cat([logr, neg.expand(A, 1)], 1), torch.cat([dep, torch.zeros(A, 1, dtype=torch.long)], 1)
+    cand_lp, cand_tok = torch.full((A, 2, M), float("-inf")), torch.zeros(A, 2, M, dtype=torch.long)
+    new_from = 0  # rows >= new_from (root-first) still need their conditionals
+    prefix = _row_prefix(target, ids, None)  # one causal pass for every wave
+    while True:
+        tree = DraftTree(tokens=tok, parents=par, depths=dep[:, 1:], valid=val, max_depth=K)
+        logits = target.score_trees(ids_1T, anchors_1A, tree, mode="exact", prefix=prefix).logits[:, new_from:].cpu()
+        logp = warp_probs(logits, temperature, top_k, top_p).log()  # (A, rows, V)
+        values, index = logp.topk(M, dim=-1)
+        row_ok = (dep[:, new_from:] < K) & torch.cat([torch.ones(A, 1, dtype=torch.bool), val], 1)[:, new_from:]
+        cand_lp[:, new_from:] = torch.where(row_ok.unsqueeze(-1), values, neg)
+        cand_tok[:, new_from:] = index
+        # the B best of everything known (held nodes and frontier candidates); candidates among
+        # them become nodes. None left: no unknown node can beat the B-th held one (reach does
+        # not grow down a path, and every unknown node descends from a candidate), so done.
+        rows_n = logr.shape[1]
+        cand_score = (logr.unsqueeze(-1) + cand_lp).view(A, -1)  # (A, rows*M)
+        cand_dep = (dep + 1).unsqueeze(-1).expand(A, rows_n, M).reshape(A, -1)
+        score = torch.cat([logr[:, 1:], cand_score], 1)
+        depth = torch.cat([dep[:, 1:], cand_dep], 1)
+        top = (_rank(score, depth) < budget) & (score > float("-inf"))
+        pop = top[:, rows_n - 1 :]  # (A, rows*M)
+        n_pop = pop.sum(1)
+        if int(n_pop.max()) == 0:
+            break
+        W = int(n_pop.max())
+        key = torch.where(pop, torch.arange(pop.shape[1]).expand_as(pop), pop.shape[1])
+        flat = key.sort(dim=1).values[:, :W]  # (A, W) popped candidates, then filler
+        ok = flat < pop.shape[1]
+        flat = flat.clamp_max(pop.shape[1] - 1)
+        parent = flat // M
+        new_tok = cand_tok.view(A, -1).gather(1, flat)
+        new_logr = torch.where(ok, cand_score.gather(1, flat), neg)
+        cand_lp.view(A, -1).scatter_(1, flat, torch.where(ok, neg, cand_lp.view(A, -1).gather(1, flat)))  # taken
+        new_from = rows_n
+        tok = torch.cat([tok, torch.where(ok, new_tok, 0)], 1)
+        par = torch.cat([par, torch.where(ok, parent, 0)], 1)
+        val = torch.cat([val, ok], 1)
+        dep = torch.cat([dep, torch.where(ok, dep.gather(1, parent) + 1, 0)], 1)
+        logr = torch.cat([logr, new_logr], 1)
+        cand_lp = torch.cat([cand_lp, torch.full((A, W, M), float("-inf"))], 1)
+        cand_tok = torch.cat([cand_tok, torch.zeros(A, W, M, dtype=torch.long)], 1)
+    held = logr[:, 1:]
+    k = min(budget, held.shape[1])
+    return 1.0 + held.topk(k, dim=1).values.exp().sum(1)
+
+
+def oracle_block_lengths(
+    target, rows, anchors: list[torch.Tensor], budget: int, max_depth: int, temperature: float,
+    top_k: int | None = None, top_p: float | None = None,
+) -> list[torch.Tensor]:
+    """Per row, the (A_r,) oracle bound ``sum_v P(v)`` at each anchor: the tree of the ``budget``
+    nodes of highest reach under the warped target, depth <= ``max_depth``.
+
+    Exact, in waves: the nodes held so far (prefix-closed, conditionals known) and their
+    candidate children (the M = min(B, V) most likely tokens of each row, reach known) are ranked
+    together; the candidates among the B best become nodes, and one ``score_trees`` call on the
+    grown trees gives their conditionals. It stops when no candidate is among the B best and
+    keeps the B best held nodes. One wave is one target forward over the row's anchors' trees;
+    a row needs at least (oracle tree depth + 1) of them, and holds up to a few times B rows. T = 0: the oracle is
+    the target's greedy chain, ``1 + min(B, K)``, with no forward.
+    :func:`oracle_block_lengths_reference` is the one-node-at-a-time twin.
+    """
+    _check_temperature(temperature)
+    _check_budget(budget)
+    if not isinstance(max_depth, int) or max_depth < 1:
+        raise ValueError(f"max_depth must be an integer >= 1 (the drafter's num_draft_tokens), got {max_depth!r}")
+    out = []
+    for (ids, _, _), anchors_A in zip(rows, anchors, strict=True):
+        if temperature == 0 or anchors_A.numel() == 0:
+            out.append(torch.full((anchors_A.numel(),), 1.0 + min(budget, max_depth)))
+        else:
+            out.append(_oracle_row(target, ids, anchors_A, budget, max_depth, temperature, top_k, top_p))
+    return out
+
+
+def oracle_block_lengths_reference(
+    target, rows, anchors: list[torch.Tensor], budget: int, max_depth: int, temperature: float,
+    top_k: int | None = None, top_p: float | None = None,
+) -> list[torch.Tensor]:
+    """Slow twin of :func:`oracle_block_lengths`: per anchor, the first round of
+    :func:`~exittrain.decoding.oracle_generate` on ``ids[: a + 1]`` (a best-first heap that adds
+    one node per single-token target forward), its analytic ``sum P``."""
+    from exittrain.decoding.oracle import oracle_generate
+
+    out = []
+    for (ids, _, _), anchors_A in zip(rows, anchors, strict=True):
+        per = [oracle_generate(target, ids[: int(a) + 1], budget, 1, temperature, top_k, top_p, seed=0,
+                               max_depth=max_depth)[1][0] for a in anchors_A]
+        out.append(torch.tensor(per, dtype=torch.float32))
+    return out
+
+
+def paired_difference(per_row: list[torch.Tensor], first: list[torch.Tensor]) -> dict | None:
+    """Mean of ``per_row - first`` over all anchors and its 95% interval, bootstrapping prompts;
+    ``None`` when the two drafters were not measured at the same anchors (another block size)."""
+    from exittrain.heldout.decode_eval import bootstrap_ci
+
+    if len(per_row) != len(first) or any(a.shape != b.shape for a, b in zip(per_row, first)):
+        return None
+    diffs = [(a - b).tolist() for a, b in zip(per_row, first) if a.numel()]
+    n = sum(len(d) for d in diffs)
+    low, high = bootstrap_ci(diffs) if diffs else (0.0, 0.0)
+    return {"delta": sum(map(sum, diffs)) / max(n, 1), "ci95": [low, high]}
+
+
+def summary(per_row: list[torch.Tensor]) -> dict:
+    """Mean over all anchors, its 95% interval (bootstrap over prompts) and the anchor count."""
+    from exittrain.heldout.decode_eval import bootstrap_ci
+
+    kept = [r.tolist() for r in per_row if r.numel()]
+    n = sum(len(r) for r in kept)
+    low, high = bootstrap_ci(kept) if kept else (0.0, 0.0)
+    return {"mean": sum(map(sum, kept)) / max(n, 1), "ci95": [low, high], "anchors": n}

@@ -1,0 +1,492 @@
+"""`python -m exittrain report --results`: RESULTS.md, generated from the result JSONs under ``results/``.
+
+The page is a pure function of the files in ``results/`` (nothing is read from the clock or the
+host that renders it), so a test can regenerate it and compare byte for byte. Its header takes the
+commit and the date of the newest result.
+
+Files read, in ``ROOT/results/`` (``--root``, default the current folder, a checkout):
+
+- ``NAME.json``, one per measured run, with the schema ``exittrain.result/1``:
+  ``name`` (the file's stem), ``kind`` (``fit`` or ``ablation``), ``command`` (the exact command,
+  environment variables included), ``commit``, ``date`` (``YYYY-MM-DD``), ``host`` (``cpu_model``,
+  ``cpu_capability``, ``gpu`` or null, ``torch``, ``shared``: whether other jobs shared the
+  machine, and optionally ``emulation``: how an emulated capability was set), optional ``notes`` (a
+  list of strings). A ``fit`` result adds ``recipe``, ``tables`` (rows of ``label``, ``budget``,
+  ``temperature``, ``prompts``, ``new_tokens``, ``tau``, ``ci95``, ``tokens_per_s``,
+  ``ar_tokens_per_s``, ``speedup``, ``lossless``), ``heldout`` (the warm start's
+  validation ``greedy_tau`` and ``analytic_tau``, or null), ``wall_s`` (seconds per stage and
+  ``total``) and ``peak_rss_gb`` (or null). An ``ablation`` result adds ``summary``: the
+  ``summary`` block of ``bench ablation``'s ``ablation.json`` (``overall_tau_vs_control``,
+  ``analytic_vs_control``, ``best_weight_type``, ``goal_met``) and ``goal`` (the ratio asked). An
+  ``experiment`` result adds the ``summary`` of ``bench exittrain``
+  (:mod:`exittrain.report.experiment_page`).
+- ``page.json``: the page's text, free of figures: ``recipes`` (the order of the recipe
+  sections), ``not_measured`` {recipe: notebook file}, ``ablation`` (``command``, ``notebook``,
+  ``verdict``: the line shown while no ablation result exists), ``negatives`` [{``text``,
+  ``see``: [result names or repository paths]}] and ``notebook`` [{``path``, ``title``}].
+  Free text carrying a digit (dates and link targets aside) is refused: every figure on the page
+  must come from a result JSON, linked to it and to its command.
+
+Writing a result: ``python -m exittrain report --results --add RUN_DIR --name NAME --command CMD``
+summarises a ``fit`` run directory (its ``metrics.json``, and ``cli.log`` for the date and the CPU
+capability that ``auto`` logged) into ``results/NAME.json``; ``--add-ablation ABLATION_JSON`` does
+the same for ``bench ablation``, ``--add-experiment EXITTRAIN_JSON`` for ``bench exittrain``. Host
+fields not in the run's files come from the machine that runs the command (``--cpu-model``,
+``--gpu`` override them), so summarise on the host that ran.
+``--check`` renders the page and fails if ``RESULTS.md`` differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from exittrain.report.experiment_page import check_experiment, experiment_lines, read_experiment, summarize_experiment
+
+__all__ = [
+    "SCHEMA", "load_results", "load_page", "render_page", "write_page", "summarize_fit_run",
+    "summarize_ablation", "host_info", "main",
+]
+
+log = logging.getLogger(__name__)
+
+SCHEMA = "exittrain.result/1"
+PAGE = "RESULTS.md"
+KINDS = ("fit", "ablation", "experiment")
+_DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+_LOG_DATE = re.compile(r"^\[(\d{4}-\d{2}-\d{2}) ", re.M)
+_LOG_CAPABILITY = re.compile(r"CPU capability (\w+)")
+_HOST_KEYS = ("cpu_model", "cpu_capability", "gpu", "torch", "shared")
+_ROW_KEYS = ("label", "budget", "temperature", "prompts", "tau", "ci95", "tokens_per_s", "ar_tokens_per_s", "speedup")
+_LABELS = {"warm_start": "warm start (block CE)", "exittrain": "after ExitTrain"}
+_FIT_LEGEND = (
+    "tau: tokens per decoding round on the held-out evaluation prompts, with its bootstrap interval over "
+    "prompts. Held-out tau: the warm start on the validation rows at every anchor, greedy (the block a "
+    "T = 0 verifier accepts, `val/greedy_block_length`) and analytic (the expected block length under the "
+    "target's law, `val/analytic_block_length`). Speedup: tokens/s over the target decoding alone."
+)
+# the stages of a fit run's wall time, in the order they run (metrics.json "timings")
+_STAGES = (
+    ("regeneration_and_setup_s", "regeneration + setup"),
+    ("pretrain_s", "pretrain"),
+    ("eval_warm_start_s", "eval of the warm start"),
+    ("exittrain_s", "ExitTrain"),
+    ("eval_exittrain_s", "eval after ExitTrain"),
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# reading and checking
+
+
+def _need(d: Any, key: str, where: str, types: type | tuple = object) -> Any:
+    if not isinstance(d, dict) or key not in d:
+        raise ValueError(f"{where}: missing key '{key}'; see the schema in exittrain/report/results_page.py")
+    if not isinstance(d[key], types):
+        raise ValueError(f"{where}: '{key}' must be {types}, got {type(d[key]).__name__}")
+    return d[key]
+
+
+def _read(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read {path}: {err}") from err
+
+
+def check_result(res: Any, where: str) -> dict:
+    """Raise ``ValueError`` naming the file and the key where ``res`` breaks the schema; return it."""
+    if _need(res, "schema", where, str) != SCHEMA:
+        raise ValueError(f"{where}: schema '{res['schema']}' is not '{SCHEMA}'")
+    kind = _need(res, "kind", where, str)
+    if kind not in KINDS:
+        raise ValueError(f"{where}: kind '{kind}' is not one of {KINDS}")
+    for key in ("name", "command", "commit"):
+        _need(res, key, where, str)
+    if not _DATE.match(_need(res, "date", where, str)):
+        raise ValueError(f"{where}: date '{res['date']}' is not YYYY-MM-DD")
+    host = _need(res, "host", where, dict)
+    for key in _HOST_KEYS:
+        _need(host, key, f"{where} host")
+    if kind == "fit":
+        _need(res, "recipe", where, str)
+        rows = _need(res, "tables", where, list)
+        if not rows:
+            raise ValueError(f"{where}: 'tables' is empty; a fit result needs its decoded table")
+        for i, row in enumerate(rows):
+            for key in _ROW_KEYS:
+                _need(row, key, f"{where} tables[{i}]")
+        _need(_need(res, "wall_s", where, dict), "total_s", f"{where} wall_s", (int, float))
+        _need(res, "heldout", where, (dict, type(None)))
+    elif kind == "experiment":
+        check_experiment(res, where, _need)
+    else:
+        summary = _need(res, "summary", where, dict)
+        for key in ("overall_tau_vs_control", "best_weight_type", "goal_met"):
+            _need(summary, key, f"{where} summary")
+        _need(res, "goal", where, (int, float))
+    return res
+
+
+def load_results(results_dir: str | Path) -> list[dict]:
+    """Every ``results/*.json`` but ``page.json``, checked, sorted by (date, name).
+
+    The benchmarks write their own outputs into ``results/`` by default (``bench_*.json``,
+    git-ignored): those are no result summaries, and are skipped with a warning that names them.
+    """
+    results_dir = Path(results_dir)
+    out = []
+    for path in sorted(results_dir.glob("*.json")):
+        if path.name == "page.json":
+            continue
+        if path.name.startswith("bench_"):
+            log.warning("%s: a benchmark's output, not a result summary; not on the page (summarise it first)", path)
+            continue
+        res = check_result(_read(path), str(path))
+        if res["name"] != path.stem:
+            raise ValueError(f"{path}: name '{res['name']}' differs from the file name; rename one of them")
+        out.append(res)
+    return sorted(out, key=lambda r: (r["date"], r["name"]))
+
+
+def _no_figures(text: str, where: str) -> str:
+    bare = re.sub(r"\]\([^)]*\)", "]", text)  # link targets may hold digits
+    bare = re.sub(r"\d{4}-\d{2}-\d{2}", "", bare)  # so may dates
+    if re.search(r"(?<![A-Za-z0-9_])\d", bare):  # a number; a name such as AVX2 or bf16 is no figure
+        raise ValueError(f"{where}: free text carries a figure ({text!r}); figures come from result JSONs only")
+    return text
+
+
+def load_page(results_dir: str | Path) -> dict:
+    """``results/page.json``, checked: its free text holds no figure."""
+    where = str(Path(results_dir) / "page.json")
+    page = _read(Path(results_dir) / "page.json")
+    for key in ("recipes", "not_measured", "ablation", "negatives", "notebook"):
+        _need(page, key, where)
+    for key in ("command", "notebook", "verdict"):
+        _need(page["ablation"], key, f"{where} ablation", str)
+    _no_figures(page["ablation"]["verdict"], f"{where} ablation.verdict")
+    for i, neg in enumerate(page["negatives"]):
+        _no_figures(_need(neg, "text", f"{where} negatives[{i}]", str), f"{where} negatives[{i}].text")
+        _need(neg, "see", f"{where} negatives[{i}]", list)
+    for i, entry in enumerate(page["notebook"]):
+        _need(entry, "path", f"{where} notebook[{i}]", str)
+        _no_figures(_need(entry, "title", f"{where} notebook[{i}]", str), f"{where} notebook[{i}].title")
+    return page
+
+
+# ----------------------------------------------------------------------------------------------
+# rendering
+
+
+def _f(x: float | None, fmt: str = "{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _json_link(res: dict) -> str:
+    return f"[{res['name']}](results/{res['name']}.json)"
+
+
+def _cmd_link(res: dict) -> str:
+    return f"[command](#{res['name']})"
+
+
+def _host_text(host: dict) -> str:
+    where = host["gpu"] or f"{host['cpu_model']}, `{host['cpu_capability']}`"
+    if host.get("emulation"):
+        where += f" (emulated: {host['emulation']})"
+    return where + (", shared machine" if host["shared"] else "")
+
+
+def _fit_rows(results: list[dict]) -> list[str]:
+    lines = [
+        "| result | host | drafter | B | T | prompts x tokens | tau (95% CI) | held-out tau: greedy / analytic "
+        "| tokens/s (target alone) | speedup | run wall time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for res in results:
+        held = res["heldout"]
+        for row in res["tables"]:
+            heldout = "-"
+            if held is not None and row["label"] == "warm_start":
+                heldout = f"{_f(held.get('greedy_tau'))} / {_f(held.get('analytic_tau'))}"
+            lo, hi = row["ci95"]
+            lines.append(
+                f"| {_json_link(res)} ({_cmd_link(res)}) | {_host_text(res['host'])} "
+                f"| {_LABELS.get(row['label'], row['label'])} | {row['budget']} | {row['temperature']:g} "
+                f"| {row['prompts']} x {row.get('new_tokens') or '-'} | {row['tau']:.2f} ({lo:.2f}-{hi:.2f}) "
+                f"| {heldout} | {row['tokens_per_s']:.1f} ({row['ar_tokens_per_s']:.1f}) | {row['speedup']:.2f}x "
+                f"| {res['wall_s']['total_s'] / 60:.1f} min |"
+            )
+    return lines
+
+
+def _wall_rows(results: list[dict]) -> list[str]:
+    head = " | ".join(name for _, name in _STAGES)
+    lines = [f"| result | {head} | total | peak RSS |", "|---|" + "---|" * (len(_STAGES) + 2)]
+    for res in results:
+        cells = " | ".join(_f(res["wall_s"].get(key), "{:.0f} s") for key, _ in _STAGES)
+        rss = _f(res.get("peak_rss_gb"), "{:.1f} GB")
+        lines.append(f"| {_json_link(res)} ({_cmd_link(res)}) | {cells} | {res['wall_s']['total_s'] / 60:.1f} min "
+                     f"| {rss} |")
+    return lines
+
+
+def _see(ref: str, names: set[str]) -> str:
+    return f"[{ref}](results/{ref}.json)" if ref in names else f"[{Path(ref).name}]({ref})"
+
+
+def _ablation_lines(results: list[dict], page: dict) -> list[str]:
+    abl = [r for r in results if r["kind"] == "ablation"]
+    spec = page["ablation"]
+    if not abl:
+        return [f"{spec['verdict']} History: [{Path(spec['notebook']).name}]({spec['notebook']}).", "",
+                f"Command: `{spec['command']}`"]
+    lines = []
+    for res in abl:
+        sm = res["summary"]
+        best = sm["best_weight_type"]
+        ratio = sm["overall_tau_vs_control"][best]
+        met = "met" if sm["goal_met"] else "not met"
+        lines += [
+            f"- {res['date']}, {_json_link(res)} ({_cmd_link(res)}): best ExitTrain arm **{best}**, decoded tau "
+            f"{ratio:.3f}x the block-CE control (mean over domains, budgets and temperatures); goal "
+            f"{res['goal']:.2f}x: **{met}**.",
+        ]
+    return lines
+
+
+def render_page(results: list[dict], page: dict) -> str:
+    """The Markdown of RESULTS.md: a pure function of the results and the page text."""
+    names = {r["name"] for r in results}
+    lines = ["# Results", "",
+             "Generated by `python -m exittrain report --results` from the JSON files in [results/](results/); "
+             "do not edit it by hand. Each figure's row links to its JSON and to its exact command. The "
+             "history of every measurement, including those no JSON was kept for, is the "
+             "[notebook](docs/notebook/README.md).", ""]
+    if results:
+        newest = results[-1]
+        torches = sorted({r["host"]["torch"] for r in results})
+        lines += ["| | |", "|---|---|",
+                  f"| commit | `{newest['commit']}` (newest result: {_json_link(newest)}) |",
+                  f"| date | {newest['date']} |",
+                  f"| hosts | {'; '.join(sorted({_host_text(r['host']) for r in results}))} |",
+                  f"| torch | {', '.join(torches)} |", ""]
+        lines += ["## Hosts", "", "| result | CPU | `get_cpu_capability()` | GPU | torch | shared machine |",
+                  "|---|---|---|---|---|---|"]
+        for res in results:
+            h = res["host"]
+            cap = f"`{h['cpu_capability']}`" + (" (emulated)" if h.get("emulation") else "")
+            lines.append(f"| {_json_link(res)} | {h['cpu_model']} | {cap} | {h['gpu'] or '-'} "
+                         f"| {h['torch']} | {'yes' if h['shared'] else 'no'} |")
+        lines.append("")
+    fits = [r for r in results if r["kind"] == "fit"]
+    recipes = list(page["recipes"]) + sorted({r["recipe"] for r in fits} - set(page["recipes"]))
+    for recipe in recipes:
+        mine = [r for r in fits if r["recipe"] == recipe]
+        lines += [f"## Recipe `{recipe}`", ""]
+        if not mine:
+            note = page["not_measured"].get(recipe)
+            lines += ["Not measured at the current defaults: no result in `results/`."
+                      + (f" Earlier runs: [{Path(note).name}]({note})." if note else ""), ""]
+            continue
+        lines += _fit_rows(mine) + ["", _FIT_LEGEND, "", "Wall time by stage:", ""] + _wall_rows(mine) + [""]
+        for res in mine:
+            for note in res.get("notes", []):
+                lines.append(f"- {_json_link(res)}: {note}")
+        lines.append("")
+    lines += ["## The ablation: ExitTrain against the block-CE control", ""] + _ablation_lines(results, page) + [""]
+    experiments = [r for r in results if r["kind"] == "experiment"]
+    if experiments:
+        lines += ["## Does exit-guided training help? ExitTrain arms against matched controls", ""]
+        for res in experiments:
+            lines += experiment_lines(res, _json_link(res), _cmd_link(res))
+    lines += ["## Known negatives", ""]
+    for neg in page["negatives"]:
+        refs = ", ".join(_see(ref, names) for ref in neg["see"])
+        lines.append(f"- {neg['text']}" + (f" ({refs})" if refs else ""))
+    lines += ["", "## Notebook", ""]
+    lines += [f"- [{e['title']}]({e['path']})" for e in page["notebook"]]
+    lines += ["", "## Commands", ""]
+    for res in results:
+        lines += [f"### {res['name']}", "", f"{res['date']}, commit `{res['commit']}`:", "", "```bash",
+                  res["command"], "```", ""]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def write_page(root: str | Path = ".", check: bool = False) -> str:
+    """Render ``ROOT/RESULTS.md`` from ``ROOT/results``; with ``check``, raise instead of writing a change."""
+    root = Path(root)
+    text = render_page(load_results(root / "results"), load_page(root / "results"))
+    target = root / PAGE
+    if check:
+        old = target.read_text(encoding="utf-8") if target.is_file() else ""
+        if old != text:
+            raise SystemExit(f"{target} is not what results/ gives: run `python -m exittrain report --results`")
+    else:
+        target.write_text(text, encoding="utf-8")
+    return text
+
+
+# ----------------------------------------------------------------------------------------------
+# writing results
+
+
+def host_info(cpu_model: str | None = None, gpu: str | None = None) -> dict:
+    """The rendering machine: CPU model (``/proc/cpuinfo``), torch's CPU capability, GPU name, torch."""
+
+    import torch
+
+    if cpu_model is None:
+        from exittrain.precision import cpu_model as read_cpu_model
+
+        cpu_model = read_cpu_model()
+    if gpu is None and torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name(0)
+    return {"cpu_model": cpu_model, "cores": __import__("os").cpu_count(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "gpu": gpu,
+            "torch": torch.__version__.split("+")[0], "shared": False}
+
+
+def _git_commit(root: Path) -> str:
+    try:
+        return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], check=True,
+                              capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError) as err:
+        raise ValueError(f"cannot read the commit of {root} ({err}); pass --commit") from err
+
+
+def summarize_fit_run(run_dir: str | Path, *, name: str, command: str, commit: str, host: dict,
+                      peak_rss_gb: float | None = None, notes: list[str] | None = None) -> dict:
+    """A ``fit`` result from a run directory: its decoded tables, held-out tau and stage times.
+
+    The date is the first log line's (``cli.log``); the CPU capability is the one ``auto`` logged
+    there (the run's own, which an emulation such as ``ATEN_CPU_CAPABILITY=avx2`` changes), else
+    ``host``'s. Only summaries are kept: no weights, no per-prompt rows.
+    """
+    run_dir = Path(run_dir)
+    metrics = _read(run_dir / "metrics.json")
+    where = str(run_dir / "metrics.json")
+    tables = _need(metrics, "tables", where, dict)
+    log = (run_dir / "cli.log").read_text(encoding="utf-8") if (run_dir / "cli.log").is_file() else ""
+    dates = _LOG_DATE.findall(log)
+    if not dates:
+        raise ValueError(f"{run_dir / 'cli.log'}: no dated log line; the run's date cannot be read")
+    host = dict(host)
+    cap = _LOG_CAPABILITY.search(log)
+    if cap:
+        host["cpu_capability"] = cap.group(1)
+    rows = []
+    for label in ("warm_start", "exittrain"):
+        for r in tables.get(label, []):
+            rows.append({k: r[k] for k in (*_ROW_KEYS, "lossless") if k in r} | {"label": label})
+    val = metrics.get("pretrain_metrics", {})
+    heldout = None
+    if "val/greedy_block_length" in val:
+        heldout = {"greedy_tau": val["val/greedy_block_length"], "analytic_tau": val.get("val/analytic_block_length")}
+    new_tokens = _eval_tokens(run_dir)
+    for row in rows:
+        row["new_tokens"] = new_tokens.get(row["label"])
+    res = {"schema": SCHEMA, "kind": "fit", "name": name, "recipe": _need(metrics, "recipe", where, str),
+           "command": command, "commit": commit, "date": dates[0], "host": host,
+           "target": metrics.get("target"), "tables": rows, "heldout": heldout,
+           "wall_s": dict(_need(metrics, "timings", where, dict)), "peak_rss_gb": peak_rss_gb,
+           "notes": list(notes or [])}
+    return check_result(res, f"summary of {run_dir}")
+
+
+def _eval_tokens(run_dir: Path) -> dict[str, int | None]:
+    """New tokens per prompt of each evaluation (``eval_<label>.json``), when all prompts agree."""
+    out = {}
+    for path in run_dir.glob("eval_*.json"):
+        tokens = {r.get("new_tokens") for r in _read(path)}
+        out[path.stem.removeprefix("eval_")] = tokens.pop() if len(tokens) == 1 else None
+    return out
+
+
+def summarize_ablation(ablation_json: str | Path, *, name: str, command: str, commit: str, host: dict,
+                       date: str, goal: float = 1.13) -> dict:
+    """An ``ablation`` result: the settings and the summary block of ``bench ablation``'s JSON."""
+    data = _read(Path(ablation_json))
+    res = {"schema": SCHEMA, "kind": "ablation", "name": name, "command": command, "commit": commit,
+           "date": date, "host": host, "goal": goal,
+           "settings": data.get("settings"), "summary": _need(data, "summary", str(ablation_json), dict)}
+    return check_result(res, f"summary of {ablation_json}")
+
+
+def summarize_experiment_json(path: str | Path, *, name: str, command: str, commit: str, host: dict,
+                              date: str, notes: list[str] | None = None) -> dict:
+    """An ``experiment`` result: the summary of ``bench exittrain``'s ``exittrain.json``. The CPU
+    capability is the run's own (its JSON's ``host``, which an emulation changes), else ``host``'s."""
+    data = read_experiment(path, _read)
+    host = dict(host)
+    own = data.get("host") or {}
+    if own.get("cpu_capability"):
+        host["cpu_capability"] = own["cpu_capability"]
+    res = {"schema": SCHEMA, "kind": "experiment", "name": name, "command": command, "commit": commit,
+           "date": date, "host": host, "summary": summarize_experiment(data), "notes": list(notes or [])}
+    return check_result(res, f"summary of {path}")
+
+
+def _peak_rss_gb(time_log: Path) -> float | None:
+    m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", time_log.read_text(errors="replace"))
+    return None if m is None else int(m.group(1)) / 1e6
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(prog="python -m exittrain report --results", description=__doc__.split("\n")[0])
+    parser.add_argument("--root", default=".", help="the checkout holding results/ and RESULTS.md")
+    parser.add_argument("--check", action="store_true", help="fail if RESULTS.md differs from what results/ gives")
+    parser.add_argument("--add", metavar="RUN_DIR", help="summarise a fit run directory into results/NAME.json")
+    parser.add_argument("--add-ablation", metavar="ABLATION_JSON", help="summarise bench ablation's ablation.json")
+    parser.add_argument("--add-experiment", metavar="EXITTRAIN_JSON", help="summarise bench exittrain's exittrain.json")
+    parser.add_argument("--name", help="the result's name (its file results/NAME.json)")
+    parser.add_argument("--command", help="the exact command that produced the run, environment variables included")
+    parser.add_argument("--commit", help="the commit the run measured (default: the checkout's HEAD)")
+    parser.add_argument("--date", help="YYYY-MM-DD, for --add-ablation (a fit run's date comes from its cli.log)")
+    parser.add_argument("--cpu-model", help="the CPU model, when summarising on another machine")
+    parser.add_argument("--gpu", help="the GPU name, when summarising on another machine")
+    parser.add_argument("--shared", action="store_true", help="other jobs shared the machine during the run")
+    parser.add_argument("--emulation", help="how the run's CPU capability was emulated (variables, real CPU)")
+    parser.add_argument("--time-log", help="a `/usr/bin/time -v` log of the run, for its peak RSS")
+    parser.add_argument("--note", action="append", default=[], help="a line of context (no figures), repeatable")
+    args = parser.parse_args(argv)
+    root = Path(args.root)
+    if args.add or args.add_ablation or args.add_experiment:
+        if not (args.name and args.command):
+            parser.error("--add, --add-ablation and --add-experiment need --name and --command")
+        host = host_info(args.cpu_model, args.gpu) | {"shared": args.shared}
+        if args.emulation:
+            host["emulation"] = args.emulation
+        commit = args.commit or _git_commit(root)
+        if args.add:
+            rss = _peak_rss_gb(Path(args.time_log)) if args.time_log else None
+            res = summarize_fit_run(args.add, name=args.name, command=args.command, commit=commit, host=host,
+                                    peak_rss_gb=rss, notes=args.note)
+        elif args.add_experiment:
+            if not args.date:
+                parser.error("--add-experiment needs --date")
+            res = summarize_experiment_json(args.add_experiment, name=args.name, command=args.command,
+                                            commit=commit, host=host, date=args.date, notes=args.note)
+        else:
+            if not args.date:
+                parser.error("--add-ablation needs --date")
+            res = summarize_ablation(args.add_ablation, name=args.name, command=args.command, commit=commit,
+                                     host=host, date=args.date)
+        out = root / "results" / f"{args.name}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        print(f"wrote {out}")
+    text = write_page(root, check=args.check)
+    print(f"{root / PAGE}: {'up to date' if args.check else 'written'} ({len(text.splitlines())} lines)")
+    return text
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,288 @@
+"""Every up-front check of a composed ``fit`` or ``eval`` config, before anything heavy loads.
+
+A bad setting must fail in seconds, naming its key and the fix, and not after the regeneration
+and the first stage (minutes here, hours on a GPU run). :func:`check_fit_config` and
+:func:`check_eval_config` read every setting the run reads later and return what the run needs:
+
+- the stage plan (:func:`plan_stages`): which stages run, from a ``warm_start`` or a ``ckpt_path``;
+- every stage's module arguments (``objective.*`` with ``stages.<stage>.*``, :func:`check_objective`);
+- the held-out table (``eval.*``, :func:`eval_settings`) and its analytic tau
+  (``eval.analytic_*``, :func:`analytic_settings`);
+- the callbacks (``callbacks.*``, :func:`check_callbacks`): each one built once with stand-in
+  run-time arguments, so its own constructor checks its values;
+- the data (``data.*``, :func:`check_data`): the DataModule's own argument check, without a
+  tokenizer;
+- the drafter folder of ``eval`` (:func:`require_drafter_folder`).
+
+Nothing here loads a model, a tokenizer or data.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from exittrain.core import VERIFIERS
+from exittrain.data.prompt_plan import PromptPlan
+from exittrain.data.split import check_loader_settings
+from exittrain.heldout.heldout_law import check_analytic_settings
+from exittrain.lit.module import check_module_args
+from exittrain.objective import STAGES
+from exittrain.safe_io import load_checkpoint
+
+__all__ = [
+    "STAGE_KEYS",
+    "FitSettings",
+    "EvalSettings",
+    "check_fit_config",
+    "check_eval_config",
+    "plan_stages",
+    "module_overrides",
+    "stage_module_args",
+    "check_objective",
+    "eval_settings",
+    "analytic_settings",
+    "check_callbacks",
+    "check_data",
+    "require_drafter_folder",
+]
+
+# keys of stages.<stage> that configure the stage itself; every other key overrides the objective
+STAGE_KEYS = ("max_steps", "eval_every")
+# what to do about a ckpt_path that cannot be resumed from (exittrain.safe_io adds the file and the cause)
+CKPT_FIX = (
+    "point ckpt_path at another checkpoint written by exittrain (RUN_DIR/checkpoints/<stage>/last.ckpt of an "
+    "earlier run), or leave ckpt_path unset to re-run the stage from its start"
+)
+
+
+@dataclass(frozen=True)
+class FitSettings:
+    """What :func:`check_fit_config` found: the stages to run, the keyword arguments of
+    :func:`~exittrain.heldout.decode_eval.evaluate_prompts`, and ``(analytic temperatures, anchors)``."""
+
+    stages: list[str]
+    eval: dict
+    analytic: tuple[list[float], int]
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What :func:`check_eval_config` found: the drafter folder, the decoding settings and the analytic ones."""
+
+    drafter_path: Path
+    eval: dict
+    analytic: tuple[list[float], int]
+
+
+def check_fit_config(cfg: DictConfig) -> FitSettings:
+    """Check every setting ``fit`` reads (ValueError naming the key); returns the plan."""
+    stages = plan_stages(cfg)
+    settings = eval_settings(cfg)
+    analytic = analytic_settings(cfg)
+    check_objective(cfg, stages)
+    check_callbacks(cfg)
+    check_data(cfg)
+    _check_int(cfg.data_wait_s, "data_wait_s", 0, "seconds ranks > 0 wait for rank 0's data", number=True)
+    return FitSettings(stages=stages, eval=settings, analytic=analytic)
+
+
+def check_eval_config(cfg: DictConfig) -> EvalSettings:
+    """Check every setting ``eval`` reads, the drafter folder first (ValueError naming the key)."""
+    path = Path(str(cfg.drafter_path))
+    require_drafter_folder("drafter", str(path), "pass drafter=RUN_DIR/drafter of a fit run")
+    settings = eval_settings(cfg)
+    analytic = analytic_settings(cfg)
+    check_data(cfg)
+    return EvalSettings(drafter_path=path, eval=settings, analytic=analytic)
+
+
+def _check_int(value: Any, key: str, low: int, what: str, *, number: bool = False) -> None:
+    """ValueError ``key=value: need ...`` unless ``value`` is an int (a finite number with ``number``) >= ``low``."""
+    kinds = (int, float) if number else (int,)
+    ok = isinstance(value, kinds) and not isinstance(value, bool) and math.isfinite(value) and value >= low
+    if not ok:
+        raise ValueError(f"{key}={value!r}: need {'a number' if number else 'an integer'} >= {low} ({what})")
+
+
+# ----------------------------------------------------------------------------------------------
+# the stage plan
+
+
+def _check_stage_settings(cfg: DictConfig) -> None:
+    unknown = set(cfg.stages) - set(STAGES)
+    if unknown:
+        raise ValueError(f"stages has unknown entries {sorted(unknown)}; use {list(STAGES)}")
+    for name in STAGES:
+        steps = cfg.stages[name].max_steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+            raise ValueError(f"stages.{name}.max_steps={steps!r} must be an integer >= 0")
+        every = cfg.stages[name].get("eval_every")
+        if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 0):
+            raise ValueError(
+                f"stages.{name}.eval_every={every!r}: need an int >= 0 (a decode check and a checkpoint every N "
+                "steps; 0 = one decode check at the stage's end and no periodic checkpoint) or null (the "
+                "callbacks' own settings)"
+            )
+
+
+def _resumed_stage(ckpt_path: str) -> str:
+    """The stage recorded in a checkpoint; the whole file is read here, so a bad file fails now, in
+    our words, and not in Lightning's own load after the target and the data are ready."""
+    saved = load_checkpoint(ckpt_path, what="ckpt_path checkpoint", fix=CKPT_FIX).get("hyper_parameters", {})
+    stage = saved.get("stage")
+    if stage not in STAGES:
+        raise ValueError(f"ckpt_path={ckpt_path} records no known stage (got {stage!r})")
+    return stage
+
+
+def plan_stages(cfg: DictConfig) -> list[str]:
+    """The stages to run, in order: those with ``max_steps > 0``, without ``pretrain`` when a
+    ``warm_start`` is given, and from the stage a ``ckpt_path`` recorded on."""
+    _check_stage_settings(cfg)
+    stages = [s for s in STAGES if cfg.stages[s].max_steps > 0]
+    if cfg.warm_start is not None:
+        _check_warm_start(str(cfg.warm_start))
+        if "pretrain" in stages:
+            stages.remove("pretrain")
+    if cfg.ckpt_path is not None:
+        first = STAGES.index(_resumed_stage(cfg.ckpt_path))
+        stages = [s for s in stages if STAGES.index(s) >= first]
+    return stages
+
+
+def require_drafter_folder(key: str, value: str, fix: str) -> None:
+    """ValueError ``<key>=<value> <fault>: <fix>`` unless ``value`` is a saved drafter folder (has a config.json)."""
+    path = Path(value).expanduser()
+    if not (path / "config.json").is_file():
+        what = "does not exist" if not path.exists() else "is not a saved drafter folder (no config.json in it)"
+        raise ValueError(f"{key}={value} {what}: {fix}")
+
+
+def _check_warm_start(warm_start: str) -> None:
+    """A local ``warm_start`` must be a saved drafter folder (checked before the target loads).
+
+    A hub id (``org/name``, not a local path) is left to the loader."""
+    path = Path(warm_start).expanduser()
+    local = path.exists() or path.is_absolute() or warm_start.startswith((".", "~")) or warm_start.count("/") != 1
+    if local:
+        require_drafter_folder(
+            "warm_start", warm_start, "pass RUN_DIR/warmstart_drafter or RUN_DIR/drafter of an earlier fit run"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# the objective of each stage
+
+
+def module_overrides(cfg: DictConfig, stage: str) -> dict:
+    """``stages.<stage>`` minus the keys of the stage itself: what overrides the objective there."""
+    return {k: v for k, v in cfg.stages[stage].items() if k not in STAGE_KEYS}
+
+
+def stage_module_args(cfg: DictConfig, stage: str) -> dict:
+    """The module arguments of ``stage`` as set in the config: ``objective.*`` with the stage's overrides."""
+    objective = OmegaConf.to_container(cfg.objective, resolve=True)
+    base = {k: v for k, v in objective.items() if not k.startswith("_")}  # drop _target_ / _partial_
+    return {**base, **module_overrides(cfg, stage), "stage": stage}
+
+
+def check_objective(cfg: DictConfig, stages: list[str]) -> None:
+    """Validate the module arguments of every stage to run (``objective`` plus ``stages.<stage>``).
+
+    The module of a later stage is built only after the earlier stages trained, so without this
+    check a bad ``objective.alpha`` would fail minutes into a run.
+    """
+    for stage in stages:
+        try:
+            check_module_args(**stage_module_args(cfg, stage))
+        except ValueError as e:
+            raise ValueError(f"stage {stage!r} (objective.* with stages.{stage}.* overrides): {e}") from e
+
+
+# ----------------------------------------------------------------------------------------------
+# the held-out table
+
+
+def eval_settings(cfg: DictConfig) -> dict:
+    """The keyword arguments of :func:`~exittrain.heldout.decode_eval.evaluate_prompts` from
+    ``cfg.eval``, every value checked (ValueError naming ``eval.<key>``)."""
+    e = cfg.eval
+    _check_int(e.num_prompts, "eval.num_prompts", 1, "held-out prompts to decode")
+    _check_int(e.max_new_tokens, "eval.max_new_tokens", 1, "tokens decoded per prompt")
+    budgets, temperatures = list(e.budgets), list(e.temperatures)
+    if not budgets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budgets):
+        raise ValueError(f"eval.budgets={budgets}: need a non-empty list of integers >= 1 (draft nodes per round)")
+    if not temperatures or any(
+        isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0 for t in temperatures
+    ):
+        raise ValueError(f"eval.temperatures={temperatures}: need a non-empty list of numbers >= 0 (0 = greedy)")
+    if e.verifier not in VERIFIERS:
+        raise ValueError(f"eval.verifier={e.verifier!r}: use one of {sorted(VERIFIERS)}")
+    for key in ("baseline", "oracle"):
+        if not isinstance(e[key], bool):
+            raise ValueError(f"eval.{key}={e[key]!r}: need true or false")
+    return dict(
+        budgets=budgets,
+        temperatures=[float(t) for t in temperatures],
+        max_new_tokens=int(e.max_new_tokens),
+        verifier=e.verifier,
+        baseline=bool(e.baseline),
+        oracle=bool(e.oracle),
+        seed=int(cfg.seed),
+    )
+
+
+def analytic_settings(cfg: DictConfig) -> tuple[list[float], int]:
+    """``(eval.analytic_temperatures, eval.analytic_anchors)``, checked (ValueError naming the key)."""
+    temperatures = list(cfg.eval.get("analytic_temperatures") or [])
+    anchors = cfg.eval.get("analytic_anchors", 16)
+    check_analytic_settings(temperatures, anchors)
+    return temperatures, anchors
+
+
+# ----------------------------------------------------------------------------------------------
+# callbacks and data
+
+
+def check_callbacks(cfg: DictConfig) -> None:
+    """Build every ``callbacks.*`` node once, with stand-in run-time arguments, so that each
+    constructor checks its own values now (ValueError naming ``callbacks.<name>``)."""
+    for name, node in cfg.callbacks.items():
+        if node is None:
+            continue
+        node = OmegaConf.to_container(node, resolve=True)
+        try:
+            if name == "decode_eval":
+                _check_int(node.pop("num_prompts"), "num_prompts", 1, "held-out prompts of the decode check")
+                if node.get("verifier", "tev") not in VERIFIERS:
+                    raise ValueError(f"verifier={node['verifier']!r}: use one of {sorted(VERIFIERS)}")
+                instantiate(node)(prompts=list)  # prompts: a function, called only once training runs
+            else:
+                instantiate(node)
+        except ValueError as e:
+            raise ValueError(f"callbacks.{name}: {e}") from e
+        except Exception as e:  # a missing class, an unknown argument: Hydra's own error, with the key
+            raise ValueError(f"callbacks.{name} cannot be built ({type(e).__name__}: {e}); fix or remove it") from e
+
+
+def check_data(cfg: DictConfig) -> None:
+    """``data.*`` checked as the DataModule will read it (no tokenizer, no target, no prompts read):
+    unknown keys, the prompt sample, the generation settings and the loader's sizes."""
+    # cache_dir is left out: a path, nothing to check, and it may name Hydra's run-time folders,
+    # which a config composed outside a Hydra run cannot resolve
+    data = {}
+    for key in cfg.data:
+        if key != "cache_dir":
+            value = cfg.data[key]  # resolved in place: its interpolations see the whole config
+            data[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    try:
+        PromptPlan.from_data_args(data)
+        check_loader_settings(**{k: data[k] for k in ("max_length", "batch_size", "val_fraction") if k in data})
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"data: {e}") from e

@@ -1,0 +1,80 @@
+"""The decoding benchmark's pieces on a tiny target: the Hugging Face baselines, the drafter
+micro-benchmark, the host line and the table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exittrain.bench import decode as bench_decode
+from exittrain.bench.registry import BENCHES
+from exittrain.decoding import ROUND_PARTS
+from exittrain.models import new_drafter
+from tests.models.helpers import tiny_target
+
+PROMPT = [5, 17, 33, 2, 40, 41, 9, 12, 5, 17, 33]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("llama", seed=3)
+
+
+def test_decode_bench_is_registered():
+    assert BENCHES["decode"] == "exittrain.bench.decode"
+
+
+def test_prompt_lookup_baseline_decodes_greedy_tokens(target, monkeypatch):
+    monkeypatch.setattr(target, "eos_token_ids", [])
+    greedy, seconds = bench_decode.hf_generate(target, PROMPT, 20)
+    lookup, _ = bench_decode.hf_generate(target, PROMPT, 20, prompt_lookup_num_tokens=4)
+    assert len(greedy) == 20 and seconds > 0
+    assert lookup == greedy
+    with torch.no_grad():  # greedy's first token is the target's argmax after the prompt
+        assert greedy[0] == int(target.model(input_ids=torch.tensor([PROMPT])).logits[0, -1].argmax())
+
+
+def test_drafter_round_times_both_paths_at_each_context(target):
+    drafter = new_drafter(target, block_size=4, num_layers=1, hidden_size=32, seed=0, context_window=16).eval()
+    text = list(range(2, 50))
+    rows = bench_decode.drafter_round_ms(target, drafter, text, [10, 30], round_positions=3, reps=2)
+    assert [r["context"] for r in rows] == [10, 30]
+    assert all(r["full_ms"] > 0 and r["cached_ms"] > 0 for r in rows)
+    with pytest.raises(ValueError, match="contexts"):
+        bench_decode.drafter_round_ms(target, drafter, text[:20], [30], round_positions=3)
+
+
+def test_host_names_the_cpu_and_its_capability():
+    h = bench_decode.host()
+    assert h["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert h["cpu_model"] and h["threads"] == torch.get_num_threads()
+
+
+def test_markdown_has_the_baselines_our_rows_and_the_drafter_rounds():
+    stage = {s: float(i) for i, s in enumerate(ROUND_PARTS)}
+    result = {
+        "host": {"cpu_model": "Some CPU", "cpu_capability": "AVX2", "threads": 2, "torch": "2.13.0"},
+        "domain": "code", "prompts": 2, "skip": 8, "new_tokens": 16, "drafter": "d", "context_window": 512,
+        "lookup_tokens": 10, "round_positions": 4,
+        "greedy": {"tokens_per_s": 10.0},
+        "prompt_lookup": {"tokens_per_s": 15.0, "vs_greedy": 1.5, "equals_greedy": 2},
+        "rows": [{"budget": 8, "drafter_cache": True, "head_layout": "auto", "tau": 3.0, "tokens_per_s": 18.0,
+                  "vs_greedy": 1.8, "vs_prompt_lookup": 1.2, "equals_greedy": 2, "ms_per_round": 10.0,
+                  "stage_ms_per_round": stage, "copy_tail": 0, "nodes_per_round": 8.0},
+                 {"budget": 4, "drafter_cache": True, "head_layout": "auto", "tau": 3.5, "tokens_per_s": 19.0,
+                  "vs_greedy": 1.9, "vs_prompt_lookup": 1.27, "equals_greedy": 2, "ms_per_round": 11.0,
+                  "stage_ms_per_round": stage, "copy_tail": 8, "draft_vocab": 4096, "nodes_per_round": 6.5}],
+        "drafter_round": [{"context": 100, "full_ms": 20.0, "cached_ms": 5.0, "speedup": 4.0}],
+        "head_layout": [{"rows": 7, "weight": [100, 8], "dtype": "float32", "threads": 2, "layout": "W @ x.T",
+                         "linear_ms": 35.0, "transposed_ms": 9.0}],
+    }
+    md = bench_decode.to_markdown(result)
+    assert "Some CPU, capability AVX2, 2 threads" in md
+    assert "| HF prompt lookup (10) | - | - | 15.0 | 1.50x | 1.00x | 2/2 |" in md
+    ours = ("| ours B=8, drafter cache on, head auto | 3.00 | 8.0 | 18.0 | 1.80x | 1.20x | 2/2 | 10.0 | 0.0 | 1.0 "
+            "| 2.0 | 3.0 | 4.0 |")
+    assert ours in md
+    tail = "| ours B=4, drafter cache on, head auto, copy tail 8, draft vocab 4096 | 3.50 | 6.5 | 19.0 | 1.90x |"
+    assert tail in md
+    assert "| 100 | 20.0 | 5.0 | 4.0x |" in md
+    assert "| 7 | 35.0 | 9.0 | W @ x.T |" in md

@@ -1,0 +1,150 @@
+"""Held-out exit-law measures on a tiny target and drafter: the analytic tau against Monte-Carlo TEV
+decoding, its T -> 0 limit against the greedy block length, the wave oracle against the
+one-node-at-a-time oracle, the shared anchors and the argument checks."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from exittrain.bench import heldout as bench_heldout
+from exittrain.decoding import SpeculativeDecoder
+from exittrain.heldout import measures as hl
+from exittrain.models import new_drafter
+from tests.models.helpers import tiny_target
+
+K = 3  # block size 4
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13], [14, 15, 16]]
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_target("llama")
+    target.tokenizer = SimpleNamespace(eos_token_id=1, pad_token_id=0)  # all generation reads of it
+    drafter = new_drafter(target, block_size=K + 1, num_layers=1, layer_ids=[2], seed=0).eval()
+    return target, drafter
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_analytic_tau_is_the_mean_first_round_block_length_of_tev_decoding(models, temperature):
+    target, drafter = models
+    budget, seeds = 24, 600
+    prompt = torch.tensor([5, 6, 7, 8, 9, 10])
+    rows, anchors = [(prompt, len(prompt), None)], [torch.tensor([len(prompt) - 1])]  # root: the last prompt token
+    analytic = float(hl.analytic_block_lengths(drafter, target, rows, [2], anchors, budget, temperature)[0][0])
+    decoder = SpeculativeDecoder(target, drafter, budget, verifier="tev")
+    trees, build = [], decoder._tree
+    decoder._tree = lambda *args: trees.append(build(*args)) or trees[-1]
+    lengths = torch.tensor([
+        float(decoder.generate(prompt, max_new_tokens=1, temperature=temperature, seed=s).rounds[0].block_length)
+        for s in range(seeds)
+    ])
+    # the decoder's first tree is the held-out code's tree at that anchor
+    assert torch.equal(trees[0].tokens, hl.drafter_trees(drafter, target, prompt, anchors[0], budget).tokens)
+    assert torch.equal(trees[0].parents, hl.drafter_trees(drafter, target, prompt, anchors[0], budget).parents)
+    se = float(lengths.std()) / seeds**0.5
+    assert analytic > 1.3  # the tree carries real mass, so a wrong tree or law would show
+    assert abs(float(lengths.mean()) - analytic) < 3 * se
+
+
+def test_analytic_tau_tends_to_the_greedy_block_length_at_zero_temperature(models):
+    target, drafter = models
+    rows = bench_heldout.answer_with_features(target, PROMPTS, [0, 2], max_new_tokens=10, batch=3)
+    anchors = hl.heldout_anchors(rows, K, per_row=5, seed=1)
+    greedy, _ = bench_heldout.greedy_block_lengths(drafter, rows, [0, 2], budget=6)  # every anchor, in order
+    want = [g[a - (n_prompt - 1)] for g, a, (_, n_prompt, _) in zip(greedy, anchors, rows)]
+    for temperature, atol in ((0.0, 0.0), (1e-3, 1e-3)):
+        got = hl.analytic_block_lengths(drafter, target, rows, [0, 2], anchors, 6, temperature, stored_features=True)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=atol, rtol=0.0)
+    assert any(float(w.max()) > 1 for w in want)  # some anchor accepts a draft token: the test can fail
+
+
+def test_anchors_are_seeded_shared_and_inside_the_answers(models):
+    target, drafter = models
+    rows = hl.answer_rows(target, PROMPTS, [2], max_new_tokens=12, batch=2, temperature=1.0, seed=3)
+    again = hl.answer_rows(target, PROMPTS, [2], max_new_tokens=12, batch=2, temperature=1.0, seed=3)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(rows, again))  # seeded sampling
+    greedy = hl.answer_rows(target, PROMPTS, [2], max_new_tokens=12, batch=2)
+    assert any(not torch.equal(a[0], g[0]) for a, g in zip(rows, greedy))
+    anchors = hl.heldout_anchors(rows, K, per_row=4, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(anchors, hl.heldout_anchors(rows, K, per_row=4, seed=0)))
+    assert any(not torch.equal(a, b) for a, b in zip(anchors, hl.heldout_anchors(rows, K, per_row=4, seed=1)))
+    for (ids, n_prompt, _), a in zip(rows, anchors):
+        n = max(ids.shape[0] - K - (n_prompt - 1), 0)
+        assert a.numel() == min(4, n) and torch.equal(a, a.sort().values) and a.unique().numel() == a.numel()
+        assert a.numel() == 0 or (a.min() >= n_prompt - 1 and a.max() < ids.shape[0] - K)
+    # two drafters at the same anchors: a paired difference exists, and is 0 against itself
+    other = new_drafter(target, block_size=K + 1, num_layers=1, layer_ids=[2], seed=1).eval()
+    mine = hl.analytic_block_lengths(drafter, target, rows, [2], anchors, 6, 1.0)
+    theirs = hl.analytic_block_lengths(other, target, rows, [2], anchors, 6, 1.0)
+    assert [m.shape for m in mine] == [a.shape for a in anchors]
+    assert hl.paired_difference(mine, mine) == {"delta": 0.0, "ci95": [0.0, 0.0]}
+    pair = hl.paired_difference(theirs, mine)
+    mean = float(torch.cat(theirs).mean() - torch.cat(mine).mean())
+    assert pair["delta"] == pytest.approx(mean, abs=1e-6) and pair["delta"] != 0.0
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, None), (0.6, None), (1.0, 5)])
+def test_wave_oracle_equals_the_one_node_at_a_time_oracle_and_bounds_the_drafter(models, temperature, top_k):
+    target, drafter = models
+    rows = hl.answer_rows(target, PROMPTS[:2], [2], max_new_tokens=10, batch=2, temperature=temperature, seed=0)
+    anchors = hl.heldout_anchors(rows, K, per_row=3, seed=0)
+    budget = 7
+    fast = hl.oracle_block_lengths(target, rows, anchors, budget, K, temperature, top_k=top_k)
+    slow = hl.oracle_block_lengths_reference(target, rows, anchors, budget, K, temperature, top_k=top_k)
+    for f, s in zip(fast, slow):
+        torch.testing.assert_close(f, s, atol=1e-4, rtol=0.0)
+    drafted = hl.analytic_block_lengths(drafter, target, rows, [2], anchors, budget, temperature, top_k=top_k)
+    assert all(bool((f >= d - 1e-5).all()) for f, d in zip(fast, drafted))
+    assert all(bool((f > 1.0).all() and (f <= 1 + budget).all()) for f in fast)
+    chain = hl.oracle_block_lengths(target, rows, anchors, budget, K, 0.0)
+    assert all(bool((c == 1.0 + K).all()) for c in chain)  # T = 0: the greedy chain, depth K
+
+
+def test_bad_arguments_name_the_option(models):
+    target, drafter = models
+    rows = [(torch.tensor([5, 6, 7, 8, 9, 10]), 2, None)]
+    with pytest.raises(ValueError, match="--analytic-anchors"):
+        hl.heldout_anchors(rows, K, per_row=0, seed=0)
+    with pytest.raises(ValueError, match="temperature"):
+        hl.analytic_block_lengths(drafter, target, rows, [2], [torch.tensor([2])], 4, -0.5)
+    with pytest.raises(ValueError, match="temperature"):
+        hl.answer_rows(target, PROMPTS, [2], 4, 2, temperature=-1.0)
+    with pytest.raises(ValueError, match="--budgets"):
+        hl.oracle_block_lengths(target, rows, [torch.tensor([2])], 0, K, 1.0)
+    for kwargs, option in (({"budgets": []}, "--budgets"), ({"temperatures": [0.6, -1.0]}, "--temperatures"),
+                           ({"analytic_anchors": 0}, "--analytic-anchors")):
+        with pytest.raises(ValueError, match=option):  # checked before any model is loaded
+            bench_heldout.run(["unused"], prompts=1, skip=0, max_new_tokens=4, **kwargs)
+
+
+def test_the_rows_causal_pass_runs_once_and_equals_a_fresh_one(models, monkeypatch):
+    """One causal pass per row gives the drafter's features and the K/V of every later scoring:
+    a second budget, temperature or the oracle on the same row runs none, and the scores equal
+    those of score_trees' own pass."""
+    target, drafter = models
+    ids = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12])
+    rows, anchors = [(ids, 3, None)], [torch.tensor([2, 4])]
+    calls, real = [], target.sequence_prefix
+    monkeypatch.setattr(target, "sequence_prefix", lambda *a, **k: calls.append(k or a[1:]) or real(*a, **k))
+    first = hl.analytic_block_lengths(drafter, target, rows, [2], anchors, 4, 1.0)
+    again = hl.analytic_block_lengths(drafter, target, rows, [2], anchors, 8, 0.6)
+    assert len(calls) == 1, "a second budget or temperature on the same row re-ran the target"
+    hl.oracle_block_lengths(target, rows, anchors, 4, K, 1.0)
+    hl.oracle_block_lengths(target, rows, anchors, 4, K, 0.6)
+    assert len(calls) == 2, "the oracle's waves ran a causal pass each"  # its own, without features
+    fresh = hl._context_features(target, ids.clone(), [2])  # another tensor: computed anew
+    assert len(calls) == 3 and torch.equal(fresh, target.sequence_features(ids[None], [2]).float())
+    assert first[0].shape == again[0].shape == (2,)
+    # the memoised pass scores exactly as score_trees' own
+    tree = hl.drafter_trees(drafter, target, ids, anchors[0], 4)
+    own = target.score_trees(ids[None], anchors[0][None], tree).logits
+    reused = target.score_trees(ids[None], anchors[0][None], tree, prefix=hl._row_prefix(target, ids, [2])).logits
+    assert torch.equal(own, reused)
+    with pytest.raises(ValueError, match="other sequences"):
+        target.score_trees(ids[None].flip(1), anchors[0][None], tree, prefix=hl._row_prefix(target, ids, [2]))
+    with pytest.raises(ValueError, match="layers"):
+        target.score_trees(ids[None], anchors[0][None], tree, layers=[0], prefix=hl._row_prefix(target, ids, [2]))

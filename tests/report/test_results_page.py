@@ -1,0 +1,240 @@
+"""RESULTS.md from result JSONs: summaries of fake run directories, schema errors, the page's rules."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from exittrain.report import results_page
+from exittrain.report import run_report as report
+from tests.report.helpers import make_fit_run, write_json
+
+HOST = {"cpu_model": "Test CPU", "cores": 2, "cpu_capability": "AVX512", "gpu": None, "torch": "2.13.0",
+        "shared": False}
+PAGE = {
+    "recipes": ["code", "math"],
+    "not_measured": {"math": "docs/notebook/old.md"},
+    "ablation": {"command": "python -m exittrain bench ablation", "notebook": "docs/notebook/abl.md",
+                 "verdict": "No ablation result yet."},
+    "negatives": [{"text": "The stage lowers tau.", "see": ["fit-a", "docs/notebook/old.md"]}],
+    "notebook": [{"path": "docs/notebook/old.md", "title": "2026-11-30: the old runs"}],
+}
+
+
+def fake_run(tmp_path, name="run", capability="AVX2", date="2026-12-01"):
+    run = make_fit_run(tmp_path / name)
+    metrics = json.loads((run / "metrics.json").read_text())
+    metrics["pretrain_metrics"]["val/greedy_block_length"] = 2.5
+    metrics["timings"] = {"regeneration_and_setup_s": 60.0, "pretrain_s": 120.0, "total_s": 300.0}
+    write_json(run / "metrics.json", metrics)
+    (run / "cli.log").write_text(
+        f"[{date} 10:33:44,376][exittrain][INFO] - target.dtype auto -> float32\n"
+        f"[{date} 10:33:46,108][exittrain][INFO] - trainer.precision auto -> 32-true (CPU capability "
+        f"{capability}, no bf16 units)\n"
+    )
+    return run, metrics
+
+
+def make_root(tmp_path, results: list[dict], page=PAGE):
+    root = tmp_path / "root"
+    for res in results:
+        write_json(root / "results" / f"{res['name']}.json", res)
+    write_json(root / "results" / "page.json", page)
+    return root
+
+
+def test_summary_of_a_fit_run_keeps_its_tables_heldout_date_and_capability(tmp_path):
+    run, metrics = fake_run(tmp_path)
+    res = results_page.summarize_fit_run(run, name="fit-a", command="python -m exittrain fit +recipe=code",
+                                         commit="abc1234", host=HOST, peak_rss_gb=6.5)
+    assert res["date"] == "2026-12-01" and res["recipe"] == "code"
+    assert res["host"]["cpu_capability"] == "AVX2"  # the run's own (an emulation changes it), not the summariser's
+    assert res["host"]["cpu_model"] == "Test CPU"
+    want = [(label, r["budget"], r["tau"], r["ci95"]) for label in ("warm_start", "exittrain")
+            for r in metrics["tables"][label]]
+    assert [(r["label"], r["budget"], r["tau"], r["ci95"]) for r in res["tables"]] == want
+    analytic = metrics["pretrain_metrics"]["val/analytic_block_length"]
+    assert res["heldout"] == {"greedy_tau": 2.5, "analytic_tau": analytic}
+    assert res["wall_s"]["total_s"] == 300.0
+    assert not any("block_lengths" in r for r in res["tables"])  # summaries only, no per-prompt rows
+
+
+def test_page_shows_every_row_linked_to_its_json_and_command(tmp_path):
+    run, _ = fake_run(tmp_path)
+    res = results_page.summarize_fit_run(run, name="fit-a", command="python -m exittrain fit +recipe=code",
+                                         commit="abc1234", host=HOST)
+    text = results_page.render_page([res], results_page.load_page(make_root(tmp_path, [res]) / "results"))
+    rows = [line for line in text.splitlines() if line.startswith("| [fit-a](results/fit-a.json) ([command](#fit-a))")
+            and ("| warm start (block CE) |" in line or "| after ExitTrain |" in line)]
+    assert len(rows) == len(res["tables"])
+    for line, row in zip(rows, res["tables"]):
+        lo, hi = row["ci95"]
+        assert f"| {row['tau']:.2f} ({lo:.2f}-{hi:.2f}) |" in line and f"| {row['speedup']:.2f}x |" in line
+    assert "| commit | `abc1234`" in text and "| date | 2026-12-01 |" in text and "`AVX2`" in text
+    assert "### fit-a\n\n2026-12-01, commit `abc1234`:\n\n```bash\npython -m exittrain fit +recipe=code\n```" in text
+    assert "## Recipe `math`\n\nNot measured at the current defaults" in text
+    assert "No ablation result yet." in text and "`python -m exittrain bench ablation`" in text
+    assert "- The stage lowers tau. ([fit-a](results/fit-a.json), [old.md](docs/notebook/old.md))" in text
+
+
+def test_an_emulated_capability_is_named_as_such(tmp_path):
+    run, _ = fake_run(tmp_path)
+    host = HOST | {"emulation": "ATEN_CPU_CAPABILITY=avx2 on an AVX512 CPU"}
+    res = results_page.summarize_fit_run(run, name="fit-a", command="c", commit="abc1234", host=host)
+    text = results_page.render_page([res], PAGE)
+    assert "| hosts | Test CPU, `AVX2` (emulated: ATEN_CPU_CAPABILITY=avx2 on an AVX512 CPU) |" in text
+    assert "| [fit-a](results/fit-a.json) | Test CPU | `AVX2` (emulated) |" in text
+
+
+def test_header_takes_the_newest_result_and_the_page_is_deterministic(tmp_path):
+    runs = []
+    for name, date, commit in (("fit-b", "2026-12-02", "bbbbbbb"), ("fit-a", "2026-11-30", "aaaaaaa")):
+        run, _ = fake_run(tmp_path, name, date=date)
+        runs.append(results_page.summarize_fit_run(run, name=name, command="c", commit=commit, host=HOST))
+    root = make_root(tmp_path, runs)
+    first = results_page.write_page(root)
+    assert "| commit | `bbbbbbb` (newest result: [fit-b]" in first and "| date | 2026-12-02 |" in first
+    assert results_page.write_page(root, check=True) == first  # the same files give the same page
+    assert first.index("[fit-a](results/fit-a.json) ([command]") < first.index("[fit-b](results/fit-b.json) ([command]")
+
+
+def test_check_fails_on_a_stale_page_and_the_report_hook_writes_it(tmp_path, capsys):
+    run, _ = fake_run(tmp_path)
+    res = results_page.summarize_fit_run(run, name="fit-a", command="c", commit="abc1234", host=HOST)
+    root = make_root(tmp_path, [res])
+    with pytest.raises(SystemExit, match="is not what results/ gives"):
+        report.main(["--results", "--root", str(root), "--check"])
+    report.main(["--results", "--root", str(root)])
+    assert (root / "RESULTS.md").read_text() == results_page.render_page([res], PAGE)
+    report.main(["--results", "--root", str(root), "--check"])
+    res2 = copy.deepcopy(res)
+    res2["tables"][0]["tau"] += 0.5
+    write_json(root / "results" / "fit-a.json", res2)
+    with pytest.raises(SystemExit):
+        report.main(["--results", "--root", str(root), "--check"])
+
+
+def test_the_add_option_summarises_a_run_into_results(tmp_path):
+    run, _ = fake_run(tmp_path)
+    root = make_root(tmp_path, [])
+    report.main(["--results", "--root", str(root), "--add", str(run), "--name", "fit-new", "--command",
+                 "python -m exittrain fit +recipe=code", "--commit", "1234567", "--cpu-model", "Test CPU"])
+    saved = json.loads((root / "results" / "fit-new.json").read_text())
+    assert saved["schema"] == results_page.SCHEMA and saved["commit"] == "1234567"
+    assert saved["host"]["cpu_model"] == "Test CPU" and saved["host"]["cpu_capability"] == "AVX2"
+    assert "[fit-new](results/fit-new.json)" in (root / "RESULTS.md").read_text()
+
+
+def test_an_ablation_result_gives_the_verdict_line(tmp_path):
+    abl = tmp_path / "ablation.json"
+    write_json(abl, {"settings": {"domains": ["code"]}, "summary": {
+        "overall_tau_vs_control": {"baseline": 0.99, "control": 1.0, "exittrain-flow": 1.021},
+        "analytic_vs_control": {"exittrain-flow": 1.001}, "best_weight_type": "exittrain-flow", "goal_met": False}})
+    res = results_page.summarize_ablation(abl, name="ablation-code", command="python -m exittrain bench ablation",
+                                          commit="abc1234", host=HOST, date="2026-12-01")
+    text = results_page.render_page([res], PAGE)
+    assert ("- 2026-12-01, [ablation-code](results/ablation-code.json) ([command](#ablation-code)): best ExitTrain "
+            "arm **exittrain-flow**, decoded tau 1.021x the block-CE control") in text
+    assert "goal 1.13x: **not met**" in text and "No ablation result yet." not in text
+
+
+def _experiment_json(tmp_path, verdict):
+    rows = [
+        {"drafter": "warm start", "budget": 16, "temperature": t, "tau": 2.5 + t, "ci95": [2.4, 2.6],
+         "vs_control": None, "vs_warm_start": None, **({"tau_oracle": 4.25} if t else {})} for t in (0.0, 1.0)
+    ] + [
+        {"drafter": "exittrain-soft-flow-l1-fresh", "budget": 16, "temperature": 1.0, "tau": 3.52, "ci95": [3.4, 3.6],
+         "vs_control": {"delta": 0.012, "ci95": [-0.004, 0.031]},
+         "vs_warm_start": {"delta": 0.02, "ci95": [0.01, 0.03]},
+         "tau_oracle": 4.25},
+    ]
+    path = tmp_path / "exittrain.json"
+    write_json(path, {"domain": "code", "steps": 30, "warm_start": "W", "prompts": 64, "analytic_anchors": 8,
+                      "rows": rows, "verdict": verdict, "train": {}})
+    return path
+
+
+def test_an_experiment_result_shows_its_verdict_and_paired_table(tmp_path):
+    res = results_page.summarize_experiment_json(
+        _experiment_json(tmp_path, []), name="exittrain-code", command="python -m exittrain bench exittrain",
+        commit="abc1234", host=HOST, date="2026-12-01")
+    text = results_page.render_page([res], PAGE)
+    assert "## Does exit-guided training help?" in text
+    assert "- no ExitTrain setting's paired interval against its matched control excludes 0" in text
+    assert "| exittrain-soft-flow-l1-fresh | - | 3.520; +0.012 (-0.004 to +0.031); +0.020 (+0.010 to +0.030) |" in text
+    assert "| oracle bound (same budget and law) | - | 4.250 |" in text
+    found = results_page.summarize_experiment_json(
+        _experiment_json(tmp_path, ["exittrain-x beats control-x"]), name="e", command="c", commit="a", host=HOST,
+        date="2026-12-01")
+    assert "- exittrain-x beats control-x" in results_page.render_page([found], PAGE)
+    # the run's own CPU capability (an emulation changes it), not the summarising machine's; notes kept
+    data = json.loads(_experiment_json(tmp_path, []).read_text())
+    write_json(tmp_path / "emulated.json", {**data, "host": {**HOST, "cpu_capability": "AVX2"}})
+    emulated = results_page.summarize_experiment_json(
+        tmp_path / "emulated.json", name="e", command="c", commit="a", host={**HOST, "emulation": "ATEN..."},
+        date="2026-12-01", notes=["Measured at one commit."])
+    assert emulated["host"]["cpu_capability"] == "AVX2" and emulated["notes"] == ["Measured at one commit."]
+    page = results_page.render_page([emulated], PAGE)
+    assert "| `AVX2` (emulated) |" in page and "- Measured at one commit." in page
+    write_json(tmp_path / "not_it.json", {"rows": []})
+    with pytest.raises(ValueError, match="not a bench exittrain output"):
+        results_page.summarize_experiment_json(tmp_path / "not_it.json", name="e", command="c", commit="a",
+                                               host=HOST, date="2026-12-01")
+    broken = copy.deepcopy(res)
+    broken["summary"]["rows"][0].pop("vs_control")
+    with pytest.raises(ValueError, match=r"summary rows\[0\]: missing key 'vs_control'"):
+        results_page.check_result(broken, "results/e.json")
+
+
+@pytest.mark.parametrize("breakage, message", [
+    (lambda r: r.pop("command"), "missing key 'command'"),
+    (lambda r: r.update(date="1 Dec 2026"), "is not YYYY-MM-DD"),
+    (lambda r: r.update(kind="notebook"), "kind 'notebook'"),
+    (lambda r: r["host"].pop("cpu_capability"), "host: missing key 'cpu_capability'"),
+    (lambda r: r["tables"][0].pop("ci95"), r"tables\[0\]: missing key 'ci95'"),
+    (lambda r: r.update(name="other"), "differs from the file name"),
+])
+def test_a_broken_result_names_its_file_and_key(tmp_path, breakage, message):
+    run, _ = fake_run(tmp_path)
+    res = results_page.summarize_fit_run(run, name="fit-a", command="c", commit="abc1234", host=HOST)
+    breakage(res)
+    root = make_root(tmp_path, [])
+    write_json(root / "results" / "fit-a.json", res)
+    with pytest.raises(ValueError, match=message) as err:
+        results_page.load_results(root / "results")
+    assert "fit-a.json" in str(err.value)
+
+
+@pytest.mark.parametrize("text, refused", [
+    ("The stage lowers tau by 0.08.", True),
+    ("It ran at B = 16.", True),
+    ("The run of 2026-11-30 on AVX2 with bf16 (see [x](docs/notebook/2026-11-30-x.md)).", False),
+])
+def test_free_text_with_a_figure_is_refused(tmp_path, text, refused):
+    page = copy.deepcopy(PAGE)
+    page["negatives"][0]["text"] = text
+    root = make_root(tmp_path, [], page)
+    if refused:
+        with pytest.raises(ValueError, match=r"negatives\[0\]\.text: free text carries a figure"):
+            results_page.load_page(root / "results")
+    else:
+        assert results_page.load_page(root / "results")["negatives"][0]["text"] == text
+
+
+def test_a_benchmark_output_in_results_is_named_and_left_off(tmp_path, caplog):
+    run, _ = fake_run(tmp_path)
+    res = results_page.summarize_fit_run(run, name="fit-a", command="c", commit="abc1234", host=HOST)
+    root = make_root(tmp_path, [res])
+    write_json(root / "results" / "bench_memory.json", {"rows": []})
+    with caplog.at_level("WARNING"):
+        assert [r["name"] for r in results_page.load_results(root / "results")] == ["fit-a"]
+    assert "bench_memory.json: a benchmark's output" in caplog.text
+
+
+def test_a_run_without_a_dated_log_is_refused(tmp_path):
+    run, _ = fake_run(tmp_path)
+    (run / "cli.log").write_text("no date here\n")
+    with pytest.raises(ValueError, match="cli.log: no dated log line"):
+        results_page.summarize_fit_run(run, name="fit-a", command="c", commit="abc1234", host=HOST)

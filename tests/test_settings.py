@@ -1,0 +1,100 @@
+"""Every constrained setting fails up front (exittrain/settings.py): before the target loads, naming its key.
+
+Each case composes the real ``fit`` (or ``eval``) config with one bad value and runs the command
+with a target builder that fails the test if called: the ValueError must come from the checks,
+name the key, and never reach the target, the regeneration or the first stage.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from exittrain import settings
+from exittrain.configs import CONF_DIR, register_recipes
+from exittrain.evaluate import run_eval
+from exittrain.fit import fit
+
+
+def compose_config(name: str, *overrides: str):
+    register_recipes()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(name, overrides=["+recipe=code", *overrides])
+
+
+def no_target():
+    raise AssertionError("the run loaded the target before checking its settings")
+
+
+# (override, what the message must contain: the key and its value)
+FIT_CASES = [
+    ("eval.temperatures=[-0.5]", "eval.temperatures=[-0.5]"),
+    ("eval.temperatures=[]", "eval.temperatures=[]"),
+    ("eval.budgets=[0]", "eval.budgets=[0]"),
+    ("eval.budgets=[]", "eval.budgets=[]"),
+    ("eval.num_prompts=0", "eval.num_prompts=0"),
+    ("eval.max_new_tokens=0", "eval.max_new_tokens=0"),
+    ("eval.verifier=nope", "eval.verifier='nope'"),
+    ("eval.baseline=3", "eval.baseline=3"),
+    ("eval.oracle=maybe", "eval.oracle='maybe'"),
+    ("eval.analytic_temperatures=[0]", "eval.analytic_temperatures=[0]"),
+    ("eval.analytic_anchors=0", "eval.analytic_anchors=0"),
+    ("stages.pretrain.max_steps=-1", "stages.pretrain.max_steps=-1"),
+    ("stages.exittrain.eval_every=-1", "stages.exittrain.eval_every=-1"),
+    ("objective.alpha=2", "alpha=2"),
+    ("stages.exittrain.lr=-1", "stages.exittrain"),
+    ("callbacks.decode_eval.num_prompts=0", "callbacks.decode_eval: num_prompts=0"),
+    ("callbacks.decode_eval.every_n_steps=-2", "every_n_train_steps=-2"),  # the checkpoint follows it
+    ("callbacks.decode_eval.temperature=-1", "callbacks.decode_eval: temperature=-1"),
+    ("callbacks.decode_eval.verifier=nope", "callbacks.decode_eval: verifier='nope'"),
+    ("callbacks.decode_eval.max_new_tokens=0", "callbacks.decode_eval: max_new_tokens=0"),
+    ("tree.budget_eval=0", "callbacks.decode_eval: budget=0"),
+    ("callbacks.checkpoint.mode=sideways", "callbacks.checkpoint"),
+    ("+callbacks.extra._target_=exittrain.no_such_callback", "callbacks.extra cannot be built"),
+    ("data_wait_s=-5", "data_wait_s=-5"),
+    ("data.max_length=1", "data: max_length=1"),
+    ("data.batch_size=0", "data: batch_size=0"),
+    ("data.val_fraction=1.5", "data: val_fraction=1.5"),
+    ("data.max_train_prompts=0", "data: max_train_prompts=0"),
+    ("data.exclude_seed=0", "data: "),  # the same seed as data.seed leaves nothing to train on
+    ("+data.no_such_setting=1", "data: unknown data settings ['no_such_setting']"),
+    ("data.generation.max_new_tokens=0", "data: "),
+]
+
+
+@pytest.mark.parametrize("override, message", FIT_CASES)
+def test_a_bad_fit_setting_fails_before_the_target_loads(tmp_path, override, message):
+    cfg = compose_config("fit", override, f"paths.output_dir={tmp_path}")
+    with pytest.raises(ValueError) as err:
+        fit(cfg, target=no_target)
+    assert message in str(err.value)
+
+
+EVAL_CASES = [
+    ("eval.temperatures=[-0.5]", "eval.temperatures=[-0.5]"),
+    ("eval.budgets=[0]", "eval.budgets=[0]"),
+    ("eval.verifier=nope", "eval.verifier='nope'"),
+    ("eval.analytic_anchors=0", "eval.analytic_anchors=0"),
+    ("data.max_length=1", "data: max_length=1"),
+]
+
+
+@pytest.mark.parametrize("override, message", EVAL_CASES)
+def test_a_bad_eval_setting_fails_before_the_target_loads(tmp_path, override, message):
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text("{}")  # a drafter folder as far as the check reads it
+    cfg = compose_config("eval", override, f"drafter_path={drafter}", f"paths.output_dir={tmp_path / 'out'}")
+    with pytest.raises(ValueError) as err:
+        run_eval(cfg, target=no_target)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("extra", [[], ["debug=smoke"], ["warm_start=null", "stages.pretrain.max_steps=0"]])
+def test_the_shipped_settings_pass_and_give_the_plan(tmp_path, extra):
+    """Negative control: the checks refuse nothing that ships, and return what the run reads."""
+    cfg = compose_config("fit", f"paths.output_dir={tmp_path}", *extra)
+    checked = settings.check_fit_config(cfg)
+    assert checked.stages == [s for s in ("pretrain", "exittrain") if cfg.stages[s].max_steps > 0]
+    assert checked.eval["budgets"] == list(cfg.eval.budgets) and checked.eval["seed"] == cfg.seed
+    assert checked.analytic == (list(cfg.eval.analytic_temperatures), cfg.eval.analytic_anchors)
