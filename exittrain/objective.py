@@ -149,7 +149,7 @@ class ObjectiveSettings:
     analytic_every: int = 200
     seed: int = 0
     vocab_sample: int | None = None
-    feature_cache: bool = False
+    feature_cache: bool = True
     soft_label_weight: float = 1.0
     soft_label_top_k: int = 16
     law_temperature: float = 1.0

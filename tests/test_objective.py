@@ -161,7 +161,8 @@ def test_a_fit_on_store_batches_never_runs_the_target_over_a_row(target, store_r
     assert all(k.startswith("drafter.") for k in module.state_dict()), "the store is data, never checkpointed"
     monkeypatch.undo()
     # without feature_cache the target computes every row of every step, whatever the batch carries
-    plain = ExitTrainModule(drafter_of(target), target, stage="pretrain", anchors_per_seq=4, analytic_every=0, seed=0)
+    plain = ExitTrainModule(drafter_of(target), target, stage="pretrain", anchors_per_seq=4, analytic_every=0,
+                            feature_cache=False, seed=0)
     logger = ListLogger()
     trainer(2, logger=logger).fit(plain, train)
     assert logger.values("train/feature_rows_computed") == [2.0, 2.0]

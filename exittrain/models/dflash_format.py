@@ -24,6 +24,14 @@ reading it is refused both ways.
 a context window and a width other than the target's are refused with the fix; the n-gram copy
 branch is dropped, and the export logs it and records it under ``exittrain.dropped`` in
 ``config.json``.
+
+**Target families** (:func:`dflash_target_problem`): a DFlash runtime embeds the block rows with the
+target's raw embedding table (the ``dflash`` package: ``F.embedding(ids, weight)`` times
+``dflash_config.input_embedding_scale``; serving engines their own embedding), where exittrain's
+drafter calls the target's embedding module. For a target whose module scales the table (Gemma 3:
+x sqrt(hidden_size)) the two differ, so both directions refuse such a target, naming its family.
+The check needs the target: the export runs it when the drafter has one attached (as in ``fit``)
+or ``target=`` is given; a drafter read from a folder alone is exported unchecked.
 """
 
 from __future__ import annotations
@@ -46,7 +54,9 @@ from exittrain.safe_io import check_safetensors, load_checkpoint, load_json_obje
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ARCHITECTURE", "MASK_EMBEDDING_FILE", "export_dflash", "is_dflash_folder", "load_dflash"]
+__all__ = [
+    "ARCHITECTURE", "MASK_EMBEDDING_FILE", "dflash_target_problem", "export_dflash", "is_dflash_folder", "load_dflash",
+]
 
 ARCHITECTURE = "DFlashDraftModel"
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
@@ -71,6 +81,43 @@ def is_dflash_folder(path: str | os.PathLike) -> bool:
         return False  # the regular loader reports a bad config.json in our words
 
 
+def dflash_target_problem(embeddings: torch.nn.Module, family: str | None = None) -> str | None:
+    """Why a DFlash runtime would run a drafter of this target differently from exittrain, or None.
+
+    ``embeddings`` is the target's input embedding module (``TargetModel.input_embeddings``),
+    ``family`` its model type for the message (default: the transformers model package the module
+    comes from). The check is behavioural: the module must return its table's rows unchanged
+    (``F.embedding(ids, weight)``), as DFlash runtimes read them.
+    """
+    weight = embeddings.weight
+    ids = torch.arange(min(8, weight.shape[0]), device=weight.device)
+    with torch.no_grad():
+        ours = embeddings(ids)
+        raw = torch.nn.functional.embedding(ids, weight).to(ours.dtype)
+    if torch.equal(ours, raw):
+        return None
+    scale = getattr(embeddings, "embed_scale", None)
+    how = f"times {float(scale):.6g}" if scale is not None else "transformed"
+    module = type(embeddings).__module__
+    if family is None and module.startswith("transformers.models."):
+        family = module.split(".")[2]  # the transformers model package: gemma3, ...
+    who = f"target family {family!r}" if family else "the target"
+    return (
+        f"{who} returns its token embeddings {how} from its embedding module ({type(embeddings).__name__}), "
+        "while DFlash runtimes embed the drafter's block rows with the raw embedding table, so a DFlash "
+        "runtime would compute another drafter function than exittrain trains: the DFlash format cannot carry "
+        "a drafter for this family (exittrain's own decoder serves it)"
+    )
+
+
+def _family_problem(drafter: BlockDrafter, target) -> str | None:
+    if target is not None:
+        return dflash_target_problem(target.input_embeddings, getattr(target, "family", None))
+    if drafter.has_target:
+        return dflash_target_problem(drafter._target_module("embeddings"))
+    return None
+
+
 # ----------------------------------------------------------------------------------------------
 # export
 
@@ -81,11 +128,14 @@ def export_dflash(
     *,
     mask_token_id: int | None = None,
     dtype: torch.dtype | str | None = None,
+    target=None,
 ) -> dict:
     """Write ``drafter`` (a model, or a folder saved by exittrain) as a DFlash folder ``out``.
 
     Refuses (ValueError, naming each setting and its fix) a context window, a width other than
-    the target's, and a feature read at the target's last layer. Drops the n-gram copy branch
+    the target's, and a feature read at the target's last layer; and a target family whose
+    embedding a DFlash runtime reads differently (:func:`dflash_target_problem`, checked against
+    ``target`` or else the drafter's attached target; unchecked without either). Drops the n-gram copy branch
     (logged, and recorded in ``config.json`` under ``exittrain.dropped``). A learned mask goes to
     ``mask_embedding.pt`` under ``mask_token_id`` (the argument, else the config's; one of them is
     needed, and it should be a token the target never emits as a root). ``dtype`` defaults to the
@@ -94,6 +144,9 @@ def export_dflash(
     if not isinstance(drafter, BlockDrafter):
         drafter = BlockDrafter.from_pretrained(drafter)
     cfg: DrafterConfig = drafter.config
+    family = _family_problem(drafter, target)
+    if family:
+        raise ValueError(f"this drafter cannot be written in the DFlash format: {family}")
     problems = {k: v for k, v in cfg.dflash_problems().items() if k not in _DROPPABLE}
     if problems:
         lines = "; ".join(f"{k}: {v}" for k, v in problems.items())
@@ -202,7 +255,8 @@ def load_dflash(path: str | os.PathLike, target, *, dtype: torch.dtype | str = t
 
     Pairing checks (ValueError naming the key, both values and the fix): ``vocab_size`` and
     ``hidden_size`` equal the target's, ``num_target_layers`` its depth, every target layer id in
-    range and below the last layer. Config keys of DFlash variants this drafter does not compute
+    range and below the last layer; a target family whose embedding DFlash runtimes read
+    differently is refused (:func:`dflash_target_problem`). Config keys of DFlash variants this drafter does not compute
     (attention biases, sliding or causal attention, embedding or logit scales, another rotary
     embedding) raise ValueError, as do weights it has no place for; ``embed_tokens``/``lm_head``
     weights shipped with the drafter are ignored (the target's are used) and logged. A
@@ -210,8 +264,11 @@ def load_dflash(path: str | os.PathLike, target, *, dtype: torch.dtype | str = t
     extension on: it exports back to the same files.
     """
     folder = Path(path)
-    raw = load_json_object(folder / "config.json", what="DFlash drafter config", fix=_FIX)
     where = f"DFlash drafter {folder}"
+    family = dflash_target_problem(target.input_embeddings, getattr(target, "family", None))
+    if family:
+        raise ValueError(f"{where} cannot run on target {target.name!r}: {family}")
+    raw = load_json_object(folder / "config.json", what="DFlash drafter config", fix=_FIX)
     extra = raw.get("dflash_config") if isinstance(raw.get("dflash_config"), dict) else {}
     for key, want in _UNSUPPORTED.items():
         got = extra.get(key, raw.get(key, want))

@@ -52,8 +52,13 @@ def layer_copy_problem(target) -> str | None:
         return f"target {target.name!r} layers are not Llama/Qwen3-style (no {missing})"
     if any(getattr(getattr(attn, n), "bias", None) is not None for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
         return f"target {target.name!r} has attention biases, which drafter layers lack"
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return f"target {target.name!r} uses activation {cfg.hidden_act!r}; drafter layers use silu"
+    # transformers names the MLP activation hidden_act in most families, hidden_activation in Gemma's
+    activation = getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None) or "silu"
+    if activation != "silu":
+        return f"target {target.name!r} uses activation {activation!r}; drafter layers use silu"
+    extra = [n for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm") if hasattr(layer, n)]
+    if extra:
+        return f"target {target.name!r} layers have norms drafter layers lack ({extra})"
     return None
 
 

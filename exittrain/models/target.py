@@ -1,7 +1,8 @@
 """The frozen target model: loading, tree scoring, cache compaction, drafter features.
 
-docs/algorithm.md section 3. The target is a Hugging Face causal LM (Llama, Qwen2, Qwen3, ... with
-full attention in every layer) wrapped in :class:`TargetModel`, which never trains: its
+docs/algorithm.md section 3. The target is a Hugging Face causal LM (Llama, Mistral, Phi-3, Qwen2,
+Qwen3, Qwen3-MoE, Gemma 3, ...: README.md "Model families tested" lists what is tested and what is
+refused) wrapped in :class:`TargetModel`, which never trains: its
 parameters have ``requires_grad=False``, it stays in eval mode, and every method runs under
 ``torch.no_grad()``.
 
@@ -21,13 +22,20 @@ only the requested layers are kept.
 position ids (root position + depth) and a 4D additive attention mask: each tree row sees the
 context, its ancestors and itself. Hugging Face passes a 4D mask to the attention unchanged
 (``masking_utils._preprocess_mask_arguments``), so this needs the ``eager`` or ``sdpa`` attention
-implementation and a model without sliding-window layers; :class:`TargetModel` checks both.
-Padding nodes of a :class:`~exittrain.core.DraftTree` see only the root and themselves, so they
-change no other row.
+implementation, and the model's own sliding window is not applied on top of it: for a
+sliding-window layer (window w) the tree mask itself hides every key at ``query position - key
+position >= w``, as the plain forward of the path does, and a model with both kinds of layers gets
+a dict of masks by layer type (:func:`~exittrain.models.target_model.attention_windows`).
+:class:`TargetModel` refuses at load time what a tree mask cannot express (bidirectional or
+chunked attention, other layer types, attention soft-capping under sdpa), and a tree forward past
+the limit of a position-dependent rotary embedding (``dynamic``, ``longrope``:
+:func:`~exittrain.models.target_model.position_limit`). Padding nodes of a
+:class:`~exittrain.core.DraftTree` see only the root and themselves, so they change no other row.
 
 **Caches.** Decoding uses a ``transformers.DynamicCache`` whose layers are ``DynamicLayer``
-(keys and values of shape (batch, kv_heads, seq, head_dim), grown by concatenation). This is
-what transformers 5.24 builds for Llama, Qwen2 and Qwen3 without sliding windows.
+(keys and values of shape (batch, kv_heads, seq, head_dim), grown by concatenation).
+:meth:`TargetModel.new_cache` builds one for sliding-window layers too (transformers would drop
+the keys that leave the window), so those layers hold the whole context.
 :meth:`TargetModel.commit` gathers the kept positions along the sequence dimension of each
 layer, so the cache then equals the cache of the plain accepted sequence.
 
@@ -50,8 +58,20 @@ call it on fewer anchors.
 # target_loading.py; import them from here.
 
 from exittrain.models.target_decode import PrefillOutput, TreeForwardOutput
-from exittrain.models.target_loading import EMBEDDED_TARGET_NAME, as_dtype, convert_embedded_target, load_target
-from exittrain.models.target_model import SUPPORTED_ATTENTION, TargetModel, layer_output_hooks
+from exittrain.models.target_loading import (
+    EMBEDDED_TARGET_NAME,
+    as_dtype,
+    convert_embedded_target,
+    load_target,
+    resolve_device,
+)
+from exittrain.models.target_model import (
+    SUPPORTED_ATTENTION,
+    TargetModel,
+    attention_windows,
+    layer_output_hooks,
+    position_limit,
+)
 from exittrain.models.target_scoring import SequencePrefix, TreeScores
 
 __all__ = [
@@ -63,7 +83,10 @@ __all__ = [
     "TreeForwardOutput",
     "TreeScores",
     "as_dtype",
+    "attention_windows",
     "convert_embedded_target",
     "layer_output_hooks",
     "load_target",
+    "position_limit",
+    "resolve_device",
 ]

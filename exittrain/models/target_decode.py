@@ -1,6 +1,6 @@
 """Decoding operations of the frozen target: prefill, one tree forward per round, cache commit.
 
-ALGORITHM.md section 3. :class:`TargetDecoding` is mixed into
+docs/algorithm.md section 3. :class:`TargetDecoding` is mixed into
 :class:`~exittrain.models.target_model.TargetModel`; it uses the wrapper's ``model``, ``device``,
 :meth:`~exittrain.models.target_model.TargetModel.check_layers`, feature capture, additive masks
 and id checks. The layer-id, tree-attention and cache conventions, the shape legend and the limits
@@ -61,7 +61,7 @@ class TargetDecoding:
         root_position: torch.Tensor | int | None = None,
         layers: Sequence[int] | None = None,
     ) -> TreeForwardOutput:
-        """Score N trees appended to a cached context in one forward (ALGORITHM.md section 3).
+        """Score N trees appended to a cached context in one forward (docs/algorithm.md section 3).
 
         ``cache`` holds the context of length C for N rows (the root is not in it yet).
         ``root_token`` (N,) or int; ``tree`` a DraftTree of N trees; ``root_position`` defaults
@@ -69,7 +69,8 @@ class TargetDecoding:
         (N, B+1, F) for ``layers``. Afterwards the cache holds C + B + 1 positions: call
         :meth:`commit` to keep the accepted path, or ``cache.crop(-(B + 1))`` to drop the tree.
         Feature rows 0 (root) and the accepted rows are the features of the newly committed
-        positions, which the drafter's next context needs.
+        positions, which the drafter's next context needs. With sliding-window layers the cached
+        context is taken to sit at positions 0..C-1 (what :meth:`prefill` and :meth:`commit` keep).
         """
         layers = self.check_layers(layers)
         N, B = tree.tokens.shape
@@ -80,6 +81,8 @@ class TargetDecoding:
             raise ValueError(f"tree has N={N} trees but the cache holds {cache.layers[0].keys.shape[0]} rows")
         if root_position is None:
             root_position = C
+        if self.position_limit is not None:  # a host synchronisation, for these targets only
+            self._check_positions(int(torch.as_tensor(root_position).max()) + int(tree.positions.max()), "the tree")
         root_pos = torch.as_tensor(root_position, dtype=torch.long, device=device).reshape(-1, 1)
         input_ids = torch.cat([root.unsqueeze(1), tree.tokens.to(device)], dim=1)  # (N, B+1)
         # no value check on the ids here: it would cost a host synchronisation every round
@@ -87,10 +90,13 @@ class TargetDecoding:
         allowed = torch.cat(
             [torch.ones(N, B + 1, C, dtype=torch.bool, device=device), tree.ancestor_mask.to(device)], dim=2
         )  # (N, B+1, C+B+1)
+        key_positions = None
+        if any(w is not None for w in self.attention_windows.values()):  # the cached context sits at 0..C-1
+            key_positions = torch.cat([torch.arange(C, device=device).expand(N, C), position_ids], dim=1)
         with self._capture(layers) as captured:
             logits = self._causal_lm_logits(
                 input_ids=input_ids,
-                attention_mask=self._additive(allowed),
+                attention_mask=self._additive(allowed, position_ids, key_positions),
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=True,

@@ -16,12 +16,12 @@ from exittrain.models.row_matmul import head_rows, is_plain_head
 from exittrain.models.target_decode import TargetDecoding
 from exittrain.models.target_scoring import TreeScoring
 
-__all__ = ["SUPPORTED_ATTENTION", "TargetModel", "layer_output_hooks"]
+__all__ = ["SUPPORTED_ATTENTION", "TargetModel", "attention_windows", "layer_output_hooks", "position_limit"]
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")
 """Attention implementations that apply a 4D additive mask as given (tree attention needs one)."""
 
-PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "phi3", "qwen2", "qwen3", "qwen3_moe"})
 """Model types whose causal-LM logits are ``lm_head(decoder(...).last_hidden_state)``, with no
 scaling or soft-capping (read in their transformers modelling code): the tree forward may apply
 the head itself (:meth:`TargetModel._causal_lm_logits`)."""
@@ -49,6 +49,85 @@ def layer_output_hooks(
             handle.remove()
 
 
+def _family(config) -> str:
+    return str(getattr(config, "model_type", None) or type(config).__name__)
+
+
+def attention_windows(config) -> dict[str, int | None]:
+    """The attention kinds of a decoder config: ``{layer type: sliding window or None (full)}``.
+
+    What transformers 5.x does with the config (read in ``masking_utils`` and the modelling files
+    of Llama, Mistral, Phi-3, Qwen2, Qwen3, Qwen3-MoE and Gemma 3): a config with ``layer_types``
+    gives each layer ``"full_attention"`` or ``"sliding_attention"`` (window ``sliding_window``),
+    and the model looks each layer's mask up by its type; a config without them (Mistral, Phi-3,
+    Qwen3-MoE) uses one mask for every layer, sliding when ``sliding_window`` is set (and
+    ``use_sliding_window`` is not False). Sliding means: position p sees key position k only when
+    ``p - k < sliding_window``. Families beyond those read are taken to follow the same
+    convention; README.md "Model families tested" lists the ones whose exactness is tested.
+
+    ValueError (naming the family and the reason) for what a tree mask cannot reproduce:
+    non-causal or bidirectional attention, and any other layer type (chunked attention,
+    linear-attention or state-space layers).
+    """
+    family = _family(config)
+    if not getattr(config, "is_causal", True) or getattr(config, "use_bidirectional_attention", False):
+        raise ValueError(
+            f"target family {family!r}: its config makes attention bidirectional (is_causal=False or "
+            "use_bidirectional_attention=True); a draft tree needs causal attention: load a causal LM"
+        )
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", None) is False:  # the Qwen convention: the window is switched off
+        window = None
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:
+        return {"sliding_attention": int(window)} if window is not None else {"full_attention": None}
+    kinds = sorted(set(layer_types))
+    unknown = [k for k in kinds if k not in ("full_attention", "sliding_attention")]
+    if unknown:
+        raise ValueError(
+            f"target family {family!r} has layer types {unknown}: tree scoring reproduces full and "
+            "sliding-window causal attention only (a 4D tree mask cannot express the others)"
+        )
+    if "sliding_attention" in kinds and (not isinstance(window, int) or window < 1):
+        raise ValueError(
+            f"target family {family!r} has sliding-attention layers but sliding_window={window!r}; "
+            "set config.sliding_window to the window the model was trained with"
+        )
+    return {k: (int(window) if k == "sliding_attention" else None) for k in kinds}
+
+
+_POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def position_limit(config) -> int | None:
+    """The positions below which the rotary frequencies do not depend on the forward, or None.
+
+    ``dynamic`` (NTK) and ``longrope`` rotary embeddings recompute their frequencies from the
+    largest position id of each forward (transformers' ``dynamic_rope_update``): beyond
+    ``max_position_embeddings`` (dynamic) or ``original_max_position_embeddings`` (longrope) a tree
+    forward, whose largest position is its deepest node, would rotate a node's keys differently
+    from the plain forward of that node's path. Below the limit both use the base frequencies.
+    Every other rotary type (default, linear, llama3, yarn) is static: None.
+    """
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if params and all(isinstance(v, dict) for v in params.values()):
+        groups = list(params.values())  # per layer type (Gemma 3)
+    else:
+        groups = [params]
+    limits = []
+    for group in groups:
+        kind = str(group.get("rope_type", group.get("type", "default")))
+        if not any(word in kind for word in _POSITION_DEPENDENT_ROPE):
+            continue
+        if "longrope" in kind:
+            limit = group.get("original_max_position_embeddings") or getattr(
+                config, "original_max_position_embeddings", None)
+        else:
+            limit = getattr(config, "max_position_embeddings", None)
+        limits.append(int(limit or 0))
+    return min(limits) if limits else None
+
+
 def _as_id_list(value) -> list[int]:
     if value is None:
         return []
@@ -68,6 +147,10 @@ class TargetModel(TargetDecoding, TreeScoring):
     ``num_layers``, ``eos_token_id`` (primary) and ``eos_token_ids`` (all stop ids).
     ``input_embeddings`` and ``lm_head`` are the modules a drafter shares.
 
+    ``family`` is the config's ``model_type``; ``attention_windows`` its attention kinds
+    (:func:`attention_windows`), which the tree masks reproduce; ``position_limit`` the position a
+    tree may not reach, for a position-dependent rotary embedding (:func:`position_limit`), else None.
+
     The decoding operations (:meth:`prefill`, :meth:`tree_forward`, :meth:`commit`) come from
     :class:`~exittrain.models.target_decode.TargetDecoding`, the training-time scoring
     (:meth:`score_trees`, :meth:`sequence_features`, :meth:`token_top_logprobs`) from
@@ -78,7 +161,9 @@ class TargetModel(TargetDecoding, TreeScoring):
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string identifying the target, got {name!r}")
         config = model.config.get_text_config(decoder=True)
-        self._check_supported(model, config)
+        self.family = _family(config)
+        self.attention_windows = self._check_supported(model, config)
+        self.position_limit = position_limit(config)
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -98,22 +183,30 @@ class TargetModel(TargetDecoding, TreeScoring):
         self.eos_token_id: int | None = self.eos_token_ids[0] if self.eos_token_ids else None
 
     @staticmethod
-    def _check_supported(model: nn.Module, config) -> None:
+    def _check_supported(model: nn.Module, config) -> dict[str, int | None]:
+        """What tree scoring needs of the model; returns :func:`attention_windows` of its config.
+
+        ValueError, naming the family, the reason and the fix: an attention implementation that
+        ignores a 4D mask, attention logit soft-capping under sdpa (which cannot apply it), layer
+        types a tree mask cannot express (:func:`attention_windows`), no LM head.
+        """
+        family = _family(config)
         attn = getattr(config, "_attn_implementation", None) or "eager"
         if attn not in SUPPORTED_ATTENTION:
             raise ValueError(
                 f"tree attention needs a 4D additive mask, which attn_implementation={attn!r} ignores; "
                 f"load the target with attn_implementation='sdpa' (or 'eager')"
             )
-        layer_types = getattr(config, "layer_types", None) or []
-        if any(t != "full_attention" for t in layer_types) or getattr(config, "use_sliding_window", False):
+        if getattr(config, "attn_logit_softcapping", None) is not None and attn != "eager":
             raise ValueError(
-                f"target config has non-full attention layers (layer_types={sorted(set(layer_types))}, "
-                f"use_sliding_window={getattr(config, 'use_sliding_window', False)}); tree scoring and cache "
-                "commit support full attention only: load the model with sliding windows disabled"
+                f"target family {family!r} soft-caps its attention logits (attn_logit_softcapping="
+                f"{config.attn_logit_softcapping}), which attn_implementation={attn!r} cannot apply; load it with "
+                "attn_implementation='eager' (load_target's default 'auto' does)"
             )
+        windows = attention_windows(config)
         if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
             raise ValueError(f"{type(model).__name__} has no LM head; pass a *ForCausalLM model")
+        return windows
 
     # -- shared modules and properties ----------------------------------------------------------
 
@@ -141,10 +234,32 @@ class TargetModel(TargetDecoding, TreeScoring):
         return self.model.get_decoder()
 
     def new_cache(self):
-        """An empty ``DynamicCache`` for this target."""
-        from transformers import DynamicCache
+        """An empty ``DynamicCache`` for this target whose layers all keep every position.
 
-        return DynamicCache(config=self.model.config)
+        transformers would give a sliding-window layer a ``DynamicSlidingWindowLayer``, which drops
+        the keys that fall out of the window; tree forwards and :meth:`commit` index the cache by
+        position, so every layer is a plain ``DynamicLayer`` here, and the window is applied by the
+        mask instead (the model's own for plain forwards, :meth:`_additive` for trees). The cost:
+        sliding layers hold the whole context, as full-attention layers do.
+        """
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        cache = DynamicCache(config=self.model.config)
+        cache.layers = [DynamicLayer() if getattr(layer, "is_sliding", False) else layer for layer in cache.layers]
+        return cache
+
+    def _check_positions(self, last_position: int, what: str) -> None:
+        """ValueError when a forward reaches ``last_position`` at or past :attr:`position_limit`
+        (position-dependent rotary embeddings: :func:`position_limit`); no-op for other targets."""
+        if self.position_limit is not None and last_position >= self.position_limit:
+            raise ValueError(
+                f"{what} reaches position {last_position}, but target {self.name!r} ({self.family}) uses a rotary "
+                f"embedding whose frequencies change past position {self.position_limit - 1} with the longest "
+                "position of each forward, so a tree forward would no longer equal the sequential forward of "
+                f"each path: keep context + tree depth under {self.position_limit} tokens (data.max_length, "
+                "eval.max_new_tokens)"
+            )
 
     def check_layers(self, layers: Sequence[int] | None, argument: str = "layers") -> list[int] | None:
         """Validate target layer ids (the convention of :mod:`exittrain.models.target`); returns them as a list."""
@@ -189,8 +304,39 @@ class TargetModel(TargetDecoding, TreeScoring):
     def _mask_value(self) -> float:
         return torch.finfo(self.dtype).min
 
-    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        """bool (N, Q, KV) allowed-matrix -> (N, 1, Q, KV) additive mask in the model dtype."""
+    def _additive(
+        self,
+        allowed: torch.Tensor,
+        query_positions: torch.Tensor | None = None,
+        key_positions: torch.Tensor | None = None,
+    ):
+        """bool (N, Q, KV) allowed-matrix -> the ``attention_mask`` the model takes for it.
+
+        A full-attention target gets one (N, 1, Q, KV) additive mask in the model dtype, and the
+        positions are not read. A target with sliding-window layers (:attr:`attention_windows`)
+        needs ``query_positions`` (N, Q) and ``key_positions`` (N, KV), the position ids of the
+        rows and of the keys: transformers applies a custom 4D mask as given, without the model's
+        own window, so for a layer with window w the mask also hides every key with
+        ``query - key >= w``, as the plain forward of the path would. One kind of layer gets one
+        tensor; mixed kinds a dict ``{layer type: mask}``, which the models with ``layer_types``
+        look their layers' masks up in. ValueError without the positions.
+        """
+        if set(self.attention_windows.values()) == {None}:
+            return self._additive_one(allowed)
+        if query_positions is None or key_positions is None:
+            raise ValueError(
+                f"target {self.name!r} ({self.family}) has sliding-window attention {self.attention_windows}: a "
+                "tree mask must also hide the keys outside each row's window; pass query_positions and "
+                "key_positions to _additive"
+            )
+        distance = query_positions.to(allowed.device).unsqueeze(-1) - key_positions.to(allowed.device).unsqueeze(-2)
+        masks = {
+            kind: self._additive_one(allowed if window is None else allowed & (distance < window))
+            for kind, window in self.attention_windows.items()
+        }
+        return next(iter(masks.values())) if len(masks) == 1 else masks
+
+    def _additive_one(self, allowed: torch.Tensor) -> torch.Tensor:
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
         mask.masked_fill_(~allowed, self._mask_value())
         return mask.unsqueeze(1)

@@ -1,7 +1,7 @@
 """Training-time scoring with the frozen target: sequence features, top-k log-probabilities, and
 the target logits of many anchors' trees inside training sequences.
 
-ALGORITHM.md section 3. :class:`TreeScoring` is mixed into
+docs/algorithm.md section 3. :class:`TreeScoring` is mixed into
 :class:`~exittrain.models.target_model.TargetModel`; it uses the wrapper's ``model``, ``device``,
 :meth:`~exittrain.models.target_model.TargetModel.check_layers`, feature capture, additive masks,
 id checks and :meth:`~exittrain.models.target_model.TargetModel.new_cache`. The layer-id and
@@ -160,6 +160,9 @@ class TreeScoring:
             if layers is not None and prefix.layers != layers:
                 raise ValueError(f"layers={layers} but the prefix holds the features of {prefix.layers}: "
                                  "compute the prefix with these layers")
+        if self.position_limit is not None:
+            deepest = int(anchors_LA.max()) + int(trees.positions.max()) if anchors_LA.numel() else 0
+            self._check_positions(max(T - 1, deepest), "the sequences and their trees")
         device = self.device
         input_ids_LT = input_ids_LT.to(device)
         anchors_LA = anchors_LA.to(device=device, dtype=torch.long)
@@ -207,11 +210,13 @@ class TreeScoring:
             idx = torch.arange(nA, device=device)
             tree_part[:, idx, :, idx, :] = anc_LABB[:, a0:a1].transpose(0, 1)
             allowed = torch.cat([sees_prefix, tree_part.view(L, Q, Q)], dim=2)  # (L, Q, T+Q)
+            rows_pos = pos_LAB[:, a0:a1].reshape(L, Q)
+            keys_pos = torch.cat([torch.arange(T, device=device).expand(L, T), rows_pos], dim=1)
             cache = self._cache_from_kv(kv)
             logits = self.model(
                 input_ids=ids_LAB[:, a0:a1].reshape(L, Q),
-                attention_mask=self._additive(allowed),
-                position_ids=pos_LAB[:, a0:a1].reshape(L, Q),
+                attention_mask=self._additive(allowed, rows_pos, keys_pos),
+                position_ids=rows_pos,
                 cache=cache,
                 use_cache=True,
             ).logits.view(L, nA, B1, -1)  # (L, nA, B+1, V)
@@ -260,10 +265,11 @@ class TreeScoring:
             win_rows = torch.cat([win_rows, torch.zeros(n, W, B1, dtype=torch.bool, device=device)], dim=2)
             tree_rows = torch.cat([valid.unsqueeze(1).expand(n, B1, W), anc_N[n0:n1]], dim=2)
             allowed = torch.cat([win_rows, tree_rows], dim=1)  # (n, W+B+1, W+B+1)
+            positions = torch.cat([win_pos_NW[n0:n1].clamp_min(0), pos_N[n0:n1]], dim=1)
             logits = self.model(
                 input_ids=torch.cat([win_ids_NW[n0:n1], ids_N[n0:n1]], dim=1),
-                attention_mask=self._additive(allowed),
-                position_ids=torch.cat([win_pos_NW[n0:n1].clamp_min(0), pos_N[n0:n1]], dim=1),
+                attention_mask=self._additive(allowed, positions, positions),
+                position_ids=positions,
                 use_cache=False,
                 logits_to_keep=B1,
             ).logits  # (n, B+1, V)
