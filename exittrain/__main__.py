@@ -25,14 +25,16 @@ PLAIN_COMMANDS = {
     "report": "exittrain.report.run_report:main",
     "bench": "exittrain.bench.registry:main",
     "export": "exittrain.export:main",
+    "plan": "exittrain.plan:main",
 }
-USAGE = f"""usage: python -m exittrain {{fit,eval,report,bench,export}} [args]
+USAGE = f"""usage: python -m exittrain {{fit,eval,report,bench,export,plan}} [args]
 
   fit     train a drafter:         python -m exittrain fit +recipe=code [debug=smoke] [key=value ...]
   eval    decode held-out prompts: python -m exittrain eval +recipe=code drafter=RUN_DIR/drafter
   report  tables and plots:        python -m exittrain report RUN_DIR [RUN_DIR ...]
   bench   benchmarks:              python -m exittrain bench {{{",".join(BENCHES)}}} [--help]
   export  for serving engines:     python -m exittrain export RUN_DIR/drafter OUT --format dflash
+  plan    memory and steps per rank: python -m exittrain plan +recipe=code [key=value ...] [--device-memory 80GiB]
 """
 
 

@@ -94,6 +94,7 @@ REQUIRED = {
 # Options whose own object a test cannot build, and why; the rest of their config is built.
 NOT_BUILT = {
     ("target", "qwen3_8b"): "8B weights from the hub, no network in the tests (test_qwen3_8b_is_hub_with_its_name)",
+    ("target", "llama31_8b"): "8B gated weights from the hub, no network in the tests (test_the_8b_targets_are_hub)",
 }
 EXPENSIVE = {("target", "smollm2"): pytest.mark.real_model}  # loads the embedded SmolLM2-135M
 
@@ -293,7 +294,18 @@ def test_qwen3_8b_is_hub_with_its_name(tmp_path):
     assert {**OmegaConf.to_container(hub, resolve=True), "name_or_path": "Qwen/Qwen3-8B"} == OmegaConf.to_container(
         qwen, resolve=True
     )
-    assert qwen.device == "cuda:0" and qwen.dtype == "auto" and qwen.trust_remote_code is False
+    assert qwen.device == "auto" and qwen.dtype == "auto" and qwen.trust_remote_code is False
+
+
+@pytest.mark.parametrize(
+    "option, name", [("qwen3_8b", "Qwen/Qwen3-8B"), ("llama31_8b", "meta-llama/Llama-3.1-8B-Instruct")]
+)
+def test_the_8b_targets_are_hub(tmp_path, option, name):
+    """Each shipped 8B target is hub.yaml with its name, and nothing else (not instantiated: no network)."""
+    hub = compose_config("fit", "target=hub", "target.name_or_path=org/model", f"paths.output_dir={tmp_path}").target
+    target = compose_config("fit", f"target={option}", f"paths.output_dir={tmp_path}").target
+    assert OmegaConf.to_container(target, resolve=True) == {**OmegaConf.to_container(hub, resolve=True),
+                                                            "name_or_path": name}
 
 
 def test_fit_and_eval_share_the_eval_group(tmp_path):
@@ -332,10 +344,6 @@ CODE_DEFAULTS_DIFFER = {
     ),
     ("exittrain.lit.ExitTrainModule", "vocab_sample"): (
         "tests/lit/test_module.py (test_nan_loss_raises_naming_step_and_batch) relies on the full-softmax default"
-    ),
-    ("exittrain.lit.ExitTrainModule", "feature_cache"): (
-        "tests/test_objective.py (test_a_fit_on_store_batches_never_runs_the_target_over_a_row) relies on the "
-        "default False for its 'without feature_cache' module"
     ),
     ("exittrain.lit.DecodeEvalCallback", "on_validation"): (
         "tests/lit/test_fit.py::test_fit_smoke_exittrain relies on the default True (a decode check at validation)"

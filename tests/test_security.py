@@ -229,11 +229,15 @@ def test_load_target_defaults_to_no_remote_code():
 
 
 @pytest.mark.parametrize("asked", [None, True])
-def test_load_target_passes_trust_remote_code_to_both_loaders(monkeypatch, asked):
-    """Offline: the hub loaders are replaced by fakes that record their keyword arguments."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def test_load_target_passes_trust_remote_code_to_every_loader(monkeypatch, asked):
+    """Offline: the hub loaders (config, model, tokenizer) are replaced by fakes that record their keyword arguments."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     calls = {}
+
+    def fake_config(path, **kwargs):
+        calls["config"] = (path, kwargs)
+        return tiny_target("llama").model.config
 
     def fake_model(path, **kwargs):
         calls["model"] = (path, kwargs)
@@ -245,12 +249,13 @@ def test_load_target_passes_trust_remote_code_to_both_loaders(monkeypatch, asked
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", fake_model)
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", fake_tokenizer)
+    monkeypatch.setattr(AutoConfig, "from_pretrained", fake_config)
     extra = {} if asked is None else {"trust_remote_code": asked}
     target = load_target("org/some-model", **extra)
     want = bool(asked)
     assert target.name == "org/some-model"
-    assert calls["model"][0] == calls["tokenizer"][0] == "org/some-model"
-    assert calls["model"][1]["trust_remote_code"] is want and calls["tokenizer"][1]["trust_remote_code"] is want
+    assert calls["config"][0] == calls["model"][0] == calls["tokenizer"][0] == "org/some-model"
+    assert all(calls[loader][1]["trust_remote_code"] is want for loader in ("config", "model", "tokenizer"))
 
 
 def literal_remote_code(source: str) -> list[int]:
