@@ -141,14 +141,14 @@ class ObjectiveSettings:
     alpha: float = 1e-4
     lambda_tok: float = 1.0
     lambda_exit: float = 1.0
-    gamma: float | None = None
+    gamma: float | None = 0.5
     scoring: str = "exact"
     window: int = 64
     score_chunk_size: int | None = None
     context_window: int | None = None
     analytic_every: int = 200
     seed: int = 0
-    vocab_sample: int | None = None
+    vocab_sample: int | None = 4096
     feature_cache: bool = True
     soft_label_weight: float = 1.0
     soft_label_top_k: int = 16

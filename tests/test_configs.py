@@ -338,16 +338,6 @@ def test_smoke_runs_every_stage_with_one_anchor_count(tmp_path):
 # (constructor, argument): why its code default is not the YAML's value. Keyed by constructor, so
 # one entry covers every file that sets the argument (the three domains, the targets).
 CODE_DEFAULTS_DIFFER = {
-    ("exittrain.lit.ExitTrainModule", "gamma"): (
-        "tests/test_objective.py and tests/lit/test_module.py compare the loss with reference twins written "
-        "without the depth decay, relying on the default None"
-    ),
-    ("exittrain.lit.ExitTrainModule", "vocab_sample"): (
-        "tests/lit/test_module.py (test_nan_loss_raises_naming_step_and_batch) relies on the full-softmax default"
-    ),
-    ("exittrain.lit.DecodeEvalCallback", "on_validation"): (
-        "tests/lit/test_fit.py::test_fit_smoke_exittrain relies on the default True (a decode check at validation)"
-    ),
     ("exittrain.models.new_drafter", "init_from_layers"): (
         "new_drafter's default is the plain randomly initialised drafter that tests/models build (12 fail with auto)"
     ),

@@ -60,8 +60,9 @@ def store_batch(store_rows, indices=(0, 1, 2)):
 @pytest.mark.parametrize("weight_type", ["flow", "missing"])
 def test_the_function_matches_the_reference_twins_without_lightning(target, weight_type, feature_cache):
     drafter = drafter_of(target)
+    # gamma=None: the twin's block CE has no depth decay (the decay is checked against its twin below)
     settings = ObjectiveSettings(weight_type=weight_type, alpha=0.05, lambda_tok=0.5, lambda_exit=2.0,
-                                 anchors_per_seq=12, budget=8, feature_cache=feature_cache)
+                                 anchors_per_seq=12, budget=8, feature_cache=feature_cache, gamma=None)
     batch = batch_of(3, seed=4)  # no stored features: computed (bf16-rounded with feature_cache)
     with torch.no_grad():
         out = compute_losses(drafter, target, batch, settings, anchor_generator(0, 0), exit_loss=True, metrics=True)

@@ -156,7 +156,7 @@ class DecodeEvalCallback(Callback):
         temperature: float = 0.0,
         verifier: str = "tev",
         *,
-        on_validation: bool = True,
+        on_validation: bool = False,
         seed: int = 0,
     ) -> None:
         if not (isinstance(every_n_steps, int) and not isinstance(every_n_steps, bool) and every_n_steps >= 0):

@@ -164,7 +164,8 @@ def train(
 
     # phase 1: fit
     module = make_module(target, **module_kwargs())
-    record, decode = Record(), DecodeEvalCallback(PROMPTS, every_n_steps=2, budget=4, max_new_tokens=4)
+    record, decode = Record(), DecodeEvalCallback(PROMPTS, every_n_steps=2, budget=4, max_new_tokens=4,
+                                                  on_validation=True)
     export = ExportDrafterCallback(run / "export")
     checkpoint = ModelCheckpoint(dirpath=run / "ckpt", save_last=True)
     callbacks = [record, decode, checkpoint, export, MetricsFileCallback(run, "exittrain")]

@@ -125,7 +125,10 @@ def make_module(target, *, drafter_seed: int = 0, copy_ngrams=None, **overrides)
     drafter = new_drafter(
         target, block_size=BLOCK, num_layers=1, hidden_size=32, num_heads=4, seed=drafter_seed, copy_ngrams=copy_ngrams
     )
-    kwargs = dict(stage="exittrain", anchors_per_seq=4, budget=8, lr=3e-3, warmup_ratio=0.2, seed=0)
+    # the plain objective the reference twins compute: no depth decay, the full softmax (the recipe's 0.5 and
+    # 4096 are set where a test wants them)
+    kwargs = dict(stage="exittrain", anchors_per_seq=4, budget=8, lr=3e-3, warmup_ratio=0.2, seed=0, gamma=None,
+                  vocab_sample=None)
     kwargs.update(overrides)
     return ExitTrainModule(drafter, target, **kwargs)
 

@@ -42,7 +42,7 @@ def test_fit_smoke_exittrain(target, tmp_path):
     before = {k: v.clone() for k, v in drafter.state_dict().items()}
     target_before = {k: v.clone() for k, v in target.model.state_dict().items()}
     logger = ListLogger()
-    decode = DecodeEvalCallback(lambda: PROMPTS, every_n_steps=3, budget=8, max_new_tokens=8)
+    decode = DecodeEvalCallback(lambda: PROMPTS, every_n_steps=3, budget=8, max_new_tokens=8, on_validation=True)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val/block_length", mode="max", save_last=True)
     export = ExportDrafterCallback(tmp_path / "export", export_best=True)
     metrics_file = MetricsFileCallback(tmp_path, "exittrain")
