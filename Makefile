@@ -20,10 +20,10 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)  ## create .venv and install everything (idempotent)
 
-test: setup  ## the fast tier of the offline CPU tests (-m 'not slow'; ~3 min on 2 cores)
+test: setup  ## the fast tier of the offline CPU tests (-m 'not slow'; ~6 min on 2 cores)
 	$(VPY) -m pytest -q
 
-test-slow: setup  ## only the slow tier (-m slow: subprocess fits, DDP/FSDP, kill-and-resume; ~5 min)
+test-slow: setup  ## only the slow tier (-m slow: subprocess fits, DDP/FSDP, kill-and-resume; ~11 min)
 	$(VPY) -m pytest -q -m slow
 
 lint: setup  ## ruff

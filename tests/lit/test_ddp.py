@@ -57,7 +57,11 @@ TIMEOUT_S = 240
 # < 1e-6). AdamW's first update, lr * g / (|g| + eps), turns the rounding of gradient entries near
 # zero into weight differences of up to ~1e-4 * lr, so later steps and the weights agree to a
 # measured ~5e-5: 1e-3 keeps a 20x margin and still rejects a summed gradient (100% off).
-STEP0_TOL, LATER_TOL = 1e-5, 1e-3
+# Gradients after the first update are computed at those slightly different weights, and a
+# gradient's relative error grows where its norm is small: measured up to 1.2e-3 (FSDP, the
+# resumed step's q_proj) on an Intel Xeon with torch's AVX2 kernels, under 1e-3 with its AVX512
+# kernels. 1e-2 rejects a summed gradient by 100x and does not depend on which kernels the host runs.
+STEP0_TOL, LATER_TOL, LATER_GRAD_TOL = 1e-5, 1e-3, 1e-2
 
 
 def _clean_env() -> dict[str, str]:
@@ -150,7 +154,7 @@ def test_gradients_are_averaged_like_one_process_with_the_global_batch(runs):
     assert len(t0["grads"]) == len(t1["grads"]) == len(ref["grads"]) == ddp_driver.STEPS
     for step, (g0, g1, g_ref) in enumerate(zip(t0["grads"], t1["grads"], ref["grads"])):
         assert g0.keys() == g_ref.keys()
-        tol = STEP0_TOL if step == 0 else LATER_TOL
+        tol = STEP0_TOL if step == 0 else LATER_GRAD_TOL
         for name in g_ref:
             assert torch.equal(g0[name], g1[name]), f"step {step}: ranks hold different reduced gradients ({name})"
             assert _rel_err(g0[name], g_ref[name]) < tol, (step, name, _rel_err(g0[name], g_ref[name]))
