@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.lit.crash_helpers import subprocess_env, write_prompts
+from tests.lit.crash_helpers import subprocess_env, tiny_run_overrides, write_prompts
 from tests.models.test_families import DFLASH_REFUSED, FAMILIES, write_family
 
 pytestmark = pytest.mark.slow
@@ -42,21 +42,7 @@ def _fit_command(workdir, run_dir) -> list[str]:
         sys.executable, "-m", "exittrain", "fit",
         f"hydra.run.dir={run_dir}",
         "target=hub",
-        f"target.name_or_path={workdir / 'target'}",
-        f"data.train_sources=[jsonl:{workdir / 'train.jsonl'}:text]",
-        f"data.eval_sources=[jsonl:{workdir / 'eval.jsonl'}:text]",
-        f"data.cache_dir={workdir / 'cache'}",
-        "data.max_train_prompts=null",
-        "data.batch_size=2",
-        "data.max_length=64",
-        "data.generation.max_new_tokens=12",
-        "data.generation.batch_size=4",
-        "drafter.block_size=4",
-        "drafter.num_layers=1",
-        "tree.budget_train=4",
-        "tree.budget_eval=4",
-        "objective.anchors_per_seq=4",
-        "stages.exittrain.anchors_per_seq=4",
+        *tiny_run_overrides(workdir),
         f"stages.pretrain.max_steps={PRETRAIN_STEPS}",
         "stages.pretrain.eval_every=null",
         f"stages.exittrain.max_steps={EXITTRAIN_STEPS}",

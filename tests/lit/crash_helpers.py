@@ -52,6 +52,29 @@ def write_prompts(path: Path, n: int, *, seed: int) -> Path:
     return path
 
 
+def tiny_run_overrides(workdir: Path, cache: Path | None = None) -> list[str]:
+    """The overrides of a fit on the tiny target and prompts in ``workdir`` (the model in
+    ``workdir/target``, prompts from :func:`write_prompts`): data, drafter and tree sizes that make a
+    run take seconds. ``cache``: the regeneration cache (default ``workdir/cache``)."""
+    return [
+        f"target.name_or_path={workdir / 'target'}",
+        f"data.train_sources=[jsonl:{workdir / 'train.jsonl'}:text]",
+        f"data.eval_sources=[jsonl:{workdir / 'eval.jsonl'}:text]",
+        f"data.cache_dir={cache or workdir / 'cache'}",
+        "data.max_train_prompts=null",
+        "data.batch_size=2",
+        "data.max_length=64",
+        "data.generation.max_new_tokens=12",
+        "data.generation.batch_size=4",
+        "drafter.block_size=4",
+        "drafter.num_layers=1",
+        "tree.budget_train=4",
+        "tree.budget_eval=4",
+        "objective.anchors_per_seq=4",
+        "stages.exittrain.anchors_per_seq=4",
+    ]
+
+
 def fit_command(
     workdir: Path, run_dir: Path, record: Path, *overrides: str, cache: Path | None = None, sleep_s: float = 0.0
 ) -> list[str]:
@@ -69,21 +92,7 @@ def fit_command(
         "exittrain",
         "fit",
         f"hydra.run.dir={run_dir}",
-        f"target.name_or_path={workdir / 'target'}",
-        f"data.train_sources=[jsonl:{workdir / 'train.jsonl'}:text]",
-        f"data.eval_sources=[jsonl:{workdir / 'eval.jsonl'}:text]",
-        f"data.cache_dir={cache or workdir / 'cache'}",
-        "data.max_train_prompts=null",
-        "data.batch_size=2",
-        "data.max_length=64",
-        "data.generation.max_new_tokens=12",
-        "data.generation.batch_size=4",
-        "drafter.block_size=4",
-        "drafter.num_layers=1",
-        "tree.budget_train=4",
-        "tree.budget_eval=4",
-        "objective.anchors_per_seq=4",
-        "stages.exittrain.anchors_per_seq=4",
+        *tiny_run_overrides(workdir, cache),
         "stages.pretrain.max_steps=10",
         "stages.pretrain.eval_every=null",  # the callbacks' every step below, not the default run's interval
         "stages.exittrain.max_steps=4",
