@@ -33,6 +33,8 @@ from exittrain.precision import AUTO, generation_dtype
 # Shapes: N = prompts in a batch, P = padded prompt length, G = generated length.
 
 GENERATION_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+BACKENDS = ("hf", "vllm")
+"""Who answers the prompts: Hugging Face ``generate`` in this process, or vLLM (:mod:`exittrain.data.vllm_backend`)."""
 MIN_SHARED_PREFIX = 8
 """A batch's prompts share their prefix's forward only from this many tokens (below it, the copies cost more)."""
 
@@ -43,6 +45,8 @@ class Answer(NamedTuple):
     ``response`` ids (r,), up to and including the first EOS; ``finished``: it ended with EOS;
     ``features`` (n_prompt + r, F) bf16 or None; ``top_ids`` (r, S) int32 and ``top_logprobs``
     (r, S) float32 (row j: the distribution response token j was drawn from), or None.
+    ``error``: why the answering engine rejected the prompt (then ``response`` is empty and the
+    prompt gets no row: the run counts and names it in the cache metadata), None for an answer.
     """
 
     response: list[int]
@@ -50,6 +54,7 @@ class Answer(NamedTuple):
     features: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,21 @@ class GenerationConfig:
         share_prefix: run the target once over the tokens every prompt of a batch starts with
             (the chat template's system turn, a shared instruction) and start each row from a
             copy of that cache (:func:`generate_batch`). The same answers up to float rounding,
-            for fewer prefill tokens.
+            for fewer prefill tokens. HF backend only.
+        backend: who answers: ``"hf"`` (Hugging Face ``generate`` in this process) or ``"vllm"``
+            (vLLM's offline engine in ``engine_python``'s environment, or the OpenAI-compatible
+            server at ``server_url``: :mod:`exittrain.data.vllm_backend`). Part of the key.
+        server_url: with ``backend="vllm"``, the base URL of a running vLLM server (e.g.
+            ``http://host:8000``); None starts the offline engine. Not part of the key (where the
+            engine runs does not change the answers; its version does).
+        engine_python: the interpreter of the environment vLLM is installed in (``make
+            vllm-setup`` builds ``.venv-vllm``). Not part of the key.
+        engine_version: the answering engine's version, filled in when the run resolves the
+            backend (:func:`exittrain.data.vllm_backend.resolve_engine`); part of the key.
+        shard: ``"I/N"``: this process answers only shard I (0-based) of N of the batches, under
+            the same key as the whole entry; the process that completes the last shard merges
+            the entry. None: every batch (or, under torchrun/SLURM with several ranks, the rank's
+            shard). Not part of the key.
     """
 
     max_new_tokens: int = 96
@@ -87,8 +106,25 @@ class GenerationConfig:
     system_prompt: str | None = None
     dtype: str | None = None
     share_prefix: bool = True
+    backend: str = "hf"
+    server_url: str | None = None
+    engine_python: str = ".venv-vllm/bin/python"
+    engine_version: str | None = None
+    shard: str | None = None
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"GenerationConfig.backend={self.backend!r}: use one of {list(BACKENDS)} (data.generation.backend "
+                "in a fit config; vllm needs `make vllm-setup` or data.generation.server_url=http://HOST:PORT)"
+            )
+        if self.server_url is not None and self.backend != "vllm":
+            raise ValueError(
+                f"GenerationConfig.server_url={self.server_url!r} is only read with backend=vllm; set "
+                "data.generation.backend=vllm or drop server_url"
+            )
+        if self.shard is not None:
+            parse_shard(self.shard)
         if self.dtype is not None and self.dtype != AUTO and self.dtype not in GENERATION_DTYPES:
             raise ValueError(
                 f"GenerationConfig.dtype={self.dtype!r}: use one of {sorted(GENERATION_DTYPES)}, auto (bf16 where the "
@@ -125,6 +161,20 @@ class GenerationConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def parse_shard(shard: str) -> tuple[int, int]:
+    """``"I/N"`` -> ``(I, N)`` with ``0 <= I < N``; ValueError naming ``data.generation.shard`` otherwise."""
+    try:
+        index, count = (int(x) for x in str(shard).split("/"))
+    except ValueError:
+        index, count = -1, 0
+    if not 0 <= index < count:
+        raise ValueError(
+            f"data.generation.shard={shard!r}: write I/N with 0 <= I < N, e.g. shard=0/8 for the first of 8 "
+            "independent jobs (a SLURM array: shard=$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT)"
+        )
+    return index, count
 
 
 # ----------------------------------------------------------------------------------------------

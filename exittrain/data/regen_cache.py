@@ -88,7 +88,9 @@ def prompts_digest(prompts: Sequence[str]) -> str:
     return h.hexdigest()
 
 
-_KEY_DEFAULTS_BEFORE = {("dtype", None), ("share_prefix", False)}
+_KEY_DEFAULTS_BEFORE = {("dtype", None), ("share_prefix", False), ("backend", "hf"), ("engine_version", None)}
+# where a process answers and which part of the entry it writes do not change the answers
+_NOT_KEYED = frozenset({"server_url", "engine_python", "shard"})
 
 
 def cache_key(target_name: str, prompt_set: str, prompts: Sequence[str], gen: GenerationConfig) -> str:
@@ -106,7 +108,9 @@ def cache_key(target_name: str, prompt_set: str, prompts: Sequence[str], gen: Ge
         "prompts_sha256": prompts_digest(prompts),
         # fields at the value that matches what came before them (the target's own dtype, no prefix
         # sharing) are left out, so entries written before the fields existed keep their keys
-        "generation": {k: v for k, v in gen.to_dict().items() if (k, v) not in _KEY_DEFAULTS_BEFORE},
+        "generation": {
+            k: v for k, v in gen.to_dict().items() if (k, v) not in _KEY_DEFAULTS_BEFORE and k not in _NOT_KEYED
+        },
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 
