@@ -1,8 +1,9 @@
 """`python -m exittrain <command> [args]`.
 
-Commands: ``fit`` (train a drafter, conf/fit.yaml), ``eval`` (decode held-out prompts,
-conf/eval.yaml), ``report`` (tables and plots from run directories), ``bench`` (benchmarks),
-``export`` (a saved drafter in a serving format, :mod:`exittrain.export`).
+Commands: ``fit`` (train a drafter, conf/fit.yaml), ``prepare`` (fit's data step alone, with
+fit's config: conf/prepare.yaml), ``eval`` (decode held-out prompts, conf/eval.yaml), ``report``
+(tables and plots from run directories), ``bench`` (benchmarks), ``export`` (a saved drafter in a
+serving format, :mod:`exittrain.export`).
 
 The Hydra commands (:data:`HYDRA_COMMANDS`) go through :mod:`exittrain.cli`. Hydra would read a
 bare ``fit`` as an override, so the first word is rewritten into ``--config-name=fit`` before
@@ -20,16 +21,17 @@ import sys
 
 from exittrain.bench.registry import BENCHES  # a dict of module names: imports nothing heavy
 
-HYDRA_COMMANDS = ("fit", "eval")
+HYDRA_COMMANDS = ("fit", "prepare", "eval")
 PLAIN_COMMANDS = {
     "report": "exittrain.report.run_report:main",
     "bench": "exittrain.bench.registry:main",
     "export": "exittrain.export:main",
     "plan": "exittrain.plan:main",
 }
-USAGE = f"""usage: python -m exittrain {{fit,eval,report,bench,export,plan}} [args]
+USAGE = f"""usage: python -m exittrain {{fit,prepare,eval,report,bench,export,plan}} [args]
 
   fit     train a drafter:         python -m exittrain fit +recipe=code [debug=smoke] [key=value ...]
+  prepare fit's data step alone:   python -m exittrain prepare +recipe=code [data.generation.shard=I/N] [...]
   eval    decode held-out prompts: python -m exittrain eval +recipe=code drafter=RUN_DIR/drafter
   report  tables and plots:        python -m exittrain report RUN_DIR [RUN_DIR ...]
   bench   benchmarks:              python -m exittrain bench {{{",".join(BENCHES)}}} [--help]

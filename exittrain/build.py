@@ -81,30 +81,32 @@ def build_datamodule(cfg: DictConfig, target, drafter_layers: list[int], stages:
 
 
 def prepare_data(datamodule, *, wait_s: float, poll_s: float = 10.0) -> None:
-    """Regenerate the data on global rank 0; every other rank waits for the complete cache entry.
+    """Every rank answers its shard of the regeneration, then waits for the complete cache entry.
 
-    Under Lightning's own launcher ranks >= 1 start inside ``trainer.fit``, after rank 0 got
-    here, and find the entry at once. torchrun and srun start every rank together: only one
-    process may write a cache key (two would race on its shards and its final rename, see
-    exittrain/data/regenerate.py), so the others poll for the folder with the entry's final name,
-    which exists only once complete, for up to ``wait_s`` seconds (``data_wait_s``). Rank 0 is
-    the writer rather than each node's local rank 0 for the same reason: ``data.cache_dir`` must
-    then be on a file system every node sees, like ``hydra.run.dir``.
+    ``datamodule.prepare_data()`` answers this process's shard of the entry's batches: the one
+    ``data.generation.shard`` names, else the launcher's global rank of its world size (torchrun's
+    ``RANK``/``WORLD_SIZE``, srun's ``SLURM_PROCID``/``SLURM_NTASKS``), else every batch
+    (:func:`exittrain.data.regenerate.process_shard`). The process that completes the last batch
+    merges the entry; the others poll for the folder with the entry's final name, which exists only
+    once complete, for up to ``wait_s`` seconds (``data_wait_s``). Under Lightning's own launcher
+    rank 0 is alone here (no launcher variables yet: every batch) and the ranks it starts later find
+    the entry at once. ``data.cache_dir`` must be on a file system every process sees, like
+    ``hydra.run.dir``.
     """
     rank = global_rank()
-    if rank == 0:
-        datamodule.prepare_data()  # regeneration (cached) before any training, with its progress bar
-        return
+    datamodule.prepare_data()  # this rank's shard (cached batches are skipped), with its progress bar
     path = datamodule.cache_path
     deadline = time.monotonic() + wait_s
     if not path.is_dir():
-        log.info("rank %d: waiting up to %g s for global rank 0 to regenerate %s", rank, wait_s, path)
+        log.info("rank %d: shard answered; waiting up to %g s for the other shards of %s", rank, wait_s, path)
     while not path.is_dir():
         if time.monotonic() >= deadline:
             raise TimeoutError(
-                f"rank {rank}: no regenerated data at {path} after data_wait_s={wait_s:g} s; global rank 0 writes it. "
-                "Fill the cache first with one process and the same data.* and target (docs/multi_gpu.md, "
-                "Launching), or raise data_wait_s; with several nodes, data.cache_dir must be on a shared file system"
+                f"rank {rank}: no regenerated data at {path} after data_wait_s={wait_s:g} s; every rank answers its "
+                "shard and the one that completes the last batch merges the entry. Look for a rank that failed or "
+                "ran with other data.* or target settings, fill the cache first (python -m exittrain prepare with the "
+                "same overrides; docs/multi_gpu.md, Launching), or raise data_wait_s; with several nodes, "
+                "data.cache_dir must be on a shared file system"
             )
         time.sleep(poll_s)
 

@@ -2,10 +2,10 @@
 
 The command's config name (``--config-name=fit``) picks its library function from
 :data:`COMMANDS`: ``fit`` -> :func:`exittrain.fit.fit`, ``eval`` ->
-:func:`exittrain.evaluate.run_eval`. The recipes are registered as the ``recipe`` group
-(:func:`exittrain.configs.register_recipes`) before Hydra starts, so ``+recipe=code`` works
-exactly as typed. Every output goes to Hydra's run directory. Nothing in the package imports
-this module.
+:func:`exittrain.evaluate.run_eval`, ``prepare`` -> :func:`exittrain.prepare.run_prepare`. The
+recipes are registered as the ``recipe`` group (:func:`exittrain.configs.register_recipes`) before
+Hydra starts, so ``+recipe=code`` works exactly as typed. Every output goes to Hydra's run
+directory. Nothing in the package imports this module.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from exittrain.host_memory import keep_freed_host_memory
 COMMANDS = {
     "fit": "exittrain.fit:fit",
     "eval": "exittrain.evaluate:run_eval",
+    "prepare": "exittrain.prepare:run_prepare",
 }
 
 

@@ -27,6 +27,7 @@ ENTRY_POINTS = {
     "exittrain.cli": {"__main__.py", "cli.py"},
     "exittrain.fit": {"cli.py", "fit.py"},
     "exittrain.evaluate": {"cli.py", "evaluate.py"},
+    "exittrain.prepare": {"cli.py", "prepare.py"},
 }
 
 

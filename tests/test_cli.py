@@ -102,5 +102,5 @@ def test_every_hydra_command_has_its_config_and_its_library_function():
         assert callable(getattr(importlib.import_module(module), name)), where
     for command in HYDRA_COMMANDS:
         assert (CONF_DIR / f"{command}.yaml").is_file(), command
-    with pytest.raises(ValueError, match=r"unknown command config 'train'; use one of \['eval', 'fit'\]"):
+    with pytest.raises(ValueError, match=r"unknown command config 'train'; use one of \['eval', 'fit', 'prepare'\]"):
         cli.run_command("train", None)

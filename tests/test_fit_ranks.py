@@ -1,5 +1,5 @@
-"""`fit` on a process that is not global rank 0 trains and leaves the rest to rank 0, which
-regenerates the data, evaluates and writes every file.
+"""`fit` on a process that is not global rank 0 answers its shard of the regeneration, trains and
+leaves the rest to rank 0, which evaluates and writes every file.
 
 tests/lit/test_ddp.py runs two processes but builds its own trainer, not ``fit``. These tests
 instead set Lightning's ``rank_zero_only.rank``, the rank that
@@ -75,19 +75,22 @@ def test_wandb_logger_is_not_configured_on_ranks_above_zero(rank, tmp_path, monk
 
 
 # ----------------------------------------------------------------------------------------------
-# regeneration: rank 0 writes, the others wait
+# regeneration: every rank answers its shard, then waits for the complete entry
 
 
 class FakeData:
-    """What fit.prepare_data uses of the DataModule: prepare_data() and cache_path."""
+    """What fit.prepare_data uses of the DataModule: prepare_data() and cache_path. ``completes``:
+    this rank's shard is the last one, so its prepare_data writes the entry."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, completes: bool = True):
         self.cache_path = path
         self.prepared = 0
+        self.completes = completes
 
     def prepare_data(self) -> None:
         self.prepared += 1
-        self.cache_path.mkdir()
+        if self.completes:
+            self.cache_path.mkdir()
 
 
 def test_rank_zero_regenerates(rank, tmp_path):
@@ -99,22 +102,22 @@ def test_rank_zero_regenerates(rank, tmp_path):
 
 def test_other_ranks_wait_for_the_complete_entry(rank, tmp_path):
     rank(1)
-    data = FakeData(tmp_path / "entry")
-    timer = threading.Timer(0.3, data.cache_path.mkdir)  # "rank 0" finishes a moment later
+    data = FakeData(tmp_path / "entry", completes=False)
+    timer = threading.Timer(0.3, data.cache_path.mkdir)  # "rank 0" finishes the last shard a moment later
     timer.start()
     try:
         prepare_data(data, wait_s=30, poll_s=0.02)
     finally:
         timer.cancel()
-    assert data.prepared == 0 and data.cache_path.is_dir()
+    assert data.prepared == 1 and data.cache_path.is_dir()
 
 
 def test_other_ranks_give_up_with_a_clear_error(rank, tmp_path):
     rank(2)
-    data = FakeData(tmp_path / "entry")
+    data = FakeData(tmp_path / "entry", completes=False)
     with pytest.raises(TimeoutError, match=r"rank 2: no regenerated data at .*entry after data_wait_s=0.05 s"):
         prepare_data(data, wait_s=0.05, poll_s=0.01)
-    assert data.prepared == 0
+    assert data.prepared == 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,17 +240,25 @@ def test_fit_on_rank_one_trains_and_leaves_evaluation_and_files_to_rank_zero(ran
     monkeypatch.setattr("exittrain.heldout.decode_eval.evaluate_prompts", rank_zero_only_work)
     monkeypatch.setattr("exittrain.lit.save_drafter", rank_zero_only_work)
     rank(1)
+    cfg.data.generation.batch_size = 4  # the 8 training prompts in 2 batches: one per shard of 2
 
-    # an empty cache: rank 1 never regenerates, it waits (here 0 s) for rank 0 and says so
-    with pytest.raises(TimeoutError, match="global rank 0 writes it"):
+    # an empty cache under torchrun's variables: rank 1 answers its batch, then waits (here 0 s) for the entry
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(TimeoutError, match="every rank answers its shard"):
         fit(cfg, target=target)
-    assert not list((tmp_path / "cache").rglob("*")), "rank 1 wrote to the regeneration cache"
+    written = sorted(p.name for p in (tmp_path / "cache").rglob("shard_*"))
+    assert written == ["shard_00001"], "rank 1 answered another shard's batch or merged a partial entry"
 
-    # rank 0's regeneration, then rank 1's whole fit
+    # rank 0's shard completes the entry, then rank 1's whole fit finds it
+    monkeypatch.setenv("RANK", "0")
     datamodule = hydra.utils.instantiate(cfg.data)(
         target=lambda: (target.model, target.tokenizer), tokenizer=target.tokenizer, target_name=target.name
     )
     datamodule.prepare_data()
+    assert datamodule.cache_path.is_dir()
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
     summary = fit(cfg, target=target)
 
     assert summary["stages"] == ["pretrain", "exittrain"] and summary["tables"] == {}

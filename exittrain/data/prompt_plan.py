@@ -18,6 +18,19 @@ prompt equal to an evaluation prompt (:func:`exittrain.data.sources.load_domain`
 The cache key hashes the target name, the prompt-set description (:func:`prompt_set_description`),
 the training prompts and the generation settings (:func:`exittrain.data.regen_cache.cache_key`):
 spelling any of them differently orphans every cache entry written before.
+
+**Answered conversations.** When every training source is one of answered conversations
+(``chat-json:`` / ``chat-hf:``, :mod:`exittrain.data.source_spec`), nothing is generated: the plan
+reads the conversations (:func:`exittrain.data.conversations.load_conversation_set`), drops every
+conversation with a user turn equal to an evaluation prompt (normalized text), samples them like
+prompts (``exclude_seed``, ``max_train_prompts``, ``seed``: :func:`choose_train_indices`), and
+:meth:`PromptPlan.regenerate` writes the brought entry (:func:`exittrain.data.brought.write_brought_entry`)
+at :attr:`PromptPlan.cache_path` (:func:`~exittrain.data.brought.brought_cache_path`: the key hashes
+the target, the description ``"brought;" + prompt_set_description``, the conversations and
+``generation.dtype``). :attr:`PromptPlan.train` is then each chosen conversation's first user turn
+(its task key for the validation split), and the evaluation prompts still come from the eval
+sources (or the domain's). A list that mixes prompt sources and answered conversations is refused
+(ValueError): answers the target wrote and answers brought from elsewhere are two entries, two runs.
 """
 
 from __future__ import annotations
@@ -29,18 +42,30 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from exittrain.data.brought import brought_cache_key, brought_cache_path, write_brought_entry
+from exittrain.data.conversations import Conversation, load_conversation_set
 from exittrain.data.generation import GenerationConfig, chat_prompt_ids
-from exittrain.data.prompt_selection import seeded_sample, unseen_tasks
+from exittrain.data.prompt_selection import seeded_sample
 from exittrain.data.regen_cache import cache_key, cache_path
-from exittrain.data.regenerate import TargetProvider, regenerate
-from exittrain.data.sources import DEFAULT_MAX_CHARS, DomainPrompts, PromptSource, load_domain
+from exittrain.data.regenerate import TargetProvider, regenerate, resolve_backend
+from exittrain.data.sources import (
+    DEFAULT_MAX_CHARS,
+    DOMAIN_SOURCES,
+    DomainPrompts,
+    PromptSource,
+    load_domain,
+    load_prompt_set,
+    normalize_prompt,
+)
 from exittrain.models.target_loading import EMBEDDED_TARGET_NAME
 
 __all__ = [
     "LOADER_ARGS",
     "PromptPlan",
     "SourceSpecs",
+    "answered_sources",
     "check_sample_settings",
+    "choose_train_indices",
     "choose_train_prompts",
     "prompt_set_description",
 ]
@@ -80,26 +105,53 @@ def check_sample_settings(max_train_prompts: int | None, seed: int, exclude_seed
         )
 
 
+def answered_sources(specs: SourceSpecs | None) -> bool:
+    """True when every spec of ``specs`` names answered conversations, False when none does (and for
+    None: the domain's prompt sources). A list mixing both raises ValueError naming them."""
+    if not specs:
+        return False
+    sources = [PromptSource.parse(s) for s in specs]
+    if len({src.answered for src in sources}) > 1:
+        answered, prompts = [str(s) for s in sources if s.answered], [str(s) for s in sources if not s.answered]
+        raise ValueError(
+            f"data.train_sources mixes answered conversations {answered} with prompt sources {prompts}; "
+            "give either prompts for the target to answer or conversations answered elsewhere, and run the other "
+            "set as another fit"
+        )
+    return sources[0].answered
+
+
+def choose_train_indices(
+    dp: DomainPrompts, *, max_train_prompts: int | None, seed: int, exclude_seed: int | None = None
+) -> list[int]:
+    """The positions in ``dp.train`` of the training prompts a run uses: without the tasks of
+    ``exclude_seed``'s sample (when set; :func:`~exittrain.data.prompt_selection.unseen_tasks` by
+    position), then a sample of at most ``max_train_prompts`` under ``seed``; ascending."""
+    check_sample_settings(max_train_prompts, seed, exclude_seed)
+    keep = list(range(len(dp.train)))
+    if exclude_seed is not None:
+        tasks = dp.train_tasks()
+        seen = {tasks[i] for i in seeded_sample(len(keep), max_train_prompts, exclude_seed)}
+        unseen = [i for i in keep if tasks[i] not in seen]
+        logger.info(
+            "left out %d training prompts: the tasks of seed %d's sample (exclude_seed)",
+            len(keep) - len(unseen),
+            exclude_seed,
+        )
+        keep = unseen
+    if max_train_prompts is not None and len(keep) > max_train_prompts:
+        sample = seeded_sample(len(keep), max_train_prompts, seed)
+        logger.info("using %d of %d training prompts (max_train_prompts)", len(sample), len(keep))
+        keep = [keep[j] for j in sample]
+    return keep
+
+
 def choose_train_prompts(
     dp: DomainPrompts, *, max_train_prompts: int | None, seed: int, exclude_seed: int | None = None
 ) -> list[str]:
-    """The training prompts of ``dp`` a run uses: without the tasks of ``exclude_seed``'s sample (when
-    set), then a sample of at most ``max_train_prompts`` under ``seed``; in ``dp.train``'s order."""
-    check_sample_settings(max_train_prompts, seed, exclude_seed)
-    train = list(dp.train)
-    if exclude_seed is not None:
-        unseen = unseen_tasks(train, dp.train_tasks(), max_train_prompts, exclude_seed)
-        logger.info(
-            "left out %d training prompts: the tasks of seed %d's sample (exclude_seed)",
-            len(train) - len(unseen),
-            exclude_seed,
-        )
-        train = unseen
-    if max_train_prompts is not None and len(train) > max_train_prompts:
-        keep = seeded_sample(len(train), max_train_prompts, seed)
-        logger.info("using %d of %d training prompts (max_train_prompts)", len(keep), len(train))
-        train = [train[i] for i in keep]
-    return train
+    """The training prompts of ``dp`` a run uses (:func:`choose_train_indices`), in ``dp.train``'s order."""
+    keep = choose_train_indices(dp, max_train_prompts=max_train_prompts, seed=seed, exclude_seed=exclude_seed)
+    return [dp.train[i] for i in keep]
 
 
 def prompt_set_description(
@@ -179,7 +231,11 @@ class PromptPlan:
         self.seed = seed
         self.exclude_seed = exclude_seed
         self.max_prompt_chars = max_prompt_chars
+        self.answered = answered_sources(self.train_sources)  # answered conversations: a brought entry
         self._prompts: DomainPrompts | None = None
+        self._conversations: list[Conversation] | None = None  # the chosen ones, when answered
+        self._left_out_by_sample = 0
+        self._keyed_generation: GenerationConfig | None = None
 
     @classmethod
     def from_data_args(cls, data: Mapping[str, Any], **overrides: Any) -> PromptPlan:
@@ -195,6 +251,8 @@ class PromptPlan:
 
     def prompts(self) -> DomainPrompts:
         """Train and eval prompts after cleaning, overlap removal, ``exclude_seed`` and ``max_train_prompts``."""
+        if self._prompts is None and self.answered:
+            self._prompts, self._conversations = self._brought()
         if self._prompts is None:
             dp = load_domain(
                 self.domain, train=self.train_sources, eval=self.eval_sources, max_chars=self.max_prompt_chars
@@ -204,6 +262,54 @@ class PromptPlan:
             )
             self._prompts = dp
         return self._prompts
+
+    def _brought(self) -> tuple[DomainPrompts, list[Conversation]]:
+        """The answered conversations a run trains on, and the domain's prompts they stand for (module docstring)."""
+        eval_specs = self.eval_sources
+        if eval_specs is None:
+            if self.domain not in DOMAIN_SOURCES:
+                raise ValueError(
+                    f"domain {self.domain!r} has no default evaluation prompts; give data.eval_sources beside the "
+                    f"answered conversations, or a domain of {sorted(DOMAIN_SOURCES)}"
+                )
+            eval_specs = DOMAIN_SOURCES[self.domain].eval
+        eval_prompts, eval_stats, eval_rep = load_prompt_set(eval_specs, max_chars=self.max_prompt_chars)
+        conversations, train_stats, train_rep = load_conversation_set(self.train_sources)
+        held_out = {normalize_prompt(p) for p in eval_prompts}
+        kept = [
+            c for c in conversations if not any(r == "user" and normalize_prompt(t) in held_out for r, t in c.turns)
+        ]
+        if len(kept) < len(conversations):
+            logger.warning(
+                "%s: dropped %d conversations with a user turn equal to an evaluation prompt",
+                self.domain,
+                len(conversations) - len(kept),
+            )
+        if not kept:
+            raise ValueError(f"every conversation of {self.train_sources} asks an evaluation prompt; use other data")
+        dp = DomainPrompts(
+            domain=self.domain or "custom",
+            train=[c.prompt for c in kept],
+            eval=eval_prompts,
+            train_stats=train_stats,
+            eval_stats=eval_stats,
+            overlap_removed=len(conversations) - len(kept),
+            cross_source_duplicates={"train": train_rep, "eval": eval_rep},
+        )
+        chosen = choose_train_indices(
+            dp, max_train_prompts=self.max_train_prompts, seed=self.seed, exclude_seed=self.exclude_seed
+        )
+        dp.train = [dp.train[i] for i in chosen]
+        self._left_out_by_sample = len(kept) - len(chosen)  # exclude_seed and max_train_prompts, for the metadata
+        return dp, [kept[i] for i in chosen]
+
+    def conversations(self) -> list[Conversation]:
+        """The chosen answered conversations (row ``prompt_index`` i is the i-th); ValueError for a plan of prompts."""
+        if not self.answered:
+            raise ValueError("this plan's training sources are prompts, not answered conversations")
+        self.prompts()
+        assert self._conversations is not None
+        return self._conversations
 
     @property
     def train(self) -> list[str]:
@@ -221,8 +327,9 @@ class PromptPlan:
 
     @property
     def prompt_set(self) -> str:
-        """The prompt-set description of the cache key (:func:`prompt_set_description`)."""
-        return prompt_set_description(
+        """The prompt-set description of the cache key (:func:`prompt_set_description`; prefixed with
+        ``brought;`` for answered conversations)."""
+        return ("brought;" if self.answered else "") + prompt_set_description(
             self.prompts(),
             max_prompt_chars=self.max_prompt_chars,
             max_train_prompts=self.max_train_prompts,
@@ -231,25 +338,65 @@ class PromptPlan:
         )
 
     @property
+    def keyed_generation(self) -> GenerationConfig:
+        """:attr:`generation` with the answering engine's version filled in, as the cache key reads it
+        (:func:`~exittrain.data.regenerate.resolve_backend`: asks ``.venv-vllm`` or the server once,
+        for ``backend=vllm`` only)."""
+        if self._keyed_generation is None:
+            self._keyed_generation = resolve_backend(self.generation)
+        return self._keyed_generation
+
+    @property
     def cache_key(self) -> str:
-        """The hex key of the cache entry (:func:`exittrain.data.regen_cache.cache_key`)."""
-        return cache_key(self.target_name, self.prompt_set, self.train, self.generation)
+        """The hex key of the cache entry (:func:`exittrain.data.regen_cache.cache_key`, or
+        :func:`~exittrain.data.brought.brought_cache_key` for answered conversations)."""
+        if self.answered:
+            return brought_cache_key(self.target_name, self.prompt_set, self.conversations(), self.generation.dtype)
+        return cache_key(self.target_name, self.prompt_set, self.train, self.keyed_generation)
 
     @property
     def cache_path(self) -> Path:
-        """Folder of the regenerated answers (it exists once the regeneration has run)."""
-        return cache_path(self.cache_dir, self.target_name, self.prompt_set, self.train, self.generation)
+        """Folder of the regenerated answers, or of the brought conversations (it exists once
+        :meth:`regenerate` has run)."""
+        if self.answered:
+            return brought_cache_path(
+                self.cache_dir, self.target_name, self.prompt_set, self.conversations(), self.generation.dtype
+            )
+        return cache_path(self.cache_dir, self.target_name, self.prompt_set, self.train, self.keyed_generation)
 
     def regenerate(self, target: TargetProvider, **kwargs: Any) -> Any:
         """Fill :attr:`cache_path` with the target's answers to :attr:`train` unless it holds them already
         (:func:`exittrain.data.regenerate.regenerate`; ``target`` is called only then). ``kwargs``:
-        ``progress``, ``feature_layers``, ``top_logprobs``. Returns the entry's dataset."""
+        ``progress``, ``feature_layers``, ``top_logprobs``, ``report_to``. Returns the entry's dataset, or None
+        when this process answered its shard and the entry waits for the other shards
+        (``generation.shard`` or the launcher's rank).
+
+        For answered conversations it writes the brought entry instead
+        (:func:`exittrain.data.brought.write_brought_entry`: rows and one teacher-forced target pass)."""
+        if self.answered:
+            dp = self.prompts()
+            return write_brought_entry(
+                self.conversations(),
+                target,
+                target_name=self.target_name,
+                cache_dir=self.cache_dir,
+                description=self.prompt_set,
+                gen=self.generation,
+                source_stats=dp.train_stats,
+                removed={
+                    "overlap_removed": dp.overlap_removed,
+                    "cross_source_duplicates": dp.cross_source_duplicates["train"],
+                    "left_out_by_sample": self._left_out_by_sample,
+                },
+                device=self.device,
+                **kwargs,
+            )
         return regenerate(
             self.train,
             target,
             target_name=self.target_name,
             cache_dir=self.cache_dir,
-            gen=self.generation,
+            gen=self.keyed_generation,
             prompt_set=self.prompt_set,
             device=self.device,
             **kwargs,

@@ -12,6 +12,7 @@ Cache layout under ``cache_dir`` (a ``datasets`` Arrow dataset written with ``sa
 
     <name>-<key>/              complete; read with datasets.load_from_disk (+ meta.json, + features-*.safetensors)
     <name>-<key>.partial/      in progress: shard_00000/, shard_00001/, ... one per finished batch
+                               (each with its batch's record, :func:`batch_record`)
 
 ``key`` hashes the target name, the prompt-set description, the prompt list and the generation
 settings (:func:`cache_key`). Each shard and the final dataset are written to a temporary folder
@@ -244,6 +245,55 @@ def save_atomic(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def batch_dir(partial: Path, batch: int) -> Path:
+    """The folder of finished batch ``batch`` inside an entry's ``<entry>.partial/`` folder."""
+    return partial / f"shard_{batch:05d}"
+
+
+def batch_record(
+    writer: str, rejected: Mapping[int, str], answers: int, new_tokens: int, seconds: float
+) -> dict[str, Any]:
+    """What a batch's folder records beside its rows (its :data:`META_FILE`): which process shard
+    ``"I/N"`` wrote it, the prompts the engine rejected (``[{prompt_index, reason}]``: they have no
+    row), how many answers and new tokens, and the seconds the answering took."""
+    return {
+        "writer": writer,
+        "rejected_by_engine": [{"prompt_index": int(i), "reason": str(r)} for i, r in sorted(rejected.items())],
+        "answers": int(answers),
+        "new_tokens": int(new_tokens),
+        "seconds": float(seconds),
+    }
+
+
+def read_batch_record(folder: Path) -> dict[str, Any]:
+    """The record of a finished batch's folder (:func:`batch_record`); an empty record (no rejections,
+    writer unknown) for a folder written before batches kept one."""
+    file = folder / META_FILE
+    if not file.is_file():
+        return {"writer": "unknown", "rejected_by_engine": [], "answers": 0, "new_tokens": 0, "seconds": 0.0}
+    with open(file) as f:
+        return json.load(f)
+
+
+def merge_batch_records(records: Sequence[Mapping[str, Any]]) -> tuple[list[dict], dict[str, dict]]:
+    """The entry's ``rejected_by_engine`` (sorted by prompt index) and its ``throughput`` per process
+    shard (``"I/N" -> {batches, answers, new_tokens, seconds, tokens_per_s}``; seconds: the answering
+    time that shard's batches took, summed) from the records of its batches."""
+    rejected: list[dict] = []
+    per_writer: dict[str, dict] = {}
+    for record in records:
+        rejected.extend(record.get("rejected_by_engine", []))
+        row = per_writer.setdefault(
+            record.get("writer", "unknown"), {"batches": 0, "answers": 0, "new_tokens": 0, "seconds": 0.0}
+        )
+        row["batches"] += 1
+        for key in ("answers", "new_tokens", "seconds"):
+            row[key] += record.get(key, 0)
+    for row in per_writer.values():
+        row["tokens_per_s"] = row["new_tokens"] / row["seconds"] if row["seconds"] > 0 else None
+    return sorted(rejected, key=lambda r: r["prompt_index"]), dict(sorted(per_writer.items()))
 
 
 def merge_shards(shards: Sequence[Path], load: Callable[[Path], dict | None], what: str, short: str) -> dict | None:

@@ -9,27 +9,41 @@ prompt, :func:`~exittrain.data.generation.chat_prompt_ids`, which the package ex
 (``from exittrain.data import chat_prompt_ids``).
 
 Prompts whose templated length exceeds ``GenerationConfig.max_prompt_tokens`` are not answered; they
-are counted in the cache metadata (``rejected_too_long``) and logged.
+are counted in the cache metadata (``rejected_too_long``) and logged. Prompts the answering engine
+rejects (``Answer.error``) get no row either; the metadata names them (``rejected_by_engine``).
 
 Batches are formed from prompts sorted by templated length (less padding); batch composition is
 part of the key because padding can change fp results, so ``batch_size`` is too. Each finished
-batch is saved as a shard under ``<entry>.partial/``; an interrupted run leaves finished shards
-behind and the next call with the same key generates only the missing batches.
+batch is saved as a shard under ``<entry>.partial/`` with its record (the writer, rejections,
+tokens, seconds); an interrupted run leaves finished shards behind and the next call with the same
+key generates only the missing batches.
 
-Limits: one process writes a given key at a time (Lightning's ``prepare_data`` runs on one rank per
-node); sampling (``do_sample=True``) is reproducible on resume because each batch reseeds torch
-with ``seed + batch index``.
+**Shards.** A process answering shard I of N (:func:`process_shard`: ``gen.shard``, else the
+launcher's rank and world size, else 0/1) answers the batches b with ``b % N == I``. After them it
+looks at the whole entry: when every batch is present it merges them into the entry (one atomic
+rename; two mergers racing is harmless), else it returns None and logs how many batches are
+present: the process that completes the last batch merges. Each process deletes only the
+temporary folders of its own batches (and of the entry only when N = 1): a stale folder of another
+shard may be that shard's write in progress. Sampling (``do_sample=True``) is reproducible across
+shards and resumes because each batch reseeds torch with ``seed + batch index``.
+
+**Answerers.** ``gen.backend="hf"`` answers with :func:`generate_batch` in this process
+(:class:`HFAnswerer`); ``"vllm"`` with :mod:`exittrain.data.vllm_backend`, imported only then, and
+the features, when asked, come from one teacher-forced pass of the target over the written rows
+(:func:`exittrain.data.teacher_forced.teacher_forced`). :func:`open_answerer` is the seam.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import datasets
 import torch
@@ -46,6 +60,7 @@ from exittrain.data.generation import (
     eos_token_ids,
     generate_batch,
     padding_token_id,
+    parse_shard,
     shared_prefix_length,
     split_response,
 )
@@ -53,14 +68,18 @@ from exittrain.data.regen_cache import (
     CACHE_VERSION,
     FEATURES,
     META_FILE,
+    batch_dir,
+    batch_record,
     cache_key,
     cache_path,
     features_file,
     load_features,
     load_top_logprobs,
     make_row,
+    merge_batch_records,
     merge_shards,
     prompts_digest,
+    read_batch_record,
     read_meta,
     safetensors_files,
     save_atomic,
@@ -69,7 +88,13 @@ from exittrain.data.regen_cache import (
 
 __all__ = [
     # the run
+    "Answerer",
+    "HFAnswerer",
+    "ProcessShard",
+    "RegenReport",
     "TargetProvider",
+    "open_answerer",
+    "process_shard",
     "regenerate",
     # how the target answers (exittrain.data.generation)
     "GENERATION_DTYPES",
@@ -102,6 +127,231 @@ logger = logging.getLogger(__name__)
 TargetProvider = Callable[[], tuple[Any, Any]]
 """A zero-argument callable returning ``(model, tokenizer)``: a Hugging Face causal LM and its tokenizer."""
 
+# launcher environment variables naming (global rank, world size), in the order they are read
+LAUNCHER_RANKS = (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Which part of the entry this process answers
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProcessShard:
+    """Shard ``index`` of ``count`` of an entry's batches (batch b is the shard's when
+    ``b % count == index``), and where that came from (``source``)."""
+
+    index: int
+    count: int
+    source: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.index}/{self.count}"
+
+    def owns(self, batch: int) -> bool:
+        return batch % self.count == self.index
+
+
+def process_shard(gen: GenerationConfig, environ: Mapping[str, str] | None = None) -> ProcessShard:
+    """The shard this process answers: ``gen.shard`` (``"I/N"``) when set; else the launcher's
+    global rank and world size (torchrun's ``RANK``/``WORLD_SIZE``, then srun's
+    ``SLURM_PROCID``/``SLURM_NTASKS``; each pair only when both are set); else 0/1, every batch.
+
+    Limit: a batch script inside a SLURM allocation of several tasks that runs one process without
+    ``srun`` still sees ``SLURM_NTASKS``: give it ``data.generation.shard=0/1``.
+    ValueError, naming the variables, for values that are not a shard."""
+    if gen.shard is not None:
+        index, count = parse_shard(gen.shard)
+        return ProcessShard(index, count, "data.generation.shard")
+    env = os.environ if environ is None else environ
+    for rank_var, world_var in LAUNCHER_RANKS:
+        rank, world = env.get(rank_var), env.get(world_var)
+        if rank is None or world is None:
+            continue
+        try:
+            index, count = parse_shard(f"{rank}/{world}")
+        except ValueError as e:
+            raise ValueError(
+                f"{rank_var}={rank!r} and {world_var}={world!r} do not name a process of the launch (need "
+                f"0 <= {rank_var} < {world_var}); fix the launcher's environment or set data.generation.shard=I/N"
+            ) from e
+        return ProcessShard(index, count, f"{rank_var}/{world_var}")
+    return ProcessShard(0, 1, "one process")
+
+
+# ----------------------------------------------------------------------------------------------
+# Who answers: the seam between the run and the backends
+# ----------------------------------------------------------------------------------------------
+
+
+class Answerer(Protocol):
+    """Answers batches of templated prompts (:mod:`exittrain.data.vllm_backend` has the same shape)."""
+
+    def answer(self, prompt_ids: list[list[int]], batch_index: int) -> list[Answer]: ...
+
+    def close(self) -> None: ...
+
+    def describe(self) -> dict: ...
+
+
+class HFAnswerer:
+    """:func:`generate_batch` in this process, on the target or its ``gen.dtype`` copy
+    (:func:`answering_model`); the model is in eval mode until :meth:`close` restores it."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        gen: GenerationConfig,
+        *,
+        eos_ids: Sequence[int],
+        feature_layers: Sequence[int] = (),
+        top_logprobs: int = 0,
+    ) -> None:
+        self.model, self.tokenizer, self.gen = model, tokenizer, gen
+        self.eos_ids, self.layers, self.top_logprobs = list(eos_ids), list(feature_layers), top_logprobs
+        self.pad_token_id = padding_token_id(tokenizer)
+        self._was_training = model.training
+        model.eval()
+        self._answering = answering_model(model, gen.dtype)
+
+    def answer(self, prompt_ids: list[list[int]], batch_index: int) -> list[Answer]:
+        if self.gen.do_sample:
+            torch.manual_seed(self.gen.seed + batch_index)  # the same draws whichever process answers the batch
+        return generate_batch(
+            self._answering, self.tokenizer, prompt_ids, self.gen, self.pad_token_id, self.eos_ids, self.layers,
+            self.top_logprobs,
+        )
+
+    def close(self) -> None:
+        self.model.train(self._was_training)
+        self._answering = None
+
+    def describe(self) -> dict:
+        return {"backend": "hf", "dtype": self.gen.dtype, "share_prefix": self.gen.share_prefix}
+
+
+class TeacherForcedFeatures:
+    """An engine's answers with the target's features added by one teacher-forced pass over each
+    answered row (:func:`~exittrain.data.teacher_forced.teacher_forced`), in ``feature_layers``'
+    order; the engine's own soft labels are kept."""
+
+    def __init__(self, engine: Answerer, model: Any, gen: GenerationConfig, feature_layers: Sequence[int]) -> None:
+        self.engine, self.model, self.layers = engine, model, list(feature_layers)
+        self._was_training = model.training
+        model.eval()
+        self._forward_model = answering_model(model, gen.dtype)
+
+    def answer(self, prompt_ids: list[list[int]], batch_index: int) -> list[Answer]:
+        from exittrain.data.teacher_forced import teacher_forced
+
+        answers = self.engine.answer(prompt_ids, batch_index)
+        answered = [i for i, a in enumerate(answers) if a.error is None]
+        rows = [(list(prompt_ids[i]) + list(answers[i].response), len(prompt_ids[i])) for i in answered]
+        forced = teacher_forced(self._forward_model, rows, feature_layers=self.layers) if rows else []
+        out = list(answers)
+        for i, kept in zip(answered, forced):
+            out[i] = answers[i]._replace(features=kept.features)
+        return out
+
+    def close(self) -> None:
+        self.engine.close()
+        self.model.train(self._was_training)
+        self._forward_model = None
+
+    def describe(self) -> dict:
+        return {**self.engine.describe(), "features": "teacher-forced target pass"}
+
+
+def open_answerer(
+    gen: GenerationConfig,
+    *,
+    model: Any,
+    tokenizer: Any,
+    target_name: str,
+    eos_ids: Sequence[int],
+    feature_layers: Sequence[int] = (),
+    top_logprobs: int = 0,
+) -> Answerer:
+    """The answerer of ``gen.backend``: :class:`HFAnswerer`, or vLLM
+    (:func:`exittrain.data.vllm_backend.open_answerer`, imported only here) with the features, when
+    asked, from a teacher-forced pass of ``model`` (:class:`TeacherForcedFeatures`)."""
+    if gen.backend == "hf":
+        return HFAnswerer(
+            model, tokenizer, gen, eos_ids=eos_ids, feature_layers=feature_layers, top_logprobs=top_logprobs
+        )
+    from exittrain.data import vllm_backend
+
+    engine = vllm_backend.open_answerer(
+        gen, target_name=target_name, tokenizer=tokenizer, model=model, top_logprobs=top_logprobs, eos_ids=list(eos_ids)
+    )
+    return TeacherForcedFeatures(engine, model, gen, feature_layers) if feature_layers else engine
+
+
+def resolve_backend(gen: GenerationConfig) -> GenerationConfig:
+    """``gen`` with the answering engine's version filled in (it keys the cache): unchanged for
+    ``hf`` or a version already set, else :func:`exittrain.data.vllm_backend.resolve_engine`."""
+    if gen.backend == "hf" or gen.engine_version is not None:
+        return gen
+    from exittrain.data import vllm_backend
+
+    return vllm_backend.resolve_engine(gen)
+
+
+# ----------------------------------------------------------------------------------------------
+# What a run did
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RegenReport:
+    """What one :func:`regenerate` call did, handed to its ``report_to``.
+
+    ``complete``: the entry exists now (``meta`` is its metadata); ``cache_hit``: it existed before
+    the call, nothing was answered. Otherwise this process answered ``batches_answered`` of its
+    shard's batches now (``answers`` rows, ``new_tokens``, in ``seconds`` of answering), and
+    ``batches_present`` of the entry's ``batches`` are on disk after it."""
+
+    entry: Path
+    complete: bool
+    cache_hit: bool
+    shard: ProcessShard
+    batches: int = 0
+    batches_present: int = 0
+    batches_answered: int = 0
+    answers: int = 0
+    unfinished: int = 0
+    rejected_too_long: int = 0
+    rejected_by_engine: list[dict] = dataclasses.field(default_factory=list)
+    new_tokens: int = 0
+    seconds: float = 0.0
+    meta: dict | None = None
+
+    @property
+    def answers_per_s(self) -> float | None:
+        return self.answers / self.seconds if self.seconds > 0 else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.new_tokens / self.seconds if self.seconds > 0 else None
+
+    def status(self) -> str:
+        """One line: the entry found, merged, or this shard done with the entry pending."""
+        if self.cache_hit:
+            return f"entry found in the cache, nothing answered: {self.entry}"
+        if self.complete:
+            return f"shard {self.shard.label} done, every batch present: merged the entry {self.entry}"
+        return (
+            f"shard {self.shard.label} done: {self.batches_present} of {self.batches} batches present; the process "
+            f"that completes the last batch merges {self.entry}"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------------
+
 
 def _resolve(target: tuple[Any, Any] | TargetProvider) -> tuple[Any, Any]:
     model, tokenizer = target() if callable(target) else target
@@ -120,8 +370,9 @@ def regenerate(
     feature_layers: Sequence[int] | None = None,
     top_logprobs: int = 0,
     device: str | torch.device = "cpu",
-) -> datasets.Dataset:
-    """The target's own answers to ``prompts``, from the cache or generated now.
+    report_to: Callable[[RegenReport], Any] | None = None,
+) -> datasets.Dataset | None:
+    """The target's own answers to ``prompts``, from the cache or generated now (this process's shard).
 
     Args:
         prompts: prompt texts; row ``prompt_index`` refers to a position in this list.
@@ -130,7 +381,8 @@ def regenerate(
             as it is (device, dtype); it should be in eval mode, fp32 on a CPU by default.
         target_name: identifies the target in the cache key (e.g. its hub id or path).
         cache_dir: folder of cached datasets.
-        gen: generation settings (:class:`GenerationConfig` or a mapping of its fields).
+        gen: generation settings (:class:`GenerationConfig` or a mapping of its fields); ``gen.shard``
+            picks this process's part (:func:`process_shard`).
         prompt_set: a description of where the prompts came from (source specs); part of the key.
         progress: show a tqdm bar over batches.
         feature_layers: target layer ids whose outputs to keep while generating (see
@@ -142,12 +394,14 @@ def regenerate(
             features, a cache hit never adds them.
         device: the device the target answers on; it decides ``gen.dtype="auto"`` before the cache
             is looked up (the model is not loaded for that).
+        report_to: called once with the call's :class:`RegenReport` (counts, throughput, status).
 
     Returns:
-        A ``datasets.Dataset`` with :data:`FEATURES`, rows sorted by ``prompt_index``. Prompts
-        rejected as too long have no row.
+        The complete entry: a ``datasets.Dataset`` with :data:`FEATURES`, rows sorted by
+        ``prompt_index`` (prompts rejected as too long or by the engine have no row). None when
+        this process's shard is done but other shards' batches are missing (the entry is pending).
     """
-    gen = GenerationConfig.coerce(gen).resolved(device)
+    gen = resolve_backend(GenerationConfig.coerce(gen).resolved(device))
     if not prompts:
         raise ValueError("regenerate got no prompts; check the prompt sources")
     layers = [int(x) for x in feature_layers or []]
@@ -155,16 +409,15 @@ def regenerate(
         raise ValueError(f"feature_layers={layers} repeats a layer id; give each target layer once")
     if not isinstance(top_logprobs, int) or top_logprobs < 0:
         raise ValueError(f"top_logprobs={top_logprobs!r} must be an int >= 0 (0 keeps none)")
+    shard = process_shard(gen)
     final = cache_path(cache_dir, target_name, prompt_set, prompts, gen)
     if final.is_dir():
         logger.info("regenerated data found in cache: %s", final)
-        return datasets.load_from_disk(str(final))
+        return _finish(final, RegenReport(final, complete=True, cache_hit=True, shard=shard, meta=read_meta(final)),
+                       report_to)
     final.parent.mkdir(parents=True, exist_ok=True)
     partial = final.with_name(final.name + ".partial")
     partial.mkdir(exist_ok=True)
-    # temporary folders of a killed write (of a shard or of the entry): one process writes a key at a time
-    for stale in [*final.parent.glob(f"{final.name}.tmp-*"), *partial.glob("shard_*.tmp-*")]:
-        shutil.rmtree(stale, ignore_errors=True)
 
     model, tokenizer = _resolve(target)
     pad_token_id = padding_token_id(tokenizer)
@@ -193,107 +446,198 @@ def regenerate(
             "generation.max_prompt_tokens (data.generation.max_prompt_tokens in a fit config) or use shorter prompts"
         )
     batches = [order[s : s + gen.batch_size] for s in range(0, len(order), gen.batch_size)]
+    mine = [b for b in range(len(batches)) if shard.owns(b)]
+    _remove_stale_writes(final, partial, mine, shard)
 
-    def shard_dir(b: int) -> Path:
-        return partial / f"shard_{b:05d}"
+    report = RegenReport(final, complete=False, cache_hit=False, shard=shard, batches=len(batches),
+                         rejected_too_long=len(too_long))
+    todo = [b for b in mine if not batch_dir(partial, b).is_dir()]
+    if shard.count > 1:
+        logger.info("regeneration shard %s (from %s): %d of %d batches, %d to answer",
+                    shard.label, shard.source, len(mine), len(batches), len(todo))
+    if len(todo) < len(mine):
+        logger.info("resuming regeneration: %d of %d batches already done", len(mine) - len(todo), len(mine))
+    if todo:
+        answerer = open_answerer(gen, model=model, tokenizer=tokenizer, target_name=target_name, eos_ids=eos_ids,
+                                 feature_layers=layers, top_logprobs=top_logprobs)
+        try:
+            _answer_batches(answerer, prompts, templated, batches, todo, len(mine), partial, tokenizer, shard,
+                            layers, top_logprobs, report, progress=progress, target_name=target_name)
+        finally:
+            answerer.close()
 
-    todo = [b for b in range(len(batches)) if not shard_dir(b).is_dir()]
-    if len(todo) < len(batches):
-        logger.info("resuming regeneration: %d of %d batches already done", len(batches) - len(todo), len(batches))
+    present = [b for b in range(len(batches)) if batch_dir(partial, b).is_dir()]
+    report.batches_present = len(present)
+    if len(present) < len(batches):
+        if final.is_dir():  # another process merged (and removed the shards) after this one's last batch
+            return _complete(final, report, report_to)
+        logger.info("%s", report.status())
+        return _finish(final, report, report_to)
 
-    was_training = model.training
-    model.eval()
-    answerer = answering_model(model, gen.dtype)
-    # no bar draws into a redirected stdout (a log file, SLURM): log lines there instead, one per batch
-    # while batches take 30 s or more, else one every 30 s or every 1/50 of the batches
-    as_lines = progress and not progress_log.interactive()
-    bar = tqdm(
-        total=len(batches),
-        initial=len(batches) - len(todo),
-        desc=f"regenerate ({target_name})",
-        unit="batch",
-        disable=not progress or as_lines,
-    )
-    ticker = progress_log.Ticker(
-        f"regenerate ({target_name})",
-        len(batches),
-        unit="batch",
-        every=max(1, len(batches) // 50),
-        start=len(batches) - len(todo),
-    )
-    answered = 0
-    new_tokens, t0 = 0, time.perf_counter()
-    try:
-        for b in todo:
-            idx = batches[b]
-            if gen.do_sample:
-                torch.manual_seed(gen.seed + b)
-            answers = generate_batch(
-                answerer, tokenizer, [templated[i] for i in idx], gen, pad_token_id, eos_ids, layers, top_logprobs
-            )
-            rows = [
-                make_row(i, prompts[i], templated[i], a.response, a.finished, tokenizer) for i, a in zip(idx, answers)
-            ]
-            features = {i: a.features for i, a in zip(idx, answers) if a.features is not None}
-            top = {i: (a.top_ids, a.top_logprobs) for i, a in zip(idx, answers) if a.top_ids is not None}
-            shard = datasets.Dataset.from_list(rows, features=FEATURES)
-            save_atomic(shard, shard_dir(b), tensor_files=safetensors_files(features, layers, top, top_logprobs))
-            new_tokens += sum(len(a.response) for a in answers)
-            bar.update(1)
-            tok_s = new_tokens / max(time.perf_counter() - t0, 1e-9)
-            bar.set_postfix(tok_s=f"{tok_s:.0f}")
-            answered += len(answers)
-            if as_lines:
-                ticker.advance(answers=answered, tok_s=tok_s)
-    finally:
-        bar.close()
-        model.train(was_training)
-        del answerer
-
-    shards = [datasets.load_from_disk(str(shard_dir(b))) for b in range(len(batches))]
-    for b, shard in enumerate(shards):
-        assert shard["prompt_index"] == batches[b], f"shard {b} in {partial} does not match its batch"
-    ds = datasets.concatenate_datasets(shards)
-    shard_dirs = [shard_dir(b) for b in range(len(batches))]
-    feature_rows = (
-        merge_shards(shard_dirs, lambda d: load_features(d, layers), f"features of layers {layers}", "features")
-        if layers
-        else None
-    )
-    top_rows = (
-        merge_shards(
-            shard_dirs, lambda d: load_top_logprobs(d, top_logprobs), f"top-{top_logprobs} log-probabilities", "them"
-        )
-        if top_logprobs
-        else None
-    )
-    index = ds["prompt_index"]
-    ds = ds.select(sorted(range(len(ds)), key=index.__getitem__))
     meta = {
         "version": CACHE_VERSION,
         "target": target_name,
         "prompt_set": prompt_set,
         "n_prompts": len(prompts),
         "prompts_sha256": prompts_digest(prompts),
-        "generation": gen.to_dict(),
-        "rows": len(ds),
+        "generation": {**gen.to_dict(), "shard": None},  # the entry is whole, whoever merged it
+        "backend": gen.backend,
+        "engine_version": gen.engine_version,
         "rejected_too_long": len(too_long),
-        "unfinished": int(len(ds) - sum(ds["finished"])),
         "pad_token_id": int(pad_token_id),
         "eos_token_ids": eos_ids,
-        "feature_layers": layers if feature_rows else [],
+        "versions": {"datasets": datasets.__version__, "torch": torch.__version__},
+    }
+    try:
+        _merge(final, partial, batches, layers, top_logprobs, meta)
+    except Exception:
+        if not final.is_dir():
+            raise
+        # a racing merger finished first and removed the shards this one was reading: its entry is the same
+    return _complete(final, report, report_to)
+
+
+def _remove_stale_writes(final: Path, partial: Path, mine: Sequence[int], shard: ProcessShard) -> None:
+    """Delete the temporary folders a killed write left: of this shard's batches, and of the entry
+    only for a single process (another shard's folder may be a write in progress)."""
+    stale = [p for b in mine for p in partial.glob(f"{batch_dir(partial, b).name}.tmp-*")]
+    if shard.count == 1:
+        stale += list(final.parent.glob(f"{final.name}.tmp-*"))
+    for folder in stale:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _answer_batches(
+    answerer: Answerer,
+    prompts: Sequence[str],
+    templated: Sequence[list[int]],
+    batches: Sequence[list[int]],
+    todo: Sequence[int],
+    n_mine: int,
+    partial: Path,
+    tokenizer: Any,
+    shard: ProcessShard,
+    layers: Sequence[int],
+    top_logprobs: int,
+    report: RegenReport,
+    *,
+    progress: bool,
+    target_name: str,
+) -> None:
+    """Answer the batches ``todo`` and write each as a shard with its record; counts go to ``report``."""
+    # no bar draws into a redirected stdout (a log file, SLURM): log lines there instead, one per batch
+    # while batches take 30 s or more, else one every 30 s or every 1/50 of the batches
+    as_lines = progress and not progress_log.interactive()
+    done_before = n_mine - len(todo)
+    bar = tqdm(
+        total=n_mine,
+        initial=done_before,
+        desc=f"regenerate ({target_name})",
+        unit="batch",
+        disable=not progress or as_lines,
+    )
+    ticker = progress_log.Ticker(
+        f"regenerate ({target_name})", n_mine, unit="batch", every=max(1, n_mine // 50), start=done_before
+    )
+    try:
+        for b in todo:
+            idx = batches[b]
+            t0 = time.perf_counter()
+            answers = answerer.answer([templated[i] for i in idx], b)
+            seconds = time.perf_counter() - t0
+            if len(answers) != len(idx):
+                raise RuntimeError(f"the answerer gave {len(answers)} answers for the {len(idx)} prompts of batch {b}")
+            kept = [(i, a) for i, a in zip(idx, answers) if a.error is None]
+            rejected = {i: a.error for i, a in zip(idx, answers) if a.error is not None}
+            rows = [make_row(i, prompts[i], templated[i], a.response, a.finished, tokenizer) for i, a in kept]
+            features = {i: a.features for i, a in kept if a.features is not None}
+            top = {i: (a.top_ids, a.top_logprobs) for i, a in kept if a.top_ids is not None}
+            tokens = sum(len(a.response) for _, a in kept)
+            record = batch_record(shard.label, rejected, len(kept), tokens, seconds)
+            save_atomic(
+                datasets.Dataset.from_list(rows, features=FEATURES),
+                batch_dir(partial, b),
+                record,
+                tensor_files=safetensors_files(features, layers, top, top_logprobs),
+            )
+            report.batches_answered += 1
+            report.answers += len(kept)
+            report.unfinished += sum(not a.finished for _, a in kept)
+            report.rejected_by_engine += record["rejected_by_engine"]
+            report.new_tokens += tokens
+            report.seconds += seconds
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{report.tokens_per_s or 0:.0f}")
+            if as_lines:
+                ticker.advance(answers=report.answers, tok_s=report.tokens_per_s or 0.0)
+    finally:
+        bar.close()
+
+
+def _merge(
+    final: Path, partial: Path, batches: Sequence[list[int]], layers: Sequence[int], top_logprobs: int, meta: dict
+) -> None:
+    """Write the entry from every batch's shard (one atomic rename), then remove the shards."""
+    dirs = [batch_dir(partial, b) for b in range(len(batches))]
+    records = [read_batch_record(d) for d in dirs]
+    shards = [datasets.load_from_disk(str(d)) for d in dirs]
+    for b, (shard, record) in enumerate(zip(shards, records)):
+        rejected = {r["prompt_index"] for r in record["rejected_by_engine"]}
+        expected = [i for i in batches[b] if i not in rejected]
+        assert shard["prompt_index"] == expected, f"shard {b} in {partial} does not match its batch"
+    ds = datasets.concatenate_datasets(shards)
+    feature_rows = (
+        merge_shards(dirs, lambda d: load_features(d, layers), f"features of layers {list(layers)}", "features")
+        if layers
+        else None
+    )
+    top_rows = (
+        merge_shards(
+            dirs, lambda d: load_top_logprobs(d, top_logprobs), f"top-{top_logprobs} log-probabilities", "them"
+        )
+        if top_logprobs
+        else None
+    )
+    index = ds["prompt_index"]
+    ds = ds.select(sorted(range(len(ds)), key=index.__getitem__))
+    rejected_by_engine, throughput = merge_batch_records(records)
+    meta = {
+        **meta,
+        "rows": len(ds),
+        "unfinished": int(len(ds) - sum(ds["finished"])),
+        "rejected_by_engine": rejected_by_engine,
+        "throughput": throughput,
+        "feature_layers": list(layers) if feature_rows else [],
         "top_logprobs": top_logprobs if top_rows else 0,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "versions": {"datasets": datasets.__version__, "torch": torch.__version__},
     }
     save_atomic(ds, final, meta, tensor_files=safetensors_files(feature_rows, layers, top_rows, top_logprobs))
     shutil.rmtree(partial, ignore_errors=True)
+    if rejected_by_engine:
+        logger.warning(
+            "the answering engine rejected %d prompts (first: %s); they have no row",
+            len(rejected_by_engine),
+            rejected_by_engine[:3],
+        )
     logger.info(
-        "regenerated %d responses (%d hit max_new_tokens=%d, %d prompts too long) -> %s",
+        "regenerated %d responses (%d hit max_new_tokens=%d, %d prompts too long, %d rejected by the engine) -> %s",
         len(ds),
         meta["unfinished"],
-        gen.max_new_tokens,
-        len(too_long),
+        meta["generation"]["max_new_tokens"],
+        meta["rejected_too_long"],
+        len(rejected_by_engine),
         final,
     )
-    return datasets.load_from_disk(str(final))
+
+
+def _complete(final: Path, report: RegenReport, report_to: Callable[[RegenReport], Any] | None) -> datasets.Dataset:
+    report.complete, report.batches_present, report.meta = True, report.batches, read_meta(final)
+    return _finish(final, report, report_to)
+
+
+def _finish(
+    final: Path, report: RegenReport, report_to: Callable[[RegenReport], Any] | None
+) -> datasets.Dataset | None:
+    if report_to is not None:
+        report_to(report)
+    return datasets.load_from_disk(str(final)) if report.complete else None

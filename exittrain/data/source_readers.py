@@ -5,7 +5,9 @@ Row numbers are 1-based lines for JSON Lines files and 0-based indices otherwise
 the reason strings ``"non_utf8"``, ``"malformed"`` or ``"blank_line"`` for a broken line, so that
 :func:`exittrain.data.sources.load_prompts` counts it; an unreadable file, a missing column or a
 missing package raises instead. :func:`source_rows` picks the reader of a
-:class:`~exittrain.data.source_spec.PromptSource`.
+:class:`~exittrain.data.source_spec.PromptSource`, answered conversation sources included
+(``chat-json`` reads like ``json``, ``chat-hf`` like ``hf``; their rows are turned into
+conversations by :mod:`exittrain.data.conversations`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 from exittrain.data.codeio import with_stubs
 from exittrain.data.source_fields import field_roots
-from exittrain.data.source_spec import BUILTIN_SOURCES, PromptSource
+from exittrain.data.source_spec import BUILTIN_SOURCES, CHAT_COLUMNS, PromptSource
 
 __all__ = [
     "GSM_SYMBOLIC_DEFAULT_SIZE",
@@ -114,7 +116,15 @@ def read_hub(src: PromptSource) -> Iterator[tuple[int, Any]]:
             "check the repository, config and split names, and that this machine can reach the hub "
             "(offline, use a pkg: source or a local file)"
         ) from e
-    _check_columns(ds.column_names, src.field, f"hub dataset {src.path} split {src.split}")
+    where = f"hub dataset {src.path} split {src.split}"
+    if src.answered and src.field is None:
+        if not any(c in ds.column_names for c in CHAT_COLUMNS):
+            raise ValueError(
+                f"{where} has none of the conversation columns {list(CHAT_COLUMNS)} (columns: {ds.column_names}); "
+                "name the column of the conversations: chat-hf:REPO:SPLIT:COLUMN"
+            )
+    else:
+        _check_columns(ds.column_names, src.field, where)
     yield from enumerate(ds)
 
 
@@ -146,13 +156,14 @@ def read_gsm_symbolic(size: int, seed: int) -> Iterator[tuple[int, Any]]:
         yield i, dataset[i]
 
 
-def source_rows(src: PromptSource) -> tuple[Iterator[tuple[int, Any]], str]:
-    """The row iterator of a source and the field that gives its prompt."""
-    if src.kind == "hf":
+def source_rows(src: PromptSource) -> tuple[Iterator[tuple[int, Any]], str | None]:
+    """The row iterator of a source and the field that gives its prompt (of an answered source: the
+    column of its conversations, None for :data:`~exittrain.data.source_spec.CHAT_COLUMNS`)."""
+    if src.kind in ("hf", "chat-hf"):
         return read_hub(src), src.field
     if src.kind == "parquet":
         return read_parquet(Path(src.path), src.field), src.field
-    if src.kind == "json":
+    if src.kind in ("json", "chat-json"):
         return read_json_file(Path(src.path)), src.field
     builtin = BUILTIN_SOURCES[src.path]
     if src.path == "gsm_symbolic":

@@ -13,6 +13,22 @@ Spec strings (``?limit=N&seed=S&optional=1`` may follow any of them):
 - ``pkg:NAME``: a prompt set that an installed package ships (see :data:`BUILTIN_SOURCES` and
   ``data/PROVENANCE.md``). They work offline.
 
+Answered conversations (:data:`CHAT_KINDS`; :attr:`PromptSource.answered`), brought from elsewhere
+(an SGLang or vLLM regeneration, a chat data set) instead of answered by the target here:
+
+- ``chat-json:PATH`` or ``chat-json:PATH:COLUMN`` (alias ``chat-jsonl:``): a local JSON Lines file or JSON array of
+  conversations, optionally gzipped, read like ``json:``;
+- ``chat-hf:REPO:SPLIT``, ``chat-hf:REPO:SPLIT:COLUMN`` or ``chat-hf:REPO:CONFIG:SPLIT:COLUMN``: a
+  Hugging Face hub dataset with a column of conversations, e.g.
+  ``chat-hf:HuggingFaceH4/ultrachat_200k:train_sft:messages``.
+
+``COLUMN`` is the top-level key that holds a row's list of turns; without it a row's ``messages``
+is read, else its ``conversations``. A turn is OpenAI's ``{"role": "system"|"user"|"assistant",
+"content": ...}`` or ShareGPT's ``{"from": "system"|"human"|"gpt", "value": ...}``
+(:mod:`exittrain.data.conversations`). These sources are training data only: every source of
+``data.train_sources`` is then one, and ``data.eval_sources`` stay prompt sources. ``limit`` and
+``seed`` sample conversations as they sample prompts.
+
 ``FIELD`` is a dotted path into a row (integers index lists: ``conversations.0.value``), or a
 template with ``{dotted.path}`` placeholders that builds the prompt from several fields
 (:mod:`exittrain.data.source_fields`). Spec strings split on ``:``; a template that contains ``:``
@@ -21,14 +37,20 @@ must be given as a ``PromptSource``. The readers are in :mod:`exittrain.data.sou
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl
 
-__all__ = ["BUILTIN_SOURCES", "KINDS", "BuiltinSource", "PromptSource"]
+__all__ = ["BUILTIN_SOURCES", "CHAT_COLUMNS", "CHAT_KINDS", "KINDS", "BuiltinSource", "PromptSource"]
 
-KINDS = ("hf", "parquet", "json", "pkg")
+CHAT_KINDS = ("chat-json", "chat-hf")
+"""Kinds of sources whose rows are answered conversations rather than prompts."""
+KINDS = ("hf", "parquet", "json", "pkg", *CHAT_KINDS)
+CHAT_COLUMNS = ("messages", "conversations")
+"""The keys a conversation row is read from when its source names no column, in this order."""
+_COLUMN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 
 
 @dataclass(frozen=True)
@@ -39,8 +61,9 @@ class PromptSource:
         kind: ``"hf"`` (hub dataset), ``"parquet"``, ``"json"`` (JSON Lines or JSON array, may be
             ``.gz``) or ``"pkg"`` (a set shipped by an installed package, see :data:`BUILTIN_SOURCES`).
         path: hub repository id, local file path, or builtin name.
-        field: dotted path or ``{path}`` template giving the prompt text of a row. Ignored for
-            ``pkg`` (the builtin fixes it).
+        field: dotted path or ``{path}`` template giving the prompt text of a row (None: ``"prompt"``).
+            Ignored for ``pkg`` (the builtin fixes it). For the answered kinds, the column of a
+            row's conversation; None reads ``messages``, else ``conversations`` (:data:`CHAT_COLUMNS`).
         split: hub split (``hf`` only).
         name: hub configuration name (``hf`` only), e.g. ``"main"`` for ``openai/gsm8k``.
         limit: keep at most this many prompts, a seeded random sample of the clean ones. For the
@@ -52,7 +75,7 @@ class PromptSource:
 
     kind: str
     path: str
-    field: str = "prompt"
+    field: str | None = None
     split: str = "train"
     name: str | None = None
     limit: int | None = None
@@ -62,10 +85,27 @@ class PromptSource:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"PromptSource.kind={self.kind!r} is not one of {KINDS}")
+        if self.field is None and not self.answered:
+            object.__setattr__(self, "field", "prompt")  # a frozen dataclass: the default of the prompt kinds
+        if self.answered and self.field is not None and not _COLUMN_NAME.fullmatch(self.field):
+            raise ValueError(
+                f"{self.kind} source {self.path}: column {self.field!r} must be a top-level key (letters, digits, "
+                f"_ or -), e.g. messages; leave it out to read {' or '.join(CHAT_COLUMNS)}"
+            )
+        if self.kind == "chat-hf" and self.name is not None and self.field is None:
+            raise ValueError(
+                f"chat-hf source {self.path} with config {self.name!r} needs its column: "
+                "chat-hf:REPO:CONFIG:SPLIT:COLUMN"
+            )
         if self.kind == "pkg" and self.path not in BUILTIN_SOURCES:
             raise ValueError(f"unknown builtin prompt set pkg:{self.path}; the builtins are {sorted(BUILTIN_SOURCES)}")
         if self.limit is not None and self.limit <= 0:
             raise ValueError(f"PromptSource.limit={self.limit} must be positive or None ({self.path})")
+
+    @property
+    def answered(self) -> bool:
+        """True for a source of answered conversations (:data:`CHAT_KINDS`), False for a prompt source."""
+        return self.kind in CHAT_KINDS
 
     @classmethod
     def parse(cls, spec: str | PromptSource | Mapping[str, Any]) -> PromptSource:
@@ -88,7 +128,7 @@ class PromptSource:
         kind, sep, rest = body.partition(":")
         if not sep or not rest:
             raise ValueError(f"prompt source {spec!r} has no 'KIND:' prefix; use one of {KINDS} (see {__name__})")
-        kind = "json" if kind == "jsonl" else kind
+        kind = {"jsonl": "json", "chat-jsonl": "chat-json"}.get(kind, kind)
         if kind == "pkg":
             return cls(kind="pkg", path=rest, **options)
         if kind == "hf":
@@ -98,6 +138,22 @@ class PromptSource:
             if len(parts) == 4:
                 return cls(kind="hf", path=parts[0], name=parts[1], split=parts[2], field=parts[3], **options)
             raise ValueError(f"hub prompt source {spec!r} must be hf:REPO:SPLIT:FIELD or hf:REPO:CONFIG:SPLIT:FIELD")
+        if kind == "chat-hf":
+            parts = rest.split(":")
+            if len(parts) in (2, 3) and all(parts):
+                return cls(kind=kind, path=parts[0], split=parts[1], field=(parts[2:] or [None])[0], **options)
+            if len(parts) == 4 and all(parts):
+                return cls(kind=kind, path=parts[0], name=parts[1], split=parts[2], field=parts[3], **options)
+            raise ValueError(
+                f"conversation source {spec!r} must be chat-hf:REPO:SPLIT, chat-hf:REPO:SPLIT:COLUMN or "
+                "chat-hf:REPO:CONFIG:SPLIT:COLUMN"
+            )
+        if kind == "chat-json":
+            # the last ':' part is the column when it reads as one: a file path has '/' or '.' in it
+            path, sep, column = rest.rpartition(":")
+            if sep and path and _COLUMN_NAME.fullmatch(column):
+                return cls(kind=kind, path=path, field=column, **options)
+            return cls(kind=kind, path=rest, **options)
         if kind in ("json", "parquet"):
             path, sep, fld = rest.rpartition(":")
             if not sep or not path or not fld:
@@ -111,6 +167,11 @@ class PromptSource:
         elif self.kind == "hf":
             config = f"{self.name}:" if self.name else ""
             body = f"hf:{self.path}:{config}{self.split}:{self.field}"
+        elif self.kind == "chat-hf":
+            config = f"{self.name}:" if self.name else ""
+            body = f"chat-hf:{self.path}:{config}{self.split}" + (f":{self.field}" if self.field else "")
+        elif self.kind == "chat-json":
+            body = f"chat-json:{self.path}" + (f":{self.field}" if self.field else "")
         else:
             body = f"{self.kind}:{self.path}:{self.field}"
         opts = [f"limit={self.limit}"] if self.limit is not None else []

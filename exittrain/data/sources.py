@@ -16,6 +16,9 @@ object), ``missing_field``, ``not_string``, ``empty`` (blank text), ``too_long``
 ``max_chars`` characters or ``max_tokens`` tokens), ``duplicate`` (same normalized text as an earlier
 row). A source that yields no prompt at all is an error, not an empty set.
 
+Sources of answered conversations (``chat-json:``, ``chat-hf:``) are read by
+:mod:`exittrain.data.conversations`; :func:`load_prompts` refuses them.
+
 Training prompts never overlap evaluation prompts: :func:`remove_overlap` drops every training
 prompt whose normalized text (:func:`normalize_prompt`) equals an evaluation prompt's, and
 :func:`load_domain` applies it and reports the count.
@@ -223,6 +226,12 @@ def load_prompts(
         ModuleNotFoundError: a ``pkg:`` source whose package is not installed (unless ``optional``).
     """
     src = PromptSource.parse(source)
+    if src.answered:
+        raise ValueError(
+            f"{src} is a source of answered conversations, not of prompts: it can only be one of data.train_sources, "
+            "all of which must then be answered conversations (exittrain.data.conversations); evaluation prompts "
+            "come from prompt sources (json:, hf:, parquet:, pkg:)"
+        )
     stats = LoadStats(source=str(src))
     if max_tokens is not None and tokenizer is None:
         raise ValueError(f"{src}: max_tokens={max_tokens} needs a tokenizer; pass tokenizer= or max_tokens=None")

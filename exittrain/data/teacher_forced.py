@@ -4,8 +4,8 @@ Whoever wrote the answer (vLLM, a brought conversation, Hugging Face ``generate`
 reads each row ``prompt + answer`` once and :func:`teacher_forced` keeps what training needs:
 
 - ``features``: the outputs of the target layers ``feature_layers`` at every position of the
-  row, concatenated, ``(n, F)`` bf16 on the CPU (the layout :func:`~exittrain.data.generation.generate_batch`
-  keeps while it answers);
+  row, concatenated in the order given, ``(n, F)`` bf16 on the CPU (the layout
+  :func:`~exittrain.data.generation.generate_batch` keeps while it answers);
 - ``top_ids`` / ``top_logprobs``: at every answer position j (token ``n_prompt + j``), the S
   most likely tokens of the target's next-token distribution given the tokens before it, and
   their log-probabilities, ``(r, S)`` int32 / float32, r = n - n_prompt, sorted descending.
@@ -86,8 +86,8 @@ def teacher_forced(
     Rows are batched in the order given (sort them by length first for less padding).
     """
     _check_rows(rows, top_logprobs, batch_size)
-    layers = sorted({int(x) for x in feature_layers})
-    if list(feature_layers) and len(layers) != len(list(feature_layers)):
+    layers = [int(x) for x in feature_layers]  # concatenated in the order given, as generate_batch keeps them
+    if len(set(layers)) != len(layers):
         raise ValueError(f"feature_layers={list(feature_layers)} repeats a layer id; give each target layer once")
     device = next(model.parameters()).device
     pad = 0  # any id: padded positions are masked out and never kept
@@ -133,7 +133,7 @@ def teacher_forced_reference(
 ) -> list[TeacherForced]:
     """:func:`teacher_forced`'s slow twin: one unpadded forward per row, full logits."""
     _check_rows(rows, top_logprobs, 1)
-    layers = sorted({int(x) for x in feature_layers})
+    layers = [int(x) for x in feature_layers]
     device = next(model.parameters()).device
     out = []
     for ids, n_prompt in rows:
