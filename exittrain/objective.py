@@ -25,7 +25,9 @@ One batch (docs/algorithm.md sections 7-9):
    (:func:`exittrain.core.mix_soft_labels`). pi comes from the batch (``top_ids`` and
    ``top_logprobs``, kept by the regeneration and served by the feature store); a batch without
    them (or with another S) has them computed by one target forward (with a warning).
-4. With ``exit_loss``: trees from the detached logits, target scores of every tree row, the exit
+4. With ``exit_loss``: trees from the detached logits (``tree_shape``: DDTree's best-first tree of
+   ``budget`` nodes, or the drafter's greedy chain of ``min(budget, K)`` nodes, the draft a serving
+   engine verifies; docs/algorithm.md section 4.6), target scores of every tree row, the exit
    law (edges floored at ``alpha`` for the weights) and the node loss of ``weight_type`` on the
    valid anchors; ``loss = lambda_tok * L_tok + lambda_exit * L_exit``. Otherwise
    ``loss = lambda_tok * L_tok``, and with ``metrics`` the trees are still built and scored,
@@ -50,9 +52,9 @@ from typing import Any, NamedTuple
 import torch
 
 from exittrain.core import (
+    TREE_SHAPES,
     WEIGHT_TYPES,
     block_cross_entropy,
-    build_tree,
     exit_law,
     exit_node_loss,
     followed_depth,
@@ -60,6 +62,7 @@ from exittrain.core import (
     sample_anchors,
     sampled_block_cross_entropy,
     select_trees,
+    shaped_tree,
     tree_metrics,
     warp_probs,
 )
@@ -71,6 +74,7 @@ __all__ = [
     "OBJECTIVE_PARTS",
     "SCORING_MODES",
     "STAGES",
+    "TREE_SHAPES",
     "ObjectiveOutput",
     "ObjectiveSettings",
     "batch_features",
@@ -110,7 +114,7 @@ class ObjectiveSettings:
     Attributes:
         stage: ``"pretrain"`` (block CE) or ``"exittrain"`` (block CE + exit node loss).
         anchors_per_seq: A, anchors sampled per sequence and step.
-        budget: B, nodes per draft tree.
+        budget: B, nodes per draft tree (a chain has ``min(B, K)``).
         weight_type: the node weight of ``L_exit``, one of :data:`exittrain.core.WEIGHT_TYPES`.
         alpha: floor of the edge probabilities in the training weights (``flow``, ``exit``).
         lambda_tok, lambda_exit: loss weights.
@@ -132,6 +136,10 @@ class ObjectiveSettings:
         law_temperature: temperature of the target distribution the node loss's weights (and
             ``missing``'s labels) are computed from (docs/algorithm.md section 4.4): 1 is the raw law, 0
             the one-hot argmax of a T = 0 decoder. The tree metrics always use the raw law.
+        tree_shape: the training trees (and the metrics' trees), one of :data:`TREE_SHAPES`:
+            ``ddtree`` DDTree's best-first tree of B nodes, ``chain`` the drafter's greedy chain of
+            ``min(B, K)`` nodes (:func:`exittrain.core.chain_tree`), the one draft vLLM and SGLang
+            verify, whose exit-law block length is their expected acceptance length.
     """
 
     stage: str = "exittrain"
@@ -153,6 +161,7 @@ class ObjectiveSettings:
     soft_label_weight: float = 1.0
     soft_label_top_k: int = 16
     law_temperature: float = 1.0
+    tree_shape: str = "ddtree"
 
     def __post_init__(self) -> None:
         a = asdict(self)
@@ -209,6 +218,12 @@ class ObjectiveSettings:
             is_number(a["law_temperature"]) and a["law_temperature"] >= 0,
             "law_temperature",
             "need a float >= 0 (1 = the target's raw law, 0 = its greedy one-hot law)",
+        )
+        need(
+            a["tree_shape"] in TREE_SHAPES,
+            "tree_shape",
+            f"tree.shape must be one of {TREE_SHAPES} (ddtree = DDTree's best-first tree, chain = the drafter's "
+            "greedy chain that vLLM and SGLang verify)",
         )
         if a["stage"] == "exittrain":
             need(
@@ -412,7 +427,8 @@ def compute_losses(
     loss = s.lambda_tok * loss_tok
     if (exit_loss or metrics) and n_valid:
         with torch.no_grad():
-            trees = build_tree(torch.log_softmax(logits.detach().float(), dim=-1), s.budget, validate=False)
+            logq_NKV = torch.log_softmax(logits.detach().float(), dim=-1)
+            trees = shaped_tree(logq_NKV, s.budget, s.tree_shape, validate=False)
             timer.lap("tree")
             scores = target.score_trees(
                 input_ids, anchors_LA, trees, mode=s.scoring, window=s.window, chunk_size=s.score_chunk_size

@@ -1,7 +1,7 @@
 """Held-out block lengths of saved drafters at the target's own answers: greedy at T = 0, analytic at T > 0.
 
 ``python -m exittrain bench heldout DRAFTER [DRAFTER ...] [--prompts 64] [--skip 16] [--budgets 16 64]
-[--temperatures 0 0.6 1] [--analytic-anchors 16] [--no-oracle]``
+[--temperatures 0 0.6 1] [--analytic-anchors 16] [--no-oracle] [--no-chain]``
 
 **T = 0 (greedy tau).** The fp32 target (as loaded) answers the domain's evaluation prompts
 ``skip .. skip + prompts`` greedily, keeping the target features of every drafter's layers. Each
@@ -19,6 +19,11 @@ of one block size) the drafter's tree is built as the decoder builds it and scor
 started there (:mod:`exittrain.heldout.measures`). **Oracle:** at the same anchors, ``sum_v P(v)``
 of the tree of the B nodes of highest target reach, depth <= K (docs/algorithm.md section 5.2); at T = 0
 it is ``1 + min(B, K)``. ``tau / tau_oracle`` is the tree efficiency.
+
+**Chain** (unless ``--no-chain``): the same two measures on each drafter's greedy chain of K
+nodes, the draft vLLM and SGLang verify (docs/algorithm.md section 4.6): the greedy chain tau at
+every anchor (no target forward) and the analytic chain tau at the same anchors as the trees (one
+target forward of K + 1 rows per anchor), each paired against the first drafter's chain.
 
 Limits: neither is the decoded tau. Decoding visits only the anchors where rounds start, and
 these are per-round expectations at every kind of answer position. The first ``skip`` prompts
@@ -49,8 +54,8 @@ from exittrain.heldout.measures import (
 )
 from exittrain.tables import markdown_table, paired_cell
 
-__all__ = ["answer_with_features", "greedy_block_lengths", "greedy_block_lengths_by_budget", "paired_difference",
-           "run", "to_markdown", "main"]
+__all__ = ["answer_with_features", "chain_table", "greedy_block_lengths", "greedy_block_lengths_by_budget",
+           "paired_difference", "run", "to_markdown", "main"]
 
 
 def answer_with_features(target, prompts: list[list[int]], layers: list[int], max_new_tokens: int, batch: int):
@@ -68,16 +73,19 @@ def greedy_block_lengths(drafter, rows, layers: list[int], budget: int) -> tuple
 
 
 def greedy_block_lengths_by_budget(
-    drafter, rows, layers: list[int], budgets: list[int]
-) -> tuple[dict[int, list[torch.Tensor]], torch.Tensor]:
+    drafter, rows, layers: list[int], budgets: list[int], *, chain: bool = False
+) -> tuple[dict[int | str, list[torch.Tensor]], torch.Tensor]:
     """:func:`greedy_block_lengths` at several budgets: ``{B: per-row lengths}`` and the accuracy.
-    The drafter runs once per row; only the tree is built per budget."""
-    from exittrain.core import build_tree, followed_depth
+    The drafter runs once per row; only the tree is built per budget. ``chain``: also the lengths on
+    the drafter's greedy chain of K nodes, under the key ``"chain"``."""
+    from exittrain.core import build_tree, chain_tree, followed_depth
 
     K, H = drafter.config.num_draft_tokens, drafter.config.target_hidden_size
     slots = [layers.index(x) for x in drafter.config.target_layer_ids]
     pick = torch.cat([torch.arange(s * H, (s + 1) * H) for s in slots])  # the drafter's slices of F
-    per_budget: dict[int, list[torch.Tensor]] = {b: [] for b in budgets}
+    per_budget: dict[int | str, list[torch.Tensor]] = {b: [] for b in budgets}
+    if chain:
+        per_budget["chain"] = []
     hits, anchors_seen = torch.zeros(K), 0
     with torch.no_grad():
         for ids, n_prompt, features in rows:
@@ -93,6 +101,8 @@ def greedy_block_lengths_by_budget(
             for budget in budgets:
                 tree = build_tree(logq_AKV, budget, validate=False)
                 per_budget[budget].append(1.0 + followed_depth(tree, labels).float())
+            if chain:
+                per_budget["chain"].append(1.0 + followed_depth(chain_tree(logq_AKV), labels).float())
     return per_budget, hits / max(anchors_seen, 1)
 
 
@@ -108,11 +118,12 @@ def _check(budgets, temperatures, analytic_anchors) -> None:
 def run(
     drafters: list[str], prompts: int, skip: int, max_new_tokens: int, budgets: list[int] | int = (16,),
     domain: str = "code", batch: int = 32, temperatures: list[float] = (0.0, 0.6, 1.0),
-    analytic_anchors: int = 16, oracle: bool = True, seed: int = 0, top_p: float | None = None,
+    analytic_anchors: int = 16, oracle: bool = True, seed: int = 0, top_p: float | None = None, chain: bool = True,
 ) -> dict:
     """Measure every drafter at every budget: greedy tau on the greedy answers (always), analytic
     tau at each temperature > 0 on answers sampled at it, and the oracle bound unless ``oracle`` is
-    False (see the module docstring). ``budgets`` may be one int."""
+    False (see the module docstring). ``budgets`` may be one int. ``chain``: the same on each
+    drafter's greedy chain of K nodes, in ``result["chain"]`` (one entry per drafter)."""
     from exittrain.data import ExitTrainDataModule
     from exittrain.models import load_drafter, load_target
 
@@ -132,7 +143,9 @@ def run(
         raise ValueError(f"--skip {skip} leaves no {domain} evaluation prompt; lower --skip")
     greedy_rows = answer_rows(target, templated, layers, max_new_tokens, batch)
     results = [{"drafter": p, "budget": b, "analytic": {}} for b in budgets for p in drafters]
+    chains = [{"drafter": p, "K": d.config.num_draft_tokens, "analytic": {}} for p, d in zip(drafters, loaded)]
     oracles, first = [], {}  # first[(budget, temperature)]: the first drafter's per-row values
+    first_chain = {}  # first_chain[(K, temperature)]: the first chain's per-row values
     ticker = progress_log.Ticker("bench heldout", len(drafters) * len(temperatures), unit="drafter x T", every=1,
                                  every_s=0)
     done = 0
@@ -144,7 +157,11 @@ def run(
             K = drafter.config.num_draft_tokens
             anchors.setdefault(K, heldout_anchors(rows, K, analytic_anchors, seed))
             if temperature == 0:
-                greedy, accuracy = greedy_block_lengths_by_budget(drafter, rows, layers, budgets)
+                greedy, accuracy = greedy_block_lengths_by_budget(drafter, rows, layers, budgets, chain=chain)
+            if chain:
+                _measure_chain(next(c for c in chains if c["drafter"] == path), first_chain, drafter, target, rows,
+                               layers, anchors[K], temperature, greedy.get("chain") if temperature == 0 else None,
+                               top_p)
             for budget in budgets:
                 entry = next(r for r in results if r["drafter"] == path and r["budget"] == budget)
                 if temperature == 0:
@@ -172,8 +189,29 @@ def run(
     return {
         "domain": domain, "prompts": len(greedy_rows), "skip": skip, "max_new_tokens": max_new_tokens,
         "budgets": budgets, "temperatures": temperatures, "analytic_anchors": analytic_anchors, "seed": seed,
-        "rows": results, "oracle": oracles,
+        "rows": results, "oracle": oracles, **({"chain": chains} if chain else {}),
     }
+
+
+def _measure_chain(entry: dict, first: dict, drafter, target, rows, layers, anchors, temperature: float,
+                   greedy: list[torch.Tensor] | None, top_p: float | None) -> None:
+    """Fill one drafter's chain ``entry`` at ``temperature``: the greedy lengths at T = 0 (``greedy``),
+    else the analytic chain tau at ``anchors``; paired against ``first`` (the first drafter's chain)."""
+    K = entry["K"]
+    if temperature == 0:
+        per_row = greedy
+        stats = summary(per_row)
+        field = entry
+        entry.update(greedy_block_length=stats["mean"], ci95=stats["ci95"], anchors=stats["anchors"])
+    else:
+        per_row = analytic_block_lengths(drafter, target, rows, layers, anchors, K, temperature, top_p=top_p,
+                                         shape="chain")
+        stats = summary(per_row)
+        field = entry["analytic"][str(temperature)] = {
+            "analytic_tau": stats["mean"], "ci95": stats["ci95"], "anchors": stats["anchors"]}
+    pair = first.get((K, temperature))
+    field["vs_first"] = None if pair is None else paired_difference(per_row, pair)
+    first.setdefault((K, temperature), per_row)
 
 
 def _oracle_tau(result: dict, budget: int, temperature: float) -> float | None:
@@ -214,6 +252,23 @@ def law_table(result: dict) -> list[str]:
     return markdown_table(header, body)
 
 
+def chain_table(result: dict) -> list[str]:
+    """Drafter: the greedy chain tau (T = 0) and the analytic chain tau per T > 0, each with the paired
+    difference from the first drafter's chain."""
+    temps = [t for t in result.get("temperatures", [0.0]) if t > 0]
+    header = ["drafter", "K", "greedy chain tau (T=0)", "vs the first (paired 95% CI)"]
+    for t in temps:
+        header += [f"analytic chain tau T={t:g}", "vs the first (paired 95% CI)"]
+    body = []
+    for c in result["chain"]:
+        line = [c["drafter"], c["K"], f"{c['greedy_block_length']:.3f}", paired_cell(c.get("vs_first"))]
+        for t in temps:
+            a = c["analytic"].get(str(t))
+            line += ["-", "-"] if a is None else [f"{a['analytic_tau']:.3f}", paired_cell(a["vs_first"])]
+        body.append(line)
+    return markdown_table(header, body)
+
+
 def to_markdown(result: dict) -> str:
     K = len(result["rows"][0]["accuracy_by_depth"])
     budgets = result.get("budgets", [result.get("budget")])
@@ -241,6 +296,15 @@ def to_markdown(result: dict) -> str:
             "",
             *law_table(result),
         ]
+    if result.get("chain"):
+        lines += [
+            "",
+            "The greedy chain of K nodes each drafter proposes, the draft vLLM and SGLang verify: its T = 0 block "
+            "length at every anchor, and its expected block length sum_v P(v) at the anchors above "
+            "(docs/algorithm.md section 4.6).",
+            "",
+            *chain_table(result),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -255,6 +319,8 @@ def main(argv=None) -> None:
                         help="0 = greedy tau; each T > 0: analytic tau on answers sampled at T")
     parser.add_argument("--analytic-anchors", type=int, default=16, help="anchors per answer scored at T > 0")
     parser.add_argument("--no-oracle", dest="oracle", action="store_false", help="skip the oracle bound")
+    parser.add_argument("--no-chain", dest="chain", action="store_false",
+                        help="skip the greedy chain of K nodes (the draft a serving engine verifies)")
     parser.add_argument("--seed", type=int, default=0, help="sampled answers and anchor draws")
     parser.add_argument("--domain", default="code", choices=["code", "dialogue", "math"])
     parser.add_argument("--out", default="results/bench_heldout")
@@ -262,7 +328,7 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # progress on stderr
     result = run(args.drafters, args.prompts, args.skip, args.max_new_tokens, args.budgets, args.domain,
                  temperatures=args.temperatures, analytic_anchors=args.analytic_anchors, oracle=args.oracle,
-                 seed=args.seed)
+                 seed=args.seed, chain=args.chain)
     write_results(args.out, result, to_markdown(result))
 
 

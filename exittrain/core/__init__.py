@@ -1,6 +1,7 @@
 """Pure math of exit-guided draft trees: torch and the standard library only.
 
 - :mod:`.tree`     DDTree construction (batched, exact) and tree tensors
+- :mod:`.chain`    the drafter's greedy chain as a tree: the draft a serving engine verifies
 - :mod:`.exit_law` reach, missing probability, exit mass, expected block length
 - :mod:`.verify`   greedy, predraw-and-follow, sequential residual and TEV verifiers
 - :mod:`.losses`   block cross-entropy and the ExitTrain node losses
@@ -10,6 +11,7 @@
 """
 
 from .anchors import anchor_generator, sample_anchors, sample_anchors_reference
+from .chain import TREE_SHAPES, chain_tree, chain_tree_reference, shaped_tree
 from .exit_law import ExitLaw, exit_law, exit_law_reference
 from .losses import (
     WEIGHT_TYPES,
@@ -42,6 +44,10 @@ __all__ = [
     "build_tree_reference",
     "followed_depth",
     "followed_depth_reference",
+    "TREE_SHAPES",
+    "chain_tree",
+    "chain_tree_reference",
+    "shaped_tree",
     "ExitLaw",
     "exit_law",
     "exit_law_reference",

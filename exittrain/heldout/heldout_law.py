@@ -6,7 +6,10 @@ is the exact expected block length ``sum_v P(v)`` of one TEV round (docs/algorit
 :func:`~exittrain.heldout.measures.analytic_block_lengths`). :class:`HeldOutLaw` holds, per
 temperature, the target's answers to the held-out prompts sampled at it and the seeded anchors
 within them, so every drafter of a run (the warm start, the ExitTrain drafter, the served one) is
-measured at the same anchors and their paired difference is valid.
+measured at the same anchors and their paired difference is valid. :meth:`HeldOutLaw.measure_chain`
+gives the same on the drafter's greedy chain of K nodes, the draft vLLM and SGLang verify, whose
+``sum_v P(v)`` is their expected acceptance length at T (docs/algorithm.md section 4.6); it uses the
+tree's anchors, so the chain and the tree of one drafter are paired too.
 
 Limits: answers are at most ``max_new_tokens`` long, so the anchors sit early in the answer; a
 drafter with another block size gets its own anchors and no paired difference.
@@ -95,6 +98,39 @@ class HeldOutLaw:
                 out[(budget, T)] = analytic_block_lengths(drafter, self.target, rows, layers, anchors, budget, T)
         return out
 
+    @torch.no_grad()
+    def measure_chain(self, drafter) -> dict[tuple[int, float], list[torch.Tensor]]:
+        """``{(K, T): per-answer (A_r,) expected block lengths}`` of ``drafter``'s greedy chain of K nodes
+        (K = ``num_draft_tokens``), at the anchors :meth:`measure` uses; the tree numbers are untouched."""
+        from exittrain.heldout.measures import analytic_block_lengths
+
+        K = drafter.config.num_draft_tokens
+        layers = list(drafter.config.target_layer_ids)
+        return {(K, T): analytic_block_lengths(drafter, self.target, self._rows_at(T), layers, self.anchors(T, K), K,
+                                               T, shape="chain")
+                for T in self.temperatures}
+
+    @staticmethod
+    def attach_chain(table: list[dict], measured: dict, reference: dict | None = None,
+                     reference_label: str = "warm_start") -> None:
+        """Add ``row["analytic_chain"] = {"T": {tau, ci95, anchors, nodes[, vs_<reference_label>]}}`` to
+        every row of one drafter's table (the chain has K nodes whatever the row's budget), from
+        :meth:`measure_chain`; the paired difference against ``reference`` (another drafter's
+        :meth:`measure_chain`) where it was measured at the same anchors."""
+        from exittrain.heldout.measures import paired_difference, summary
+
+        cells = {}
+        for (K, T), per_row in measured.items():
+            stats = summary(per_row)
+            cell = {"tau": stats["mean"], "ci95": stats["ci95"], "anchors": stats["anchors"], "nodes": K}
+            if reference is not None and (K, T) in reference:
+                pair = paired_difference(per_row, reference[(K, T)])
+                if pair is not None:
+                    cell[f"vs_{reference_label}"] = pair
+            cells[f"{T:g}"] = cell
+        for row in table:
+            row.setdefault("analytic_chain", {}).update({T: dict(cell) for T, cell in cells.items()})
+
     @staticmethod
     def attach(table: list[dict], measured: dict, reference: dict | None = None,
                reference_label: str = "warm_start") -> None:
@@ -129,14 +165,21 @@ def held_out_law(target, prompts: Sequence[Sequence[int]], analytic: tuple[Seque
 
 
 def format_differences(table: list[dict], reference_label: str = "warm_start") -> list[str]:
-    """One line per table row and temperature with a paired difference against ``reference_label``."""
+    """One line per table row and temperature with a paired difference against ``reference_label``, then
+    one per drafter and temperature for the chain (:meth:`HeldOutLaw.attach_chain`)."""
     from exittrain.tables import paired_cell
 
-    lines = []
+    lines, chain_lines = [], {}
     for row in table:
+        label = row["label"] or "-"
         for T, cell in row.get("analytic", {}).items():
             pair = cell.get(f"vs_{reference_label}")
             if pair is not None:
-                lines.append(f"{row['label'] or '-'} - {reference_label}, expected tau at B={row['budget']} T={T}: "
+                lines.append(f"{label} - {reference_label}, expected tau at B={row['budget']} T={T}: "
                              f"{paired_cell(pair)} ({cell['anchors']} anchors, paired)")
-    return lines
+        for T, cell in row.get("analytic_chain", {}).items():
+            pair = cell.get(f"vs_{reference_label}")
+            if pair is not None:  # every row of a drafter carries its chain: one line per drafter and T
+                chain_lines[(label, T)] = (f"{label} - {reference_label}, expected chain tau at K={cell['nodes']} "
+                                           f"T={T}: {paired_cell(pair)} ({cell['anchors']} anchors, paired)")
+    return lines + list(chain_lines.values())

@@ -13,7 +13,10 @@ last prompt token first): its token is the root, ``ids[:a]`` the committed conte
   log-probabilities, fp32 target features of the context), the target scores every row of it
   (``score_trees(mode="exact")``), and the exit law under the target warped to T
   (``warp_probs``) gives ``sum_v P(v)``: exactly what one TEV round started at that anchor yields
-  in expectation (docs/algorithm.md sections 4.2 and 6.5).
+  in expectation (docs/algorithm.md sections 4.2 and 6.5). ``shape="chain"``: the same on the
+  drafter's greedy chain of ``min(budget, K)`` nodes (``chain_tree``), the draft vLLM and SGLang
+  verify, where ``sum_v P(v) = 1 + sum_k prod_{j<=k} p_j(x_j)`` is their expected acceptance
+  length at T (docs/algorithm.md section 4.6).
 - :func:`oracle_block_lengths`: ``sum_v P(v)`` of the tree of the B nodes of highest warped
   target reach, depth <= K (docs/algorithm.md section 5.2): the bound of every tree of B nodes.
 
@@ -48,6 +51,13 @@ def _check_temperature(temperature: float, name: str = "temperature") -> None:
 def _check_budget(budget: int) -> None:
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
         raise ValueError(f"budget (--budgets) must be an integer >= 1 (tree nodes), got {budget!r}")
+
+
+def _check_shape(shape: str) -> None:
+    from exittrain.core import TREE_SHAPES
+
+    if shape not in TREE_SHAPES:
+        raise ValueError(f"shape={shape!r}: the drafter's tree shape must be one of {TREE_SHAPES}")
 
 
 def answer_rows(
@@ -102,13 +112,15 @@ def heldout_anchors(rows, num_draft_tokens: int, per_row: int, seed: int) -> lis
 @torch.no_grad()
 def analytic_block_lengths(
     drafter, target, rows, layers: list[int], anchors: list[torch.Tensor], budget: int, temperature: float,
-    top_k: int | None = None, top_p: float | None = None, *, stored_features: bool = False,
+    top_k: int | None = None, top_p: float | None = None, *, stored_features: bool = False, shape: str = "ddtree",
 ) -> list[torch.Tensor]:
     """Per row, the (A_r,) exact expected TEV block length ``sum_v P(v)`` of ``drafter``'s tree at each anchor.
 
-    The drafter sees the fp32 target features of the context, recomputed by one causal target
-    pass (what decoding feeds it); ``stored_features=True`` reads the rows' stored (bf16)
-    features instead, sliced out of ``layers`` (the layers they hold, a superset of the
+    ``shape``: ``ddtree`` (the decoder's best-first tree of ``budget`` nodes) or ``chain`` (the
+    drafter's greedy chain of ``min(budget, K)`` nodes: the expected block length of a serving
+    engine's chain verification at T). The drafter sees the fp32 target features of the context,
+    recomputed by one causal target pass (what decoding feeds it); ``stored_features=True`` reads
+    the rows' stored (bf16) features instead, sliced out of ``layers`` (the layers they hold, a superset of the
     drafter's, in that order). At T = 0 the result is the greedy followed depth + 1 along the
     target's argmax.
     """
@@ -117,6 +129,7 @@ def analytic_block_lengths(
 
     _check_temperature(temperature)
     _check_budget(budget)
+    _check_shape(shape)
     own = list(drafter.config.target_layer_ids)
     H = drafter.config.target_hidden_size
     pick = torch.cat([torch.arange(layers.index(x) * H, (layers.index(x) + 1) * H) for x in own]) if stored_features \
@@ -128,7 +141,7 @@ def analytic_block_lengths(
             continue
         ids_1T, anchors_1A = ids[None].to(target.device), anchors_A[None].to(target.device)
         tree = drafter_trees(drafter, target, ids, anchors_A, budget,
-                             features[:, pick].float() if stored_features else None)
+                             features[:, pick].float() if stored_features else None, shape=shape)
         prefix = _row_prefix(target, ids, own)  # the pass that gave the drafter's features gives the K/V
         scores_ABV = target.score_trees(ids_1T, anchors_1A, tree, mode="exact", prefix=prefix).logits  # (A, B+1, V)
         law = exit_law(tree, warp_probs(scores_ABV, temperature, top_k, top_p), validate=False)
@@ -167,12 +180,13 @@ def _context_features(target, ids: torch.Tensor, layers: list[int]) -> torch.Ten
 
 @torch.no_grad()
 def drafter_trees(drafter, target, ids: torch.Tensor, anchors_A: torch.Tensor, budget: int,
-                  features_TF: torch.Tensor | None = None):
+                  features_TF: torch.Tensor | None = None, *, shape: str = "ddtree"):
     """The (A trees) DraftTree the decoder would build for a round rooted at each anchor of ``ids``:
-    ``build_tree(log_softmax(drafter logits), budget)`` with the drafter seeing the target features
-    before the anchor; ``features_TF`` (the drafter's own layers) or, when None, the fp32 features
-    of one causal target pass."""
-    from exittrain.core import build_tree
+    ``build_tree(log_softmax(drafter logits), budget)`` (``shape="chain"``: the greedy chain of
+    ``min(budget, K)`` nodes, :class:`~exittrain.serve.chain.ChainDecoder`'s) with the drafter seeing
+    the target features before the anchor; ``features_TF`` (the drafter's own layers) or, when
+    None, the fp32 features of one causal target pass."""
+    from exittrain.core import shaped_tree
 
     ids_1T = ids[None].to(target.device)
     if features_TF is None:
@@ -180,7 +194,7 @@ def drafter_trees(drafter, target, ids: torch.Tensor, anchors_A: torch.Tensor, b
     else:
         features_1TF = features_TF[None].to(target.device)
     logits_AKV = drafter.forward_anchors(features_1TF, ids_1T, anchors_A[None].to(target.device)).float()
-    return build_tree(torch.log_softmax(logits_AKV, -1), budget, validate=False)
+    return shaped_tree(torch.log_softmax(logits_AKV, -1), budget, shape, validate=False)
 
 
 def _rank(score: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:

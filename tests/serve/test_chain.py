@@ -1,4 +1,4 @@
-"""Chain trees and the chain decoder, against build_tree and the reference dflash_generate loop."""
+"""The chain decoder against the reference dflash_generate loop (the chain trees: tests/core/test_chain.py)."""
 
 from __future__ import annotations
 
@@ -9,36 +9,13 @@ import torch
 
 from exittrain.decoding import autoregressive_generate
 from exittrain.models import TargetModel
-from exittrain.serve.chain import ChainDecoder, chain_tree, chain_tree_reference
+from exittrain.serve.chain import ChainDecoder
 
 pytest.importorskip("dflash", reason="the reference DFlash drafter needs `pip install --no-deps dflash==0.1.0`")
 
 from exittrain.serve.dflash_reference import ReferenceDFlashDrafter, write_random_dflash_drafter  # noqa: E402
 
 VOCAB = 8  # a small vocabulary, so a random drafter's greedy tokens are accepted now and then
-
-
-@pytest.mark.parametrize("budget", [None, 1, 3])
-def test_chain_tree_equals_build_tree_on_one_hot_input(budget):
-    g = torch.Generator().manual_seed(0)
-    logq_NKV = torch.log_softmax(torch.randn(3, 5, 11, generator=g) * 2, dim=-1)
-    fast, slow = chain_tree(logq_NKV, budget), chain_tree_reference(logq_NKV, budget)
-    B = budget or 5
-    assert fast.tokens.shape == (3, B) and fast.max_depth == B
-    for name in ("tokens", "parents", "depths", "valid"):
-        assert torch.equal(getattr(fast, name), getattr(slow, name)), name
-    assert torch.equal(fast.tokens, logq_NKV[:, :B].argmax(-1))
-    assert torch.equal(fast.parents[0], torch.arange(B))  # node j hangs off node j - 1
-    assert torch.allclose(fast.scores, logq_NKV[:, :B].max(-1).values.cumsum(1))
-
-
-def test_chain_tree_rejects_a_budget_beyond_k():
-    logq = torch.log_softmax(torch.randn(1, 4, 6), dim=-1)
-    for bad in (0, 5, 2.0):
-        with pytest.raises(ValueError, match="budget"):
-            chain_tree(logq, bad)
-    with pytest.raises(ValueError, match=r"\(N, K, V\)"):
-        chain_tree(logq[0])
 
 
 def _tiny_target(seed: int = 0) -> TargetModel:

@@ -1,0 +1,81 @@
+"""Chain-shaped draft trees: the drafter's greedy path, the draft a serving engine verifies.
+
+Shape legend: N trees, K drafter positions, V vocabulary, B budget (nodes, root excluded).
+
+vLLM's and SGLang's DFlash decoding verify one draft per round: the drafter's most likely token
+at each of its K positions, a chain. :func:`chain_tree` builds that chain as a :class:`DraftTree`
+(node j at depth j, child of node j - 1), so the exit law, the losses, the verifiers and the
+target's tree scoring handle it like any other tree. On a chain the exit law's block length is
+``1 + sum_k prod_{j<=k} p_j(x_j)``, the expected block length of chain verification
+(docs/algorithm.md section 4.6).
+
+:func:`chain_tree_reference` is the slow twin: the same chain through :func:`build_tree`, which on
+one-hot drafter distributions (log-probability 0 at the argmax, -inf elsewhere) keeps B of the K
+nodes of score 0, shallowest first (a child enters the heap only after its parent).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .tree import DraftTree, build_tree
+
+__all__ = ["TREE_SHAPES", "chain_tree", "chain_tree_reference", "shaped_tree"]
+
+TREE_SHAPES = ("ddtree", "chain")
+"""The draft trees exittrain trains and measures on: DDTree's best-first tree, or the greedy chain."""
+
+
+def _check(logprobs_NKV: torch.Tensor, budget: int) -> None:
+    if not torch.is_tensor(logprobs_NKV) or logprobs_NKV.dim() != 3:
+        shape = tuple(logprobs_NKV.shape) if torch.is_tensor(logprobs_NKV) else type(logprobs_NKV).__name__
+        raise ValueError(f"logprobs must be a (N, K, V) tensor of drafter log-probabilities, got {shape}")
+    K = logprobs_NKV.shape[1]
+    if not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget <= K:
+        raise ValueError(f"a chain's budget must be an int in [1, K={K}] (one node per drafter row), not {budget!r}")
+
+
+def chain_tree(logprobs_NKV: torch.Tensor, budget: int | None = None) -> DraftTree:
+    """The greedy chain of ``budget`` nodes (default K): node j is ``argmax q_j``, child of node j-1.
+
+    ``scores`` are the path log-probabilities (cumulative sums along the chain). ``max_depth`` is K,
+    the drafter's horizon, as in :func:`build_tree`'s trees (the node loss and the metrics by depth
+    read it), whatever the budget. Ties at the argmax go to ``torch.argmax``'s choice, the lowest
+    token id.
+    """
+    budget = logprobs_NKV.shape[1] if budget is None and torch.is_tensor(logprobs_NKV) else budget
+    _check(logprobs_NKV, budget)
+    N = logprobs_NKV.shape[0]
+    device = logprobs_NKV.device
+    best_NB, tokens_NB = logprobs_NKV[:, :budget].max(dim=-1)
+    steps_NB = torch.arange(budget, device=device).expand(N, budget)
+    return DraftTree(
+        tokens=tokens_NB,
+        parents=steps_NB.clone(),  # node in column j hangs off column j - 1; column 0 off the root (0)
+        depths=steps_NB + 1,
+        valid=torch.ones(N, budget, dtype=torch.bool, device=device),
+        max_depth=logprobs_NKV.shape[1],
+        scores=best_NB.float().cumsum(dim=1),
+    )
+
+
+def chain_tree_reference(logprobs_NKV: torch.Tensor, budget: int | None = None) -> DraftTree:
+    """:func:`chain_tree` through :func:`build_tree` on one-hot distributions."""
+    budget = logprobs_NKV.shape[1] if budget is None and torch.is_tensor(logprobs_NKV) else budget
+    _check(logprobs_NKV, budget)
+    argmax_NK = logprobs_NKV.argmax(dim=-1, keepdim=True)
+    one_hot = torch.full_like(logprobs_NKV, float("-inf")).scatter(-1, argmax_NK, 0.0)
+    return build_tree(one_hot, budget)
+
+
+def shaped_tree(logprobs_NKV: torch.Tensor, budget: int, shape: str = "ddtree", *, validate: bool = True) -> DraftTree:
+    """The N draft trees of ``shape`` over the drafter's (N, K, V) log-probabilities.
+
+    ``ddtree``: :func:`build_tree` of ``budget`` nodes (``validate`` is passed on). ``chain``:
+    :func:`chain_tree` of ``min(budget, K)`` nodes, the greedy chain a serving engine verifies.
+    """
+    if shape == "chain":
+        return chain_tree(logprobs_NKV, min(budget, logprobs_NKV.shape[1]))
+    if shape == "ddtree":
+        return build_tree(logprobs_NKV, budget, validate=validate)
+    raise ValueError(f"shape={shape!r}: the tree shape (tree.shape) must be one of {TREE_SHAPES}")
