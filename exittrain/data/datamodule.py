@@ -3,7 +3,8 @@
 Which prompts, and which cache entry holds their answers, is :attr:`ExitTrainDataModule.plan`
 (:class:`~exittrain.data.prompt_plan.PromptPlan`, Lightning-free). The hooks (Lightning calls them):
 
-- ``prepare_data`` (one process per node): regenerates the target's answers into the Arrow cache
+- ``prepare_data`` (called by every rank through :func:`exittrain.build.prepare_data`): answers this
+  process's shard of the prompts into the Arrow cache (the last shard merges the entry)
   (:meth:`PromptPlan.regenerate`); the ``target`` callable builds the target only for a missing entry.
 - ``setup`` (every process): opens the entry, drops rows whose prompt alone fills ``max_length`` and
   holds out ``val_fraction`` of the rows for a validation loss, whole tasks at a time
