@@ -11,7 +11,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from exittrain.build import build_target
-from exittrain.heldout.decode_eval import evaluate_prompts, format_table, summarize
+from exittrain.heldout.decode_eval import auto_reasons, evaluate_prompts, format_table, summarize
 from exittrain.heldout.heldout_law import held_out_law
 from exittrain.heldout.tree_example import tree_example
 from exittrain.lit.run_logging import close_logger, log_table, make_logger
@@ -64,5 +64,7 @@ def run_eval(cfg: DictConfig, *, target=None) -> dict:
     json_path, csv_path = out.write_results(rows, table, path)
     out.write_tree_example(tree_example(target, drafter, prompts[0], budget=max(settings["budgets"])))
     print(f"\n{cfg.recipe_name}: held-out decoding with {path}\n" + format_table(table))
+    for reason in auto_reasons(table):
+        print(f"\n{reason}")
     print(f"\nResults: {json_path}, {csv_path}")
     return {"rows": rows, "summary": table}

@@ -5,15 +5,22 @@ runs, in order:
 
 1. the checks (:func:`exittrain.settings.check_fit_config`): which stages run, and every setting
    the run reads, before anything loads;
-2. the target, the drafter (fresh, or ``warm_start``) and the data, regenerated on rank 0
-   (:mod:`exittrain.build`);
+2. the target, the drafter (fresh, or ``warm_start``) and the data (:mod:`exittrain.build`), every
+   rank answering its shard of the prompts (:func:`~exittrain.build.prepare_data`; ``python -m
+   exittrain prepare`` runs this step alone);
 3. per stage (``pretrain``: block cross-entropy, the warm start; ``exittrain``: block CE plus
    the exit-guided node loss): its module, callbacks, logger and trainer, the training, and a
    held-out evaluation (:mod:`exittrain.heldout`);
 4. the exported drafter, the tree example and ``metrics.json`` (:class:`~exittrain.run_dir.RunDir`).
 
-With several processes every rank trains; global rank 0 alone regenerates, evaluates and writes,
-and the other ranks return the summary without tables once training ends.
+Every drafter row of the final table has two tracks: the tree track (tau of the recipe's draft tree
+at ``eval.budgets``) and the serving track (:mod:`exittrain.heldout.serving_track`: the greedy chain
+of K nodes a serving engine verifies, and with ``eval.vllm`` vLLM's own acceptance length of the
+DFlash export). ``+serve=dflash`` (conf/serve/dflash.yaml) trains what the DFlash format holds and
+makes ``drafter_dflash/`` the run's primary drafter (``metrics.json``: ``primary_drafter``).
+
+With several processes every rank answers its shard of the data and trains; global rank 0 alone
+evaluates and writes, and the other ranks return the summary without tables once training ends.
 """
 
 from __future__ import annotations
@@ -36,15 +43,26 @@ from exittrain.build import (
 )
 from exittrain.decoding.draft_vocab import count_answer_tokens, save_token_counts
 from exittrain.export import export_beside
-from exittrain.heldout.decode_eval import evaluate_prompts, format_table, summarize
+from exittrain.heldout.decode_eval import auto_reasons, evaluate_prompts, format_table, summarize
 from exittrain.heldout.heldout_law import format_differences, held_out_law
+from exittrain.heldout.serving_track import (
+    attach_chain,
+    chain_rows,
+    check_servable,
+    check_serve_config,
+    default_vllm_python,
+    summarize_chain,
+    target_folder,
+    vllm_enabled,
+    vllm_track,
+)
 from exittrain.heldout.tree_example import tree_example
 from exittrain.lit import full_drafter, save_drafter
 from exittrain.lit.checkpoint_io import AtomicCheckpointIO
 from exittrain.lit.run_logging import close_logger, global_rank, log_table, make_logger, seed_everything
 from exittrain.lit.train_steps import scalar_metrics, train_steps
 from exittrain.models.dflash_format import load_dflash
-from exittrain.run_dir import STAGE_LABELS, RunDir
+from exittrain.run_dir import STAGE_LABELS, RunDir, write_json_atomic
 from exittrain.settings import check_fit_config
 
 __all__ = ["fit", "FitRun", "setup_run", "train_stage", "evaluate_held_out", "finish_run"]
@@ -58,7 +76,9 @@ class FitRun:
     stage its gathered copy. ``ar_cache`` holds one autoregressive baseline per prompt, so both
     held-out tables share their denominator. ``law`` (or None) gives the analytic tau at
     ``eval.analytic_temperatures``; ``analytic`` keeps each table's per-anchor values, for the
-    paired differences against the warm start.
+    paired differences against the warm start. ``serve``: the checked ``+serve=dflash`` settings (or
+    None); ``vllm_python``: the vLLM interpreter the finish runs (None: ``eval.vllm`` is off or found none);
+    ``vllm_required``: ``eval.vllm=true``, where a failed vLLM run fails the fit (once metrics.json is written).
     """
 
     cfg: DictConfig
@@ -76,29 +96,47 @@ class FitRun:
     ar_cache: dict = field(default_factory=dict)
     law: Any = None
     analytic: dict = field(default_factory=dict)
+    analytic_chain: dict = field(default_factory=dict)
+    serve: dict | None = None
+    vllm_python: str | None = None
+    vllm_required: bool = False
+    token_counts: Any = None
+
+    def answer_token_counts(self):
+        """The answer tokens by frequency (the draft vocabulary's source), counted once per run."""
+        if self.token_counts is None:
+            self.token_counts = count_answer_tokens(self.datamodule.answer_token_rows())
+        return self.token_counts
 
 
 def setup_run(cfg: DictConfig, target: TargetArg = None) -> FitRun:
-    """Validate the config, then build the target, the drafter and the data (regenerated on rank 0)."""
+    """Validate the config, then build the target, the drafter and the data (each rank answers its shard)."""
     run_dir = RunDir(cfg.paths.output_dir)
     run_dir.path.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.seed)
     checked = check_fit_config(cfg)  # every setting, before anything loads
+    serve = check_serve_config(cfg)
+    vllm_python = default_vllm_python()
+    vllm_mode = str(cfg.eval.get("vllm", "false")).lower()  # no key: off
+    vllm_python = vllm_python if vllm_enabled(vllm_mode, vllm_python) else None
     stages, settings = checked.stages, checked.eval
     started = time.perf_counter()
 
     target = build_target(cfg, target)
     drafter = build_drafter(cfg, target)
+    if serve is not None:
+        check_servable(drafter.config)  # a layer id the format refuses fails now, not after training
     datamodule = build_datamodule(cfg, target, drafter.config.target_layer_ids, stages)
     prepare_data(datamodule, wait_s=cfg.data_wait_s)
     eval_prompts = datamodule.eval_prompts(max(cfg.eval.num_prompts, cfg.callbacks.decode_eval.num_prompts))
     run = FitRun(
         cfg=cfg, stages=stages, settings=settings, run_dir=run_dir, target=target, drafter=drafter,
-        datamodule=datamodule, eval_prompts=eval_prompts, started=started, full=drafter,
+        datamodule=datamodule, eval_prompts=eval_prompts, started=started, full=drafter, serve=serve,
+        vllm_python=vllm_python, vllm_required=vllm_mode == "true",
     )
     run.law = held_out_law(target, eval_prompts[: cfg.eval.num_prompts], checked.analytic,
                            max_new_tokens=settings["max_new_tokens"], seed=settings["seed"])
-    run.summary = {"recipe": cfg.recipe_name, "stages": stages, "target": target.name, "tables": {}}
+    run.summary = {"recipe": cfg.recipe_name, "stages": stages, "target": target.name, "tables": {}, "serve": serve}
     run.timings["regeneration_and_setup_s"] = time.perf_counter() - started
     return run
 
@@ -112,11 +150,21 @@ def evaluate_held_out(run: FitRun, label: str, drafter=None) -> list[dict]:
     t0 = time.perf_counter()
     prompts = run.eval_prompts[: run.cfg.eval.num_prompts]
     drafter = run.full if drafter is None else drafter
-    rows = evaluate_prompts(run.target, drafter, prompts, label=label, ar_cache=run.ar_cache, **run.settings)
+    counts = run.answer_token_counts() if run.settings.get("decode") == "auto" else None  # auto tries a draft vocab
+    rows = evaluate_prompts(run.target, drafter, prompts, label=label, ar_cache=run.ar_cache, token_counts=counts,
+                            **run.settings)
     table = summarize(rows)
     if run.law is not None:
         run.analytic[label] = run.law.measure(drafter, run.settings["budgets"])
         run.law.attach(table, run.analytic[label], None if label == "warm_start" else run.analytic.get("warm_start"))
+    # the serving track: the greedy chain of K nodes that vLLM and SGLang verify, on the same prompts
+    chain = chain_rows(run.target, drafter, prompts, max_new_tokens=run.settings["max_new_tokens"],
+                       seed=run.settings["seed"], label=label, ar_cache=run.ar_cache)
+    attach_chain(table, summarize_chain(chain))
+    write_json_atomic(run.run_dir.path / f"chain_{label}.json", chain)  # not eval_*.json: another row layout
+    if run.law is not None:  # the analytic chain tau at eval.analytic_temperatures, paired against the warm start
+        run.analytic_chain[label] = run.law.measure_chain(drafter)
+        run.law.attach_chain(table, run.analytic_chain[label], run.analytic_chain.get("warm_start"))
     run.summary["tables"][label] = table
     run.run_dir.write_eval_rows(label, rows)
     run.timings[f"eval_{label}_s"] = time.perf_counter() - t0
@@ -156,19 +204,63 @@ def train_stage(run: FitRun, stage: str) -> None:
         close_logger(logger)
 
 
+def attach_vllm(run: FitRun, dflash_dir: str, label: str) -> dict:
+    """vLLM's acceptance of the DFlash export in ``dflash_dir`` on the held-out prompts, added to the
+    ``label`` rows of the table (``vllm``) and logged under ``final/<label>`` by the run's logger; a
+    mismatch of vLLM's outputs with and without speculation is printed as a failure."""
+    prompts = run.eval_prompts[: run.cfg.eval.num_prompts]
+    positions = getattr(getattr(run.target.model, "config", None), "max_position_embeddings", None) or 2048
+    result = vllm_track(run.vllm_python, target_folder(run.target, run.cfg.target.get("name_or_path")), dflash_dir,
+                        prompts, max_new_tokens=run.settings["max_new_tokens"], workdir=run.run_dir.path / "vllm",
+                        max_model_len=min(2048, int(positions)))
+    table = run.summary["tables"][label]
+    for row in table:
+        row["vllm"] = result
+    logger = make_logger(run.cfg, f"{run.cfg.recipe_name}-serve")
+    try:
+        log_table(logger, f"final/{label}", table)
+    finally:
+        close_logger(logger)
+    return result
+
+
+def primary_drafter(run: FitRun, exported: dict, drafter_dir, served_label: str) -> dict:
+    """``metrics.json``'s ``primary_drafter``: the folder a user ships. ``+serve=dflash``: the DFlash
+    export (its table rows: ``label``); otherwise, or when the export was refused (printed with the
+    reason), ``drafter/`` and the ExitTrain rows."""
+    if (run.serve or {}).get("primary") == "dflash":
+        if exported["path"]:
+            return {"format": "dflash", "path": exported["path"], "label": served_label}
+        print(f"WARNING: serve.primary=dflash but no drafter_dflash/ was written ({exported.get('why')}); "
+              "the primary drafter is drafter/")
+    return {"format": "exittrain", "path": str(drafter_dir), "label": "exittrain"}
+
+
 def finish_run(run: FitRun) -> dict:
     """Rank 0: export the drafter, write the tree example and ``metrics.json``, print the tables."""
     out = run.run_dir
     drafter_dir = out.drafter_path("exittrain")
     save_drafter(run.full, drafter_dir)
     # the answer tokens by frequency, from which a decoder takes its draft vocabulary
-    save_token_counts(drafter_dir, count_answer_tokens(run.datamodule.answer_token_rows()),
+    save_token_counts(drafter_dir, run.answer_token_counts(),
                       source=str(run.datamodule.cache_path))
     exported = export_beside(run.full, out.path, run.target)  # the served format, beside drafter/ (or why not)
     run.summary["drafter_dflash"] = exported
+    served_label = "exittrain"
     if exported["path"] and exported["dropped"]:
         # what a serving engine keeps of the drafter (no copy branch): its tau beside the full drafter's
         evaluate_held_out(run, "served", load_dflash(exported["path"], run.target))
+        served_label = "served"
+    vllm_error = None
+    if exported["path"] and run.vllm_python is not None:
+        try:
+            attach_vllm(run, exported["path"], served_label)
+        except (RuntimeError, ValueError, OSError) as e:  # vLLM's failure must not lose the run's summary
+            vllm_error = f"{type(e).__name__}: {e}"
+            run.summary["vllm_error"] = vllm_error
+            print(f"\nWARNING: vLLM could not measure the DFlash export ({vllm_error.splitlines()[0]}); "
+                  f"its logs are in {out.path / 'vllm'}")
+    run.summary["primary_drafter"] = primary_drafter(run, exported, drafter_dir, served_label)
     budget = max(run.settings["budgets"])
     out.write_tree_example(tree_example(run.target, run.full, run.eval_prompts[0], budget=budget))
     run.timings["total_s"] = time.perf_counter() - run.started
@@ -176,11 +268,18 @@ def finish_run(run: FitRun) -> dict:
     run.summary["drafter"] = str(drafter_dir)
     out.write_fit_summary(run.summary)
     tables = [row for table in run.summary["tables"].values() for row in table]
-    print("\nHeld-out decoding (tau = tokens per round, bonus included):\n" + format_table(tables))
+    print("\nHeld-out decoding (tau = tokens per round, bonus included; chain tau = the greedy chain of K a serving "
+          "engine verifies):\n" + format_table(tables))
+    if any(not r["vllm"]["vllm_matches_plain"] for r in tables if "vllm" in r):
+        print("\nFAILED: vLLM's greedy outputs with speculation differ from those without (see vllm/ in the run)")
+    for reason in auto_reasons(tables):
+        print(f"\n{reason}")
     differences = format_differences(tables)
     if differences:
         print("\n" + "\n".join(differences))
     print(f"\nRun directory: {out.path}\nDrafter: {drafter_dir}  (python -m exittrain eval drafter={drafter_dir})")
+    if vllm_error is not None and run.vllm_required:
+        raise RuntimeError(f"eval.vllm=true and vLLM failed (metrics.json is written): {vllm_error}")
     return run.summary
 
 

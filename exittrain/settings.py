@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from exittrain.core import VERIFIERS
 from exittrain.data.prompt_plan import PromptPlan
 from exittrain.data.split import check_loader_settings
+from exittrain.heldout.decode_eval import DECODE_MODES
 from exittrain.heldout.heldout_law import check_analytic_settings
 from exittrain.lit.module import check_module_args
 from exittrain.objective import STAGES
@@ -54,6 +55,7 @@ __all__ = [
 
 # keys of stages.<stage> that configure the stage itself; every other key overrides the objective
 STAGE_KEYS = ("max_steps", "eval_every")
+VLLM_MODES = ("auto", "true", "false")  # eval.vllm, compared lower-cased (Hydra reads true/false as booleans)
 # what to do about a ckpt_path that cannot be resumed from (exittrain.safe_io adds the file and the cause)
 CKPT_FIX = (
     "point ckpt_path at another checkpoint written by exittrain (RUN_DIR/checkpoints/<stage>/last.ckpt of an "
@@ -211,7 +213,12 @@ def check_objective(cfg: DictConfig, stages: list[str]) -> None:
 
 def eval_settings(cfg: DictConfig) -> dict:
     """The keyword arguments of :func:`~exittrain.heldout.decode_eval.evaluate_prompts` from
-    ``cfg.eval``, every value checked (ValueError naming ``eval.<key>``)."""
+    ``cfg.eval``, every value checked (ValueError naming ``eval.<key>``).
+
+    ``eval.decode`` (``auto`` | ``fixed``, default ``fixed`` when absent) is one of them.
+    ``eval.vllm`` (``auto`` | ``true`` | ``false``) is checked here, so that a typo fails before
+    anything loads, but is not an argument of ``evaluate_prompts``: fit reads ``cfg.eval.vllm``
+    itself (:func:`exittrain.heldout.serving_track.vllm_enabled`)."""
     e = cfg.eval
     _check_int(e.num_prompts, "eval.num_prompts", 1, "held-out prompts to decode")
     _check_int(e.max_new_tokens, "eval.max_new_tokens", 1, "tokens decoded per prompt")
@@ -227,6 +234,14 @@ def eval_settings(cfg: DictConfig) -> dict:
     for key in ("baseline", "oracle"):
         if not isinstance(e[key], bool):
             raise ValueError(f"eval.{key}={e[key]!r}: need true or false")
+    decode = e.get("decode", "fixed")
+    if decode not in DECODE_MODES:
+        raise ValueError(f"eval.decode={decode!r}: use auto (probe this host's fastest budget, draft vocabulary and "
+                         "copy tail for the speed columns) or fixed (decode at eval.budgets only)")
+    vllm = e.get("vllm", "auto")
+    if str(vllm).lower() not in VLLM_MODES:
+        raise ValueError(f"eval.vllm={vllm!r}: use auto (vLLM's acceptance when .venv-vllm exists), true (required) "
+                         "or false (off)")
     return dict(
         budgets=budgets,
         temperatures=[float(t) for t in temperatures],
@@ -235,6 +250,7 @@ def eval_settings(cfg: DictConfig) -> dict:
         baseline=bool(e.baseline),
         oracle=bool(e.oracle),
         seed=int(cfg.seed),
+        decode=decode,
     )
 
 

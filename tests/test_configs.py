@@ -75,15 +75,21 @@ def config_options(conf_dir: Path = CONF_DIR, recipes_dir: Path = RECIPES_DIR) -
     return options + [("recipe", path.stem) for path in sorted(recipes_dir.glob("*.yaml"))]
 
 
+# Groups no primary lists in its defaults, added with ``+group=option``: the recipes (every primary) and
+# conf/serve (``+serve=dflash``: fit only, it sets the drafter and the tree, which eval has no group for).
+APPENDED = {"fit": {"recipe", "serve"}, "eval": {"recipe"}}
+
+
 def primary_groups(primary: str, conf_dir: Path = CONF_DIR) -> set[str]:
-    """The groups ``conf/<primary>.yaml`` lists in its defaults, plus ``recipe`` (``+recipe=``)."""
+    """The groups ``conf/<primary>.yaml`` lists in its defaults, plus those added with ``+`` (:data:`APPENDED`)."""
     defaults = OmegaConf.load(conf_dir / f"{primary}.yaml").defaults
-    return {next(iter(entry)) for entry in defaults if OmegaConf.is_dict(entry)} | {"recipe"}
+    return {next(iter(entry)) for entry in defaults if OmegaConf.is_dict(entry)} | APPENDED.get(primary, {"recipe"})
 
 
 def selection(group: str, option: str) -> str:
-    """The override that picks ``option``: ``+recipe=NAME`` for a recipe, else ``group=option``."""
-    return f"+recipe={option}" if group == "recipe" else f"{group}={option}"
+    """The override that picks ``option``: ``+group=NAME`` for an appended group (a recipe, serve), else
+    ``group=option``."""
+    return f"+{group}={option}" if group in set().union(*APPENDED.values()) else f"{group}={option}"
 
 
 # Files with mandatory values (???), and what a test fills them with (tiny_dir: the tiny target's folder).
@@ -421,3 +427,25 @@ def test_code_defaults_are_the_yaml_values(tiny_dir, tmp_path):
     )
     stale = set(CODE_DEFAULTS_DIFFER) - {(f[0], f[1]) for f in found}
     assert not stale, f"these agree now; remove them from CODE_DEFAULTS_DIFFER: {sorted(stale)}"
+
+
+def test_serve_dflash_trains_what_the_format_holds(tmp_path):
+    """+serve=dflash: no copy branch, no context window, a learned mask shipped under a spare token id,
+    ExitTrain on the chain of K = block_size - 1 = the engine's num_speculative_tokens, DFlash primary."""
+    from exittrain.heldout.serving_track import check_serve_config
+
+    cfg = compose_config("fit", "+recipe=code", "+serve=dflash", *cpu_overrides("fit", tmp_path))
+    assert list(cfg.drafter.copy_ngrams) == [] and cfg.drafter.context_window is None
+    assert cfg.drafter.learned_mask is True and cfg.drafter.mask_token_id is None  # export: spare_token_id
+    assert cfg.tree.shape == "chain" and cfg.objective.tree_shape == "chain"
+    assert cfg.serve.num_speculative_tokens == cfg.drafter.block_size - 1 == cfg.objective.budget == 7
+    assert check_serve_config(cfg) == {"format": "dflash", "engine": "vllm", "num_speculative_tokens": 7,
+                                       "primary": "dflash"}
+    assert check_serve_config(compose_config("fit", *cpu_overrides("fit", tmp_path))) is None
+    for override, match in [("drafter.block_size=4", "serve.num_speculative_tokens=7"),
+                            ("drafter.copy_ngrams=[3]", "drafter.copy_ngrams"),
+                            ("drafter.context_window=32", "drafter.context_window"),
+                            ("serve.primary=elsewhere", "serve.primary")]:
+        bad = compose_config("fit", "+serve=dflash", override, *cpu_overrides("fit", tmp_path))
+        with pytest.raises(ValueError, match=match):
+            check_serve_config(bad)

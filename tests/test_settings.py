@@ -37,6 +37,8 @@ FIT_CASES = [
     ("eval.verifier=nope", "eval.verifier='nope'"),
     ("eval.baseline=3", "eval.baseline=3"),
     ("eval.oracle=maybe", "eval.oracle='maybe'"),
+    ("eval.decode=fast", "eval.decode='fast'"),
+    ("eval.vllm=maybe", "eval.vllm='maybe'"),
     ("eval.analytic_temperatures=[0]", "eval.analytic_temperatures=[0]"),
     ("eval.analytic_anchors=0", "eval.analytic_anchors=0"),
     ("stages.pretrain.max_steps=-1", "stages.pretrain.max_steps=-1"),
@@ -75,6 +77,7 @@ EVAL_CASES = [
     ("eval.budgets=[0]", "eval.budgets=[0]"),
     ("eval.verifier=nope", "eval.verifier='nope'"),
     ("eval.analytic_anchors=0", "eval.analytic_anchors=0"),
+    ("eval.decode=fast", "eval.decode='fast'"),
     ("data.max_length=1", "data: max_length=1"),
 ]
 
@@ -97,4 +100,5 @@ def test_the_shipped_settings_pass_and_give_the_plan(tmp_path, extra):
     checked = settings.check_fit_config(cfg)
     assert checked.stages == [s for s in ("pretrain", "exittrain") if cfg.stages[s].max_steps > 0]
     assert checked.eval["budgets"] == list(cfg.eval.budgets) and checked.eval["seed"] == cfg.seed
+    assert checked.eval["decode"] == "auto"  # the speed columns at this host's fastest setting
     assert checked.analytic == (list(cfg.eval.analytic_temperatures), cfg.eval.analytic_anchors)

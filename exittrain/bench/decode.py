@@ -1,32 +1,43 @@
 """Decoding benchmark on the embedded target: our decoder beside Hugging Face's greedy and prompt lookup.
 
-``python -m exittrain bench decode --drafter PATH [--budgets 16] [--prompts 10] [--skip 16]
-[--new-tokens 96] [--cache on off] [--head-layout auto linear] [--copy-tail 0 8] [--draft-vocab 0 4096]
-[--contexts 100 600]``
+``python -m exittrain bench decode --drafter PATH [--sets code dialogue math restating] [--decode auto fixed]
+[--budgets 16] [--prompts 10] [--skip 16] [--new-tokens 96] [--cache on off] [--head-layout auto linear]
+[--copy-tail 0 8] [--draft-vocab 0 4096] [--contexts 100 600]``
 
 Side by side in one run, on the same held-out prompts and the same fp32 target, at temperature 0:
 
 - Hugging Face ``model.generate(do_sample=False)``: plain greedy decoding, the baseline;
 - Hugging Face prompt lookup, ``generate(do_sample=False, prompt_lookup_num_tokens=N)``: a free
   drafter that copies n-grams of the prompt and the text so far;
-- our :class:`~exittrain.decoding.SpeculativeDecoder` (TEV) at each budget, with the drafter
-  cache on and/or off (``--cache``; off is the full re-read, the reference twin), with the LM
-  head in the layout timed fastest on this host and/or plain ``F.linear`` (``--head-layout auto
-  linear``; :mod:`exittrain.models.row_matmul`; ``linear`` is the reference twin), and with
-  each ``--copy-tail`` length (:mod:`exittrain.core.copy_tail`; 0 is off) and each
-  ``--draft-vocab`` size (:mod:`exittrain.decoding.draft_vocab`, read from the drafter folder's
-  ``draft_vocab.json``; 0 is the whole vocabulary).
+- with ``--decode fixed`` (the default), our :class:`~exittrain.decoding.SpeculativeDecoder`
+  (TEV) at each budget, with the drafter cache on and/or off (``--cache``; off is the full
+  re-read, the reference twin), with the LM head in the layout timed fastest on this host and/or
+  plain ``F.linear`` (``--head-layout auto linear``; :mod:`exittrain.models.row_matmul`;
+  ``linear`` is the reference twin), and with each ``--copy-tail`` length
+  (:mod:`exittrain.core.copy_tail`; 0 is off) and each ``--draft-vocab`` size
+  (:mod:`exittrain.decoding.draft_vocab`, read from the drafter folder's ``draft_vocab.json``; 0
+  is the whole vocabulary);
+- with ``--decode auto``, our decoder at the setting :mod:`exittrain.decoding.auto_settings`
+  probes fastest on this host for each prompt set (budgets up to the largest of ``--budgets``, a
+  draft vocabulary when the drafter folder has token counts, a copy tail of prompt lookup's
+  length), probed on ``--probe-prompts`` prompts of the set that follow the measured ones, so the
+  choice is not tuned on the prompts it is timed on. The probe's reason is printed with the table.
+
+The prompt sets (``--sets``), each reported in its own table: ``code``, ``dialogue``, ``math``,
+the domain's evaluation prompts of ``bench heldout`` (HumanEval, MT-Bench, gsm_symbolic with the
+evaluation seed) from ``--skip`` on (``fit`` decodes the first ones); and ``restating``, built
+from the same HumanEval prompts (never a training prompt: the code recipe trains on CodeI/O),
+each wrapped as :data:`RESTATE_INSTRUCTION` asks, so that the answer repeats the prompt's
+signature and docstring at length before completing it: the case where copying pays most, and
+where prompt lookup is at its best.
 
 The methods take turns prompt by prompt, so a machine whose load drifts slows them alike; the
 ratios (tokens/s over greedy, over prompt lookup) are the figures to compare, not the absolute
 times. Our rows also give tau, the per-round stage times (draft, tree, target, verify, commit;
 ``perf_counter`` laps with an accelerator sync) and whether the tokens equal greedy ``generate``'s.
 
-The prompts are the held-out evaluation prompts of ``bench heldout``: the domain's evaluation
-prompts from ``--skip`` on (``fit`` decodes the first ones).
-
 A drafter micro-benchmark then times one round's drafter work at each of ``--contexts`` tokens of
-context (a real text: the evaluation prompts concatenated): the full re-read (project every
+context (a real text: the code evaluation prompts concatenated): the full re-read (project every
 context position, then draft), and the cache (project the ``--round-positions`` positions a round
 commits, then draft over the cached K/V). The drafter's context window, when it has one, bounds
 both. The output names the host: CPU model, ``torch.backends.cpu.get_cpu_capability()`` and
@@ -37,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import statistics
 import time
 
@@ -44,8 +56,8 @@ import torch
 
 from exittrain import progress as progress_log
 from exittrain.bench.registry import write_results
-from exittrain.decoding import ROUND_PARTS, SpeculativeDecoder
-from exittrain.decoding.draft_vocab import load_draft_vocabulary
+from exittrain.decoding import ROUND_PARTS, DecodeSetting, SpeculativeDecoder, auto_decoder
+from exittrain.decoding.draft_vocab import load_draft_vocabulary, load_token_counts
 from exittrain.decoding.drafter_context import drafter_context
 from exittrain.models.row_matmul import layout_choices, linear_only
 from exittrain.tables import markdown_table
@@ -62,6 +74,44 @@ def host() -> dict:
         "torch": torch.__version__,
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
+
+
+SETS = ("code", "dialogue", "math", "restating")
+# the restating set: a HumanEval prompt (a signature and a docstring) inside this request, so the
+# answer restates the prompt's code before it completes it
+RESTATE_INSTRUCTION = (
+    "Rewrite the following Python function in full: repeat its signature and its whole docstring "
+    "word for word, add type hints, then complete its body.\n\n```python\n{prompt}\n```"
+)
+
+
+def restating_request(text: str) -> str:
+    """:data:`RESTATE_INSTRUCTION` around the code of an evaluation text: the fenced block when the
+    text has one (the code domain's texts ask "Complete the following Python function" around it),
+    else the whole text."""
+    fence = re.search(r"```(?:python)?\n(.*?)```", text, flags=re.DOTALL)
+    code = (fence.group(1) if fence else text).strip("\n")
+    return RESTATE_INSTRUCTION.format(prompt=code)
+
+
+def set_prompts(target, name: str, n: int, skip: int) -> list[list[int]]:
+    """The prompts ``skip .. skip + n`` of a set (:data:`SETS`), chat-templated as in training.
+
+    ``code``, ``dialogue``, ``math``: the domain's evaluation prompts (:func:`heldout_prompts`).
+    ``restating``: the code domain's evaluation texts (HumanEval), their code wrapped in
+    :data:`RESTATE_INSTRUCTION` (:func:`restating_request`).
+    """
+    if name != "restating":
+        return heldout_prompts(target, name, n, skip)
+    from exittrain.data import ExitTrainDataModule
+    from exittrain.data.generation import chat_prompt_ids
+
+    data = ExitTrainDataModule("code", tokenizer=target.tokenizer, progress=False)
+    texts = data.plan.eval_texts(skip + n)[skip:]
+    if not texts:
+        raise ValueError(f"--skip {skip} leaves no HumanEval prompt for the restating set; lower --skip")
+    system = data.plan.generation.system_prompt
+    return [chat_prompt_ids(target.tokenizer, restating_request(t), system) for t in texts]
 
 
 def heldout_prompts(target, domain: str, n: int, skip: int) -> list[list[int]]:
@@ -129,54 +179,57 @@ def _head_layout(layout: str):
     return linear_only() if layout == "linear" else contextlib.nullcontext()
 
 
-def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int, new_tokens: int, domain: str,
-        caches: list[bool], lookup_tokens: int = 10, contexts: list[int] | None = None,
-        round_positions: int = 4, head_layouts: list[str] = ("auto",), copy_tails: list[int] = (0,),
-        vocab_sizes: list[int] = (0,)) -> dict:
-    from exittrain.models import load_drafter, load_target, new_drafter
-
-    target = load_target(None)
-    drafter = (load_drafter(drafter_path, target) if drafter_path else new_drafter(target, seed=0)).eval()
-    prompts = heldout_prompts(target, domain, n_prompts, skip)
+def _fixed_decoders(target, drafter, drafter_path, budgets, caches, head_layouts, copy_tails, vocab_sizes) -> list:
+    """``(row settings, decoder)`` for every combination of the fixed grid."""
     vocabs = {n: load_draft_vocabulary(drafter_path, n, target) for n in vocab_sizes}
-    decoders = {(b, c, h, t, n): SpeculativeDecoder(target, drafter, budget=b, verifier="tev", drafter_cache=c,
-                                                    copy_tail=t, draft_vocab=vocabs[n])
-                for b in budgets for c in caches for h in head_layouts for t in copy_tails for n in vocab_sizes}
+    return [({"budget": b, "drafter_cache": c, "head_layout": h, "copy_tail": t, "draft_vocab": n, "auto": False},
+             SpeculativeDecoder(target, drafter, budget=b, verifier="tev", drafter_cache=c, copy_tail=t,
+                                draft_vocab=vocabs[n]))
+            for b in budgets for c in caches for h in head_layouts for t in copy_tails for n in vocab_sizes]
+
+
+def _auto_decoder(target, drafter, drafter_path, probe_prompts, max_budget: int) -> tuple[dict, SpeculativeDecoder]:
+    """``(row settings, decoder)`` at the setting the probe finds fastest on ``probe_prompts``."""
+    counts = load_token_counts(drafter_path) if drafter_path else None
+    decoder = auto_decoder(target, drafter, probe_prompts, max_budget=max_budget, token_counts=counts)
+    s = decoder.auto_choice.setting
+    return ({"budget": s.budget, "drafter_cache": True, "head_layout": "auto", "copy_tail": s.copy_tail,
+             "draft_vocab": s.draft_vocab, "auto": True}, decoder)
+
+
+def _measure_set(target, prompts, decoders, new_tokens: int, lookup_tokens: int, name: str) -> dict:
+    """Greedy, prompt lookup and each decoder on ``prompts``, taking turns per prompt; the set's table rows."""
     lookup = {"prompt_lookup_num_tokens": lookup_tokens}
     # warm-up: one short decode of each kind so lazy initialisation is not timed
     hf_generate(target, prompts[0], 4)
     hf_generate(target, prompts[0], 4, **lookup)
-    for (_, _, layout, _, _), decoder in decoders.items():
-        with _head_layout(layout):
+    for meta, decoder in decoders:
+        with _head_layout(meta["head_layout"]):
             decoder.generate(prompts[0], 4)
 
     greedy, plookup = ([], []), ([], [])
-    ours = {key: [] for key in decoders}
-    ticker = progress_log.Ticker("bench decode", len(prompts), unit="prompt", every=1)
+    ours: list[list] = [[] for _ in decoders]
+    ticker = progress_log.Ticker(f"bench decode {name}", len(prompts), unit="prompt", every=1)
     for done, prompt in enumerate(prompts, 1):  # methods take turns per prompt: a drifting load slows all alike
         for store, extra in ((greedy, {}), (plookup, lookup)):
             tokens, seconds = hf_generate(target, prompt, new_tokens, **extra)
             store[0].append(tokens)
             store[1].append(seconds)
-        for key, decoder in decoders.items():
-            with _head_layout(key[2]):
-                ours[key].append(decoder.generate(prompt, new_tokens, temperature=0.0))
+        for results, (meta, decoder) in zip(ours, decoders):
+            with _head_layout(meta["head_layout"]):
+                results.append(decoder.generate(prompt, new_tokens, temperature=0.0))
         ticker.update(done, greedy_s=f"{sum(greedy[1]):.0f}", lookup_s=f"{sum(plookup[1]):.0f}",
-                      ours_s=" ".join(f"{sum(r.seconds for r in v):.0f}" for v in ours.values()))
+                      ours_s=" ".join(f"{sum(r.seconds for r in v):.0f}" for v in ours))
     base, pl = _summary(*greedy), _summary(*plookup)
     pl["vs_greedy"] = pl["tokens_per_s"] / base["tokens_per_s"]
     pl["equals_greedy"] = sum(a == b for a, b in zip(plookup[0], greedy[0]))
     rows = []
-    for (budget, cached, layout, tail, vocab), results in ours.items():
+    for (meta, _), results in zip(decoders, ours):
         rounds = [r for res in results for r in res.rounds]
         stage = {s: sum(r.times.get(s, 0.0) for r in rounds) for s in ROUND_PARTS}
         summary = _summary([r.tokens for r in results], [r.seconds for r in results])
         rows.append({
-            "budget": budget,
-            "drafter_cache": cached,
-            "head_layout": layout,
-            "copy_tail": tail,
-            "draft_vocab": vocab,
+            **meta,
             "nodes_per_round": sum(r.tree_nodes for r in rounds) / len(rounds),
             "tau": sum(r.block_length for r in rounds) / len(rounds),
             **summary,
@@ -186,36 +239,68 @@ def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int,
             "stage_ms_per_round": {s: 1e3 * v / len(rounds) for s, v in stage.items()},
             "equals_greedy": sum(r.tokens == g for r, g in zip(results, greedy[0])),
         })
-    text = [t for p in heldout_prompts(target, domain, 64, 0) for t in p]
+    return {"name": name, "prompts": len(prompts), "greedy": base, "prompt_lookup": pl, "rows": rows}
+
+
+def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int, new_tokens: int,
+        sets: list[str] = ("code",), caches: list[bool] = (True,), lookup_tokens: int = 10,
+        contexts: list[int] | None = None, round_positions: int = 4, head_layouts: list[str] = ("auto",),
+        copy_tails: list[int] = (0,), vocab_sizes: list[int] = (0,), decode: list[str] = ("fixed",),
+        probe_prompts: int = 4) -> dict:
+    from exittrain.models import load_drafter, load_target, new_drafter
+
+    unknown = [name for name in sets if name not in SETS]
+    if unknown or not sets:
+        raise ValueError(f"--sets {list(sets)}: choose among {list(SETS)}")
+    target = load_target(None)
+    drafter = (load_drafter(drafter_path, target) if drafter_path else new_drafter(target, seed=0)).eval()
+    fixed = (_fixed_decoders(target, drafter, drafter_path, budgets, caches, head_layouts, copy_tails, vocab_sizes)
+             if "fixed" in decode else [])
+    measured = []
+    for name in sets:
+        prompts = set_prompts(target, name, n_prompts, skip)
+        decoders = list(fixed)
+        choice = None
+        if "auto" in decode:  # probed on the prompts after the measured ones: not tuned on what it is timed on
+            meta, decoder = _auto_decoder(target, drafter, drafter_path,
+                                          set_prompts(target, name, probe_prompts, skip + n_prompts), max(budgets))
+            decoders.append((meta, decoder))
+            choice = decoder.auto_choice
+            print(f"{name}: {choice.reason}")
+        result = _measure_set(target, prompts, decoders, new_tokens, lookup_tokens, name)
+        if choice is not None:
+            result["auto"] = choice.to_dict()
+        measured.append(result)
+    text = [t for p in heldout_prompts(target, "code", 64, 0) for t in p]
     micro = drafter_round_ms(target, drafter, text, contexts or [100, 600], round_positions)
-    return {"host": host(), "domain": domain, "prompts": len(prompts), "skip": skip, "new_tokens": new_tokens,
-            "drafter": drafter_path or "fresh", "context_window": drafter.config.context_window,
-            "lookup_tokens": lookup_tokens, "greedy": base, "prompt_lookup": pl, "rows": rows,
+    return {"host": host(), "skip": skip, "new_tokens": new_tokens, "drafter": drafter_path or "fresh",
+            "context_window": drafter.config.context_window, "lookup_tokens": lookup_tokens, "sets": measured,
             "round_positions": round_positions, "drafter_round": micro, "head_layout": layout_choices()}
 
 
-def to_markdown(result: dict) -> str:
-    h, g, pl = result["host"], result["greedy"], result["prompt_lookup"]
-    n = result["prompts"]
-    lines = [
-        f"Host: {h['cpu_model']}, capability {h['cpu_capability']}, {h['threads']} threads, torch {h['torch']}. "
-        f"Target: the embedded SmolLM2-135M-Instruct in fp32. Drafter: {result['drafter']} (context window "
-        f"{result['context_window']}). {n} held-out {result['domain']} prompts (from #{result['skip']}) x "
-        f"{result['new_tokens']} new tokens, T = 0; methods take turns per prompt, so compare the ratios.",
-        "",
-    ]
+def _row_label(r: dict) -> str:
+    if r.get("auto"):
+        setting = DecodeSetting(r["budget"], r.get("draft_vocab", 0), r.get("copy_tail", 0))
+        return f"ours auto: {setting.label}"
+    return (f"ours B={r['budget']}, drafter cache {'on' if r['drafter_cache'] else 'off'}, "
+            f"head {r.get('head_layout', 'linear')}" + (f", copy tail {r['copy_tail']}" if r.get("copy_tail") else "")
+            + (f", draft vocab {r['draft_vocab']}" if r.get("draft_vocab") else ""))
+
+
+def set_table(result: dict, measured: dict) -> list[str]:
+    """One prompt set's lines: a heading, the methods' table, and the auto probe's reason."""
+    g, pl, n = measured["greedy"], measured["prompt_lookup"], measured["prompts"]
+    heading = f"### {measured['name']}: {n} held-out prompts (from #{result['skip']}) x {result['new_tokens']} tokens"
+    lines = [heading, ""]
     dash = ["-"] * len(ROUND_PARTS)
     rows = [
         ["HF greedy generate", "1.00", "-", f"{g['tokens_per_s']:.1f}", "1.00x", "-", f"{n}/{n}", "-", *dash],
         [f"HF prompt lookup ({result['lookup_tokens']})", "-", "-", f"{pl['tokens_per_s']:.1f}",
          f"{pl['vs_greedy']:.2f}x", "1.00x", f"{pl['equals_greedy']}/{n}", "-", *dash],
     ]
-    for r in result["rows"]:
+    for r in measured["rows"]:
         rows.append([
-            f"ours B={r['budget']}, drafter cache {'on' if r['drafter_cache'] else 'off'}, "
-            f"head {r.get('head_layout', 'linear')}" + (f", copy tail {r['copy_tail']}" if r.get("copy_tail") else "")
-            + (f", draft vocab {r['draft_vocab']}" if r.get("draft_vocab") else ""),
-            f"{r['tau']:.2f}", f"{r['nodes_per_round']:.1f}" if "nodes_per_round" in r else "-",
+            _row_label(r), f"{r['tau']:.2f}", f"{r['nodes_per_round']:.1f}" if "nodes_per_round" in r else "-",
             f"{r['tokens_per_s']:.1f}", f"{r['vs_greedy']:.2f}x", f"{r['vs_prompt_lookup']:.2f}x",
             f"{r['equals_greedy']}/{n}", f"{r['ms_per_round']:.1f}",
             *(f"{r['stage_ms_per_round'][s]:.1f}" for s in ROUND_PARTS),
@@ -224,6 +309,20 @@ def to_markdown(result: dict) -> str:
         ["method", "tau", "nodes/round", "tok/s", "vs greedy", "vs prompt lookup", "= greedy", "ms/round",
          *(f"{s} ms" for s in ROUND_PARTS)], rows,
     )
+    if measured.get("auto"):
+        lines += ["", f"Probe: {measured['auto']['reason']}."]
+    return lines
+
+
+def to_markdown(result: dict) -> str:
+    h = result["host"]
+    lines = [
+        f"Host: {h['cpu_model']}, capability {h['cpu_capability']}, {h['threads']} threads, torch {h['torch']}. "
+        f"Target: the embedded SmolLM2-135M-Instruct in fp32. Drafter: {result['drafter']} (context window "
+        f"{result['context_window']}). T = 0; methods take turns per prompt, so compare the ratios.",
+    ]
+    for measured in result["sets"]:
+        lines += ["", *set_table(result, measured)]
     lines += [
         "",
         f"Drafter work of one round ({result['round_positions']} newly committed positions, one block), median ms:",
@@ -235,7 +334,8 @@ def to_markdown(result: dict) -> str:
         ),
     ]
     if result.get("head_layout"):
-        lines += ["", "LM head layout chosen on this host (row_matmul.head_rows, timed once per row count):", "",
+        lines += ["", "LM head layout chosen on this host (row_matmul.head_rows, the median of timed calls per row "
+                  "count):", "",
                   *markdown_table(["rows", "F.linear ms", "W @ x.T ms", "chosen"],
                                   ([c["rows"], f"{c['linear_ms']:.1f}", f"{c['transposed_ms']:.1f}", c["layout"]]
                                    for c in result["head_layout"]))]
@@ -245,11 +345,18 @@ def to_markdown(result: dict) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", default=None, help="saved drafter folder (default: a fresh drafter)")
+    parser.add_argument("--sets", nargs="+", choices=list(SETS), default=["code"],
+                        help="prompt sets, one table each: the domains' held-out prompts, and restating (HumanEval "
+                             "prompts asking to repeat the code at length)")
+    parser.add_argument("--decode", nargs="+", choices=["fixed", "auto"], default=["fixed"],
+                        help="fixed: the grid of --budgets/--cache/--head-layout/--copy-tail/--draft-vocab; auto: "
+                             "the setting the probe finds fastest here per set (budgets up to max(--budgets))")
     parser.add_argument("--budgets", type=int, nargs="+", default=[16])
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--skip", type=int, default=16, help="evaluation prompts to leave out first (fit decodes them)")
+    parser.add_argument("--probe-prompts", type=int, default=4,
+                        help="prompts of each set, after the measured ones, that the auto probe measures on")
     parser.add_argument("--new-tokens", type=int, default=96)
-    parser.add_argument("--domain", default="code", choices=["code", "dialogue", "math"])
     parser.add_argument("--cache", nargs="+", choices=["on", "off"], default=["on"],
                         help="decode with the drafter cache on, off (the full re-read), or both")
     parser.add_argument("--head-layout", nargs="+", choices=["auto", "linear"], default=["auto"],
@@ -265,10 +372,12 @@ def main(argv=None) -> None:
                         help="positions one round commits in the drafter micro-benchmark")
     parser.add_argument("--out", default="results/bench_decode")
     args = parser.parse_args(argv)
-    result = run(args.drafter, args.budgets, args.prompts, args.skip, args.new_tokens, args.domain,
-                 [c == "on" for c in dict.fromkeys(args.cache)], args.lookup_tokens, args.contexts,
-                 args.round_positions, list(dict.fromkeys(args.head_layout)), list(dict.fromkeys(args.copy_tail)),
-                 list(dict.fromkeys(args.draft_vocab)))
+    result = run(args.drafter, args.budgets, args.prompts, args.skip, args.new_tokens,
+                 sets=list(dict.fromkeys(args.sets)), caches=[c == "on" for c in dict.fromkeys(args.cache)],
+                 lookup_tokens=args.lookup_tokens, contexts=args.contexts, round_positions=args.round_positions,
+                 head_layouts=list(dict.fromkeys(args.head_layout)), copy_tails=list(dict.fromkeys(args.copy_tail)),
+                 vocab_sizes=list(dict.fromkeys(args.draft_vocab)), decode=list(dict.fromkeys(args.decode)),
+                 probe_prompts=args.probe_prompts)
     write_results(args.out, result, to_markdown(result))
 
 

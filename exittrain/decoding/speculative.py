@@ -186,6 +186,7 @@ class SpeculativeDecoder:
         self.copy_ngrams = check_ngrams(copy_ngrams, key="copy_ngrams")
         self.draft_vocab = _check_vocab(draft_vocab, target.vocab_size, budget)
         self.layers = list(drafter.config.target_layer_ids)
+        self.auto_choice = None  # set by auto_settings.auto_decoder: what the probe measured and why it chose this
 
     def _tree(self, logq_1KV: torch.Tensor, context, root_1: torch.Tensor):
         """The round's draft tree: best-first, ``budget`` nodes from the drafter's log-probabilities

@@ -14,19 +14,54 @@ Definitions used in every table:
 - ``ci95``: a 95% bootstrap interval of tau over prompts (1000 resamples, fixed seed).
 - ``analytic`` (``fit``/``eval`` with ``eval.analytic_temperatures``): the exact expected TEV block
   length at each temperature on answers sampled at it (:mod:`exittrain.heldout.heldout_law`).
+- the serving track (``fit``, :mod:`exittrain.heldout.serving_track`): ``chain_tau`` (the greedy
+  chain of K nodes that vLLM and SGLang verify, decoded by our chain decoder), ``analytic_chain``
+  (its expected tau at each temperature) and ``vllm`` (vLLM's mean acceptance length of the DFlash
+  export, and whether its outputs with speculation equal those without: a ``MISMATCH`` cell when not).
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
 from exittrain import progress as progress_log
-from exittrain.decoding import SpeculativeDecoder, autoregressive_generate, oracle_generate
+from exittrain.decoding import SpeculativeDecoder, auto_decoder, autoregressive_generate, oracle_generate
 
-__all__ = ["evaluate_prompts", "summarize", "format_table", "bootstrap_ci", "optional_cell"]
+__all__ = [
+    "DECODE_MODES", "evaluate_prompts", "summarize", "format_table", "auto_reasons", "bootstrap_ci", "optional_cell",
+]
+
+log = logging.getLogger("exittrain")
+
+DECODE_MODES = ("fixed", "auto")  # eval.decode
+
+
+def _auto_decoder(target, drafter, prompts, budgets, verifier: str, token_counts: dict | None, label: str):
+    """The decoder at the setting this host decodes fastest (``decode="auto"``): probed once on
+    ``prompts``, up to the recipe's largest budget, its choice logged with the reason."""
+    decoder = auto_decoder(target, drafter, prompts, max_budget=max(budgets), verifier=verifier,
+                                      token_counts=token_counts)
+    log.info("eval %s: %s", label or "-", decoder.auto_choice.reason)
+    return decoder
+
+
+def _speed_keys(result, prefix: str = "") -> dict:
+    """The speed columns of one decode: tokens, wall seconds, tokens/s and stage times."""
+    return {
+        f"{prefix}new_tokens": len(result.tokens),
+        f"{prefix}seconds": result.seconds,
+        f"{prefix}tokens_per_s": result.tokens_per_second,
+        **{f"{prefix}time_{k}": v for k, v in result.stage_seconds().items()},
+    }
+
+
+def _same_prefix(a: list[int], b: list[int]) -> bool:
+    n = min(len(a), len(b))
+    return a[:n] == b[:n]
 
 
 def evaluate_prompts(
@@ -44,17 +79,44 @@ def evaluate_prompts(
     label: str = "",
     progress: bool = True,
     ar_cache: dict | None = None,
+    decode: str = "fixed",
+    token_counts: dict | None = None,
 ) -> list[dict]:
     """One row per (prompt, budget, temperature): tau, rounds, speed, stage times, block lengths.
 
     ``ar_cache``: a dict to reuse autoregressive baselines across calls on the same ``prompts``,
     ``max_new_tokens`` and ``seed`` (keyed by temperature and prompt index); None = a fresh one.
+
+    ``decode`` (``eval.decode``): ``"fixed"`` decodes at each budget as given. ``"auto"`` first
+    probes, once per call, the setting this host decodes fastest with this drafter
+    (:mod:`exittrain.decoding.auto_settings`: budgets up to the largest of ``budgets``, a draft
+    vocabulary when ``token_counts`` or the drafter's folder has its ``draft_vocab.json``, a copy
+    tail), logs the choice with its reason, and decodes every prompt twice: at the row's budget
+    for the quality columns, and at the auto setting for the speed columns.
+
+    Row keys, both modes:
+    - quality, the decode at ``budget``: ``tau``, ``rounds``, ``block_lengths``;
+    - speed, the decode at the speed setting (the budget with ``"fixed"``, the auto setting with
+      ``"auto"``): ``new_tokens``, ``seconds``, ``tokens_per_s``, ``time_<stage>``, and with
+      ``baseline`` ``ar_tokens_per_s`` and ``speedup`` (over the autoregressive baseline);
+    - ``matches_target`` (T = 0 with ``baseline``): every decode of the row equals greedy's;
+    - ``decode``: ``"fixed"`` or ``"auto"``.
+    With ``"auto"`` also: ``auto_setting`` (e.g. ``"B=4, draft vocab 4096, copy tail 10"``),
+    ``auto_budget``, ``auto_draft_vocab``, ``auto_copy_tail``, ``auto_tau`` (tau of the speed
+    decode), ``auto_block_lengths``, ``auto_expected_speedup`` (the probe's estimate),
+    ``auto_reason``; and the budget's own speed as ``fixed_new_tokens``, ``fixed_seconds``,
+    ``fixed_tokens_per_s`` and ``fixed_speedup``.
     """
     if not prompts:
         raise ValueError("no evaluation prompts: check the recipe's eval sources (eval.num_prompts > 0)")
     for b in budgets:
         if not isinstance(b, int) or b < 1:
             raise ValueError(f"budgets must be integers >= 1 (tree nodes), got {list(budgets)}")
+    if decode not in DECODE_MODES:
+        raise ValueError(f"decode={decode!r} (eval.decode): use fixed (the budgets as given) or auto (probe this "
+                         "host's fastest setting for the speed columns)")
+    auto = _auto_decoder(target, drafter, prompts, budgets, verifier, token_counts, label) if decode == "auto" else None
+    auto_results: dict = {}  # (temperature, prompt index) -> the auto decode
     rows: list[dict] = []
     jobs = [(b, t, i) for t in temperatures for b in budgets for i in range(len(prompts))]
     ar_cache = {} if ar_cache is None else ar_cache  # (temperature, prompt index) -> baseline result
@@ -74,24 +136,37 @@ def evaluate_prompts(
             "budget": budget,
             "temperature": temperature,
             "verifier": verifier,
-            "new_tokens": len(result.tokens),
+            "decode": decode,
             "rounds": len(result.rounds),
             "tau": result.mean_block_length,
             "block_lengths": [r.block_length for r in result.rounds],
-            "seconds": result.seconds,
-            "tokens_per_s": result.tokens_per_second,
-            **{f"time_{k}": v for k, v in result.stage_seconds().items()},
+            **_speed_keys(result),
         }
+        decoded = [result]
+        if auto is not None:
+            if (temperature, i) not in auto_results:  # the auto decode does not depend on the row's budget
+                auto_results[temperature, i] = auto.generate(prompt, max_new_tokens, temperature=temperature,
+                                                             seed=run_seed)
+            fast = auto_results[temperature, i]
+            decoded.append(fast)
+            choice = auto.auto_choice
+            row.update({f"fixed_{k}": v for k, v in _speed_keys(result).items() if not k.startswith("time_")})
+            row.update(_speed_keys(fast))
+            row.update(auto_setting=choice.setting.label, auto_budget=choice.setting.budget,
+                       auto_draft_vocab=choice.setting.draft_vocab, auto_copy_tail=choice.setting.copy_tail,
+                       auto_tau=fast.mean_block_length, auto_block_lengths=[r.block_length for r in fast.rounds],
+                       auto_expected_speedup=choice.chosen.speedup, auto_reason=choice.reason)
         if baseline:
             key = (temperature, i)
             if key not in ar_cache:  # the baseline does not depend on the budget
                 ar_cache[key] = autoregressive_generate(target, prompt, max_new_tokens, temperature, seed=run_seed)
             ar = ar_cache[key]
             row["ar_tokens_per_s"] = ar.tokens_per_second
-            row["speedup"] = result.tokens_per_second / ar.tokens_per_second if ar.tokens_per_second else 0.0
+            row["speedup"] = row["tokens_per_s"] / ar.tokens_per_second if ar.tokens_per_second else 0.0
+            if auto is not None:
+                row["fixed_speedup"] = result.tokens_per_second / ar.tokens_per_second if ar.tokens_per_second else 0.0
             if temperature == 0:  # lossless check on every greedy evaluation
-                n = min(len(ar.tokens), len(result.tokens))
-                row["matches_target"] = ar.tokens[:n] == result.tokens[:n]
+                row["matches_target"] = all(_same_prefix(ar.tokens, r.tokens) for r in decoded)
         if oracle:
             depth = drafter.config.num_draft_tokens
             ores, analytic = oracle_generate(target, prompt, budget, max_new_tokens, temperature, seed=run_seed,
@@ -145,6 +220,10 @@ def summarize(rows: list[dict]) -> list[dict]:
             out["speedup"] = out["tokens_per_s"] / out["ar_tokens_per_s"] if out["ar_tokens_per_s"] else 0.0
         if all("matches_target" in r for r in items):
             out["lossless"] = all(r["matches_target"] for r in items)
+        if all("auto_setting" in r for r in items):  # eval.decode=auto: the speed columns decode at the probe's choice
+            auto = [r["auto_block_lengths"] for r in items]
+            out["auto_setting"], out["auto_reason"] = items[0]["auto_setting"], items[0]["auto_reason"]
+            out["auto_tau"] = sum(map(sum, auto)) / sum(len(x) for x in auto)
         if all("tau_oracle" in r for r in items):
             o = [r["oracle_block_lengths"] for r in items]
             out["tau_oracle"] = sum(map(sum, o)) / sum(len(x) for x in o)
@@ -161,23 +240,49 @@ def optional_cell(row: dict, key: str, fmt: str = "{:.2f}") -> str:
     return fmt.format(row[key]) if key in row else "-"
 
 
-def _analytic_cell(row: dict, temperature: str) -> str:
-    cell = row.get("analytic", {}).get(temperature)
+def _analytic_cell(row: dict, temperature: str, key: str = "analytic") -> str:
+    cell = row.get(key, {}).get(temperature)
     return "-" if cell is None else f"{cell['tau']:.2f} ({cell['ci95'][0]:.2f}-{cell['ci95'][1]:.2f})"
+
+
+def _vllm_cell(row: dict) -> str:
+    """vLLM's acceptance length, flagged loudly when speculation changed vLLM's greedy outputs."""
+    vllm = row.get("vllm")
+    if vllm is None:
+        return "-"
+    return f"{vllm['vllm_tau']:.2f}" + ("" if vllm["vllm_matches_plain"] else " MISMATCH")
+
+
+def auto_reasons(table: list[dict]) -> list[str]:
+    """Each distinct ``eval.decode=auto`` choice of a table's rows, with its reason (the round cost
+    against tau of the setting the speed columns decoded at), to print under the table."""
+    return list(dict.fromkeys(r["auto_reason"] for r in table if "auto_reason" in r))
 
 
 def format_table(table: list[dict]) -> str:
     """A markdown table of :func:`summarize` rows; rows with ``analytic`` entries
-    (:meth:`~exittrain.heldout.heldout_law.HeldOutLaw.attach`) add one ``E[tau] T=..`` column per temperature."""
+    (:meth:`~exittrain.heldout.heldout_law.HeldOutLaw.attach`) add one ``E[tau] T=..`` column per temperature;
+    rows with the serving track add ``chain tau``, ``E[chain tau] T=..`` and ``vLLM tau`` columns; rows
+    decoded with ``eval.decode=auto`` say at which setting the speed columns were decoded, and its tau."""
     from exittrain.tables import markdown_table
 
     analytic = sorted({t for r in table for t in r.get("analytic", {})}, key=float)
+    chain_analytic = sorted({t for r in table for t in r.get("analytic_chain", {})}, key=float)
+    chain = any("chain_tau" in r for r in table)
+    vllm = any("vllm" in r for r in table)
+    auto = any("auto_setting" in r for r in table)
     header = ["run", "B", "T", "prompts", "tau", "95% CI", *(f"E[tau] T={t} (95% CI)" for t in analytic),
-              "tau_oracle", "tau/oracle", "tok/s", "AR tok/s", "speedup"]
+              *(["chain tau (K)"] if chain else []), *(f"E[chain tau] T={t} (95% CI)" for t in chain_analytic),
+              *(["vLLM tau"] if vllm else []),
+              "tau_oracle", "tau/oracle", *(["speed decoded at (tau)"] if auto else []), "tok/s", "AR tok/s", "speedup"]
     rows = (
         [r["label"] or "-", r["budget"], f"{r['temperature']:g}", r["prompts"], f"{r['tau']:.2f}",
          f"{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}", *(_analytic_cell(r, t) for t in analytic),
+         *([optional_cell(r, "chain_tau") + (f" ({r['chain_K']})" if "chain_K" in r else "")] if chain else []),
+         *(_analytic_cell(r, t, "analytic_chain") for t in chain_analytic),
+         *([_vllm_cell(r)] if vllm else []),
          optional_cell(r, "tau_oracle"), optional_cell(r, "efficiency"),
+         *([f"{r['auto_setting']} ({r['auto_tau']:.2f})" if "auto_setting" in r else "-"] if auto else []),
          f"{r['tokens_per_s']:.1f}", optional_cell(r, "ar_tokens_per_s", "{:.1f}"), optional_cell(r, "speedup") + "x"]
         for r in table
     )

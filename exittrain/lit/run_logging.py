@@ -72,9 +72,17 @@ def log_table(logger, name: str, table: list[dict]) -> None:
     for row in table:
         key = f"{name}/B{row['budget']}_T{row['temperature']:g}"
         flat[f"{key}/tau"] = row["tau"]
-        for extra in ("tau_oracle", "speedup", "tokens_per_s"):
+        for extra in ("tau_oracle", "speedup", "tokens_per_s", "chain_tau"):
             if extra in row:
                 flat[f"{key}/{extra}"] = row[extra]
+        if "vllm" in row:  # the serving track: vLLM's acceptance and whether speculation kept its outputs
+            flat[f"{key}/vllm_tau"] = row["vllm"]["vllm_tau"]
+            flat[f"{key}/vllm_matches_plain"] = float(row["vllm"]["vllm_matches_plain"])
+        for t, cell in row.get("analytic_chain", {}).items():
+            flat[f"{key}/expected_chain_tau_T{t}"] = cell["tau"]
+            for pair_name, pair in cell.items():
+                if pair_name.startswith("vs_"):
+                    flat[f"{key}/expected_chain_tau_T{t}_{pair_name}"] = pair["delta"]
         for t, cell in row.get("analytic", {}).items():  # the expected tau at T, and its paired gain
             flat[f"{key}/expected_tau_T{t}"] = cell["tau"]
             for pair_name, pair in cell.items():

@@ -7,8 +7,11 @@ rows can be several times slower than the same product computed as ``(W @ x.T).T
 without the AVX2 emulation, and no difference for one row or for the decoder layers' own weights.
 Which layout wins depends on the library, the CPU and the row count, so nothing is assumed:
 
-:func:`head_rows` times both layouts once per (rows, weight shape, dtype, threads) on first use
-and keeps the faster; a GPU, a product that needs gradients, or more than :data:`MAX_ROWS` rows
+:func:`head_rows` times both layouts per (rows, weight shape, dtype, threads) on first use, each
+:data:`TIMED_REPEATS` times after a warm-up call, the two layouts taking turns, and keeps the one
+with the lower median: one noisy first call (a page fault, another process's burst) moves a
+median of five no more than one sample, where a single timing would stick for the whole run.
+The choice is cached. A GPU, a product that needs gradients, or more than :data:`MAX_ROWS` rows
 always takes ``F.linear``, the reference twin. Both compute the same dot products; the results
 differ by float summation order only (the tests bound it). :func:`layout_choices` reports what
 was chosen, for the benchmarks' host line.
@@ -17,20 +20,22 @@ was chosen, for the benchmarks' host line.
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["MAX_ROWS", "head_rows", "is_plain_head", "layout_choices", "linear_only"]
+__all__ = ["MAX_ROWS", "TIMED_REPEATS", "head_rows", "is_plain_head", "layout_choices", "linear_only"]
 
 MAX_ROWS = 64  # beyond this many rows the kernels are compute-bound and F.linear is as good
-_TIMED_REPEATS = 3
+TIMED_REPEATS = 5  # timed calls per layout after the warm-up; the median decides
 _WIN_MARGIN = 0.9  # the transposed layout must be 10% faster to be picked: noise does not flip it
 
 # (rows, V, H, dtype, threads) -> (transposed?, linear ms, transposed ms)
 _CHOICES: dict[tuple, tuple[bool, float, float]] = {}
+_clock = time.perf_counter  # what _time_layouts reads; tests replace it
 _FORCE_LINEAR = [False]  # linear_only() sets it: the reference twin everywhere, for side-by-side timing
 
 
@@ -50,19 +55,25 @@ def _transposed(x_MH: torch.Tensor, weight_VH: torch.Tensor) -> torch.Tensor:
     return (weight_VH @ x_MH.T).T.contiguous()
 
 
-def _best_ms(fn) -> float:
-    fn()  # warm-up: first-call allocation and kernel selection are not timed
-    best = float("inf")
-    for _ in range(_TIMED_REPEATS):
-        start = time.perf_counter()
+def _time_layouts(x_MH: torch.Tensor, weight_VH: torch.Tensor, clock=None) -> tuple[float, float]:
+    """(F.linear ms, transposed ms): the median of :data:`TIMED_REPEATS` timed calls of each layout.
+
+    One warm-up call of each first (first-call allocation and kernel selection are not timed); then
+    the layouts alternate, so a load that drifts during the timing slows both alike. ``clock``
+    (seconds, default :data:`_clock`) is injectable: tests script it instead of timing this host.
+    """
+    clock = _clock if clock is None else clock
+    layouts = (lambda: F.linear(x_MH, weight_VH), lambda: _transposed(x_MH, weight_VH))
+    for fn in layouts:
         fn()
-        best = min(best, time.perf_counter() - start)
-    return 1e3 * best
-
-
-def _time_layouts(x_MH: torch.Tensor, weight_VH: torch.Tensor) -> tuple[float, float]:
-    """(F.linear ms, transposed ms): the best of a few timed calls of each layout."""
-    return _best_ms(lambda: F.linear(x_MH, weight_VH)), _best_ms(lambda: _transposed(x_MH, weight_VH))
+    laps: tuple[list[float], list[float]] = ([], [])
+    for _ in range(TIMED_REPEATS):
+        for lap, fn in zip(laps, layouts):
+            start = clock()
+            fn()
+            lap.append(clock() - start)
+    linear_ms, transposed_ms = (1e3 * statistics.median(lap) for lap in laps)
+    return linear_ms, transposed_ms
 
 
 def _choose(x_MH: torch.Tensor, weight_VH: torch.Tensor) -> bool:

@@ -301,8 +301,10 @@ def plot_training_curves(
 
     ``history``: label -> entries, each ``{"step", "block_length"}`` (the
     :class:`~exittrain.lit.callbacks.DecodeEvalCallback` history), ``{"step", "val/block_length"}``,
-    ``{"step", "value"}`` or a ``(step, value)`` pair. ``stage_starts``: label -> step where that
-    stage begins, drawn as a dotted vertical line. Empty series are skipped with a warning.
+    ``{"step", "value"}`` (``report`` gives the frequent cheap measures of
+    :class:`~exittrain.lit.callbacks.HeldOutBlockLengthCallback` so, one series each) or a
+    ``(step, value)`` pair. ``stage_starts``: label -> step where that stage begins, drawn as a dotted
+    vertical line. Empty series are skipped with a warning.
     """
     data = {}
     for label, points in history.items():

@@ -64,12 +64,17 @@ _LOG_DATE = re.compile(r"^\[(\d{4}-\d{2}-\d{2}) ", re.M)
 _LOG_CAPABILITY = re.compile(r"CPU capability (\w+)")
 _HOST_KEYS = ("cpu_model", "cpu_capability", "gpu", "torch", "shared")
 _ROW_KEYS = ("label", "budget", "temperature", "prompts", "tau", "ci95", "tokens_per_s", "ar_tokens_per_s", "speedup")
-_LABELS = {"warm_start": "warm start (block CE)", "exittrain": "after ExitTrain"}
+_LABELS = {"warm_start": "warm start (block CE)", "exittrain": "after ExitTrain", "served": "DFlash export"}
 _FIT_LEGEND = (
     "tau: tokens per decoding round on the held-out evaluation prompts, with its bootstrap interval over "
     "prompts. Held-out tau: the warm start on the validation rows at every anchor, greedy (the block a "
     "T = 0 verifier accepts, `val/greedy_block_length`) and analytic (the expected block length under the "
     "target's law, `val/analytic_block_length`). Speedup: tokens/s over the target decoding alone."
+)
+_SERVING_LEGEND = (
+    "Chain tau (K): the same prompts decoded with the drafter's greedy chain of K tokens, the draft vLLM and "
+    "SGLang verify. vLLM tau: vLLM's mean acceptance length of the DFlash export on those prompts (MISMATCH: "
+    "vLLM's greedy outputs with speculation differed from those without)."
 )
 # the stages of a fit run's wall time, in the order they run (metrics.json "timings")
 _STAGES = (
@@ -204,11 +209,24 @@ def _host_text(host: dict) -> str:
     return where + (", shared machine" if host["shared"] else "")
 
 
+def _serving_cells(row: dict) -> str:
+    """The serving track's cells of a fit row: the greedy chain's tau at K, and vLLM's acceptance length
+    of the DFlash export (``MISMATCH`` when speculation changed vLLM's greedy outputs)."""
+    chain = f"{row['chain_tau']:.2f} ({row.get('chain_K', '-')})" if row.get("chain_tau") is not None else "-"
+    vllm = "-"
+    if row.get("vllm_tau") is not None:
+        vllm = f"{row['vllm_tau']:.2f}" + ("" if row.get("vllm_matches_plain", True) else " MISMATCH")
+    return f" {chain} | {vllm} |"
+
+
 def _fit_rows(results: list[dict]) -> list[str]:
+    # the serving-track columns appear once a result has them (results written before them stay as they were)
+    serving = any("chain_tau" in row for res in results for row in res["tables"])
     lines = [
-        "| result | host | drafter | B | T | prompts x tokens | tau (95% CI) | held-out tau: greedy / analytic "
-        "| tokens/s (target alone) | speedup | run wall time |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| result | host | drafter | B | T | prompts x tokens | tau (95% CI) | "
+        + ("chain tau (K) | vLLM tau | " if serving else "")
+        + "held-out tau: greedy / analytic | tokens/s (target alone) | speedup | run wall time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if serving else ""),
     ]
     for res in results:
         held = res["heldout"]
@@ -220,8 +238,9 @@ def _fit_rows(results: list[dict]) -> list[str]:
             lines.append(
                 f"| {_json_link(res)} ({_cmd_link(res)}) | {_host_text(res['host'])} "
                 f"| {_LABELS.get(row['label'], row['label'])} | {row['budget']} | {row['temperature']:g} "
-                f"| {row['prompts']} x {row.get('new_tokens') or '-'} | {row['tau']:.2f} ({lo:.2f}-{hi:.2f}) "
-                f"| {heldout} | {row['tokens_per_s']:.1f} ({row['ar_tokens_per_s']:.1f}) | {row['speedup']:.2f}x "
+                f"| {row['prompts']} x {row.get('new_tokens') or '-'} | {row['tau']:.2f} ({lo:.2f}-{hi:.2f}) |"
+                + (_serving_cells(row) if serving else "")
+                + f" {heldout} | {row['tokens_per_s']:.1f} ({row['ar_tokens_per_s']:.1f}) | {row['speedup']:.2f}x "
                 f"| {res['wall_s']['total_s'] / 60:.1f} min |"
             )
     return lines
@@ -296,7 +315,9 @@ def render_page(results: list[dict], page: dict) -> str:
             lines += ["Not measured at the current defaults: no result in `results/`."
                       + (f" Earlier runs: [{Path(note).name}]({note})." if note else ""), ""]
             continue
-        lines += _fit_rows(mine) + ["", _FIT_LEGEND, "", "Wall time by stage:", ""] + _wall_rows(mine) + [""]
+        serving = any("chain_tau" in row for res in mine for row in res["tables"])
+        legend = _FIT_LEGEND + (" " + _SERVING_LEGEND if serving else "")
+        lines += _fit_rows(mine) + ["", legend, "", "Wall time by stage:", ""] + _wall_rows(mine) + [""]
         for res in mine:
             for note in res.get("notes", []):
                 lines.append(f"- {_json_link(res)}: {note}")
@@ -383,9 +404,12 @@ def summarize_fit_run(run_dir: str | Path, *, name: str, command: str, commit: s
     if cap:
         host["cpu_capability"] = cap.group(1)
     rows = []
-    for label in ("warm_start", "exittrain"):
+    for label in ("warm_start", "exittrain", "served"):
         for r in tables.get(label, []):
-            rows.append({k: r[k] for k in (*_ROW_KEYS, "lossless") if k in r} | {"label": label})
+            row = {k: r[k] for k in (*_ROW_KEYS, "lossless", "chain_tau", "chain_K") if k in r} | {"label": label}
+            if "vllm" in r:  # the serving track's engine measurement, flattened
+                row |= {"vllm_tau": r["vllm"]["vllm_tau"], "vllm_matches_plain": r["vllm"]["vllm_matches_plain"]}
+            rows.append(row)
     val = metrics.get("pretrain_metrics", {})
     heldout = None
     if "val/greedy_block_length" in val:

@@ -17,11 +17,14 @@ summaries, else from :func:`~exittrain.heldout.decode_eval.summarize` of the per
 Written to ``--out`` (default ``RUN_DIR/report`` for one RUN_DIR, ``./report`` for several):
 
 - ``report.md`` and ``report.json``: per recipe, one row per run / label / budget / temperature
-  with tau, its 95% CI, tau_oracle, tau/oracle, tok/s, AR tok/s and speedup; a training table
+  with tau, its 95% CI, the expected tau, the serving track (chain tau at K, vLLM's acceptance length,
+  ``MISMATCH`` when vLLM's outputs changed under speculation), tau_oracle, tau/oracle, tok/s, AR tok/s and
+  speedup; a training table
   (analytic tau, coverage, mean exit depth, final and best ``val/block_length`` per stage).
 - ``tau_vs_budget_<recipe>.png``, ``block_lengths_<recipe>.png`` (at the lowest temperature and
   the largest budget of the recipe's rows), ``exit_mass_<recipe>.png``,
-  ``training_curves_<recipe>.png``, ``tree_<run>.png``.
+  ``training_curves_<recipe>.png`` (the decode check's tau, and the frequent cheap held-out
+  measures ``heldout/chain_block_length`` and ``heldout/tree_block_length`` per stage), ``tree_<run>.png``.
 
 A plot whose data is missing is skipped with a warning (logged, and listed under ``skipped`` in
 report.json). With ``--wandb``, or when ``WANDB_MODE`` is set (and not ``disabled``), the PNGs
@@ -64,6 +67,12 @@ TRAINING_KEYS = (
     ("train/coverage", "coverage"),
     ("train/mean_exit_depth", "mean exit depth"),
     ("val/block_length", "val tau (final)"),
+)
+
+# the HeldOutBlockLengthCallback's measures the training-curve plot draws: (history key, series name)
+HELDOUT_CURVES = (
+    ("heldout/chain_block_length", "greedy chain (fixed val rows)"),
+    ("heldout/tree_block_length", "greedy tree (fixed val rows)"),
 )
 
 
@@ -201,6 +210,10 @@ def table_rows(runs: list[Run]) -> list[dict]:
                 "speedup": _num(r, "speedup"),
                 "lossless": r.get("lossless"),
                 "expected_tau": {t: c["tau"] for t, c in (r.get("analytic") or {}).items()},
+                "chain_tau": _num(r, "chain_tau"),
+                "chain_K": r.get("chain_K"),
+                "vllm_tau": (r.get("vllm") or {}).get("vllm_tau"),
+                "vllm_matches_plain": (r.get("vllm") or {}).get("vllm_matches_plain"),
             })
     return out
 
@@ -227,8 +240,8 @@ def training_rows(runs: list[Run]) -> list[dict]:
     return out
 
 
-DECODING_HEADER = ["run", "label", "B", "T", "prompts", "tau", "95% CI", "E[tau] at T", "tau_oracle", "tau/oracle",
-                   "tok/s", "AR tok/s", "speedup"]
+DECODING_HEADER = ["run", "label", "B", "T", "prompts", "tau", "95% CI", "E[tau] at T", "chain tau (K)", "vLLM tau",
+                   "tau_oracle", "tau/oracle", "tok/s", "AR tok/s", "speedup"]
 
 
 def _decoding_cells(r: dict) -> list:
@@ -236,7 +249,11 @@ def _decoding_cells(r: dict) -> list:
     temp = cell(None if r["temperature"] is None else float(r["temperature"]), "{:g}")
     # the expected TEV tau at the analytic temperatures (fit's and eval's eval.analytic_temperatures)
     expected = ", ".join(f"{t}: {v:.2f}" for t, v in (r.get("expected_tau") or {}).items()) or "-"
-    return [r["run"], r["label"], r["budget"], temp, r["prompts"] or "-", cell(r["tau"]), ci, expected,
+    # the serving track (fit): the greedy chain of K a serving engine verifies, and vLLM's own acceptance
+    chain = "-" if r.get("chain_tau") is None else f"{r['chain_tau']:.2f} ({r.get('chain_K', '-')})"
+    vllm = "-" if r.get("vllm_tau") is None else f"{r['vllm_tau']:.2f}" + (
+        "" if r.get("vllm_matches_plain", True) else " MISMATCH")
+    return [r["run"], r["label"], r["budget"], temp, r["prompts"] or "-", cell(r["tau"]), ci, expected, chain, vllm,
             cell(r["tau_oracle"]),
             cell(r["efficiency"]), cell(r["tokens_per_s"], "{:.1f}"), cell(r["ar_tokens_per_s"], "{:.1f}"),
             cell(r["speedup"], "{:.2f}x")]
@@ -362,14 +379,22 @@ class _Plotter:
             order = sorted(run.stage_metrics, key=_order)  # pretrain first
             for stage in order:
                 data = run.stage_metrics[stage]
+                prefix = _series_prefix(runs, run) + STAGE_LABELS.get(stage, stage)
                 hist = ((data.get("decode_eval") or {}).get("history")) or []
                 if hist:
-                    label = _series_prefix(runs, run) + STAGE_LABELS.get(stage, stage)
-                    history[label] = [{**h, "step": float(h["step"]) + offset} for h in hist if "step" in h]
-                    starts[label] = offset
+                    history[prefix] = [{**h, "step": float(h["step"]) + offset} for h in hist if "step" in h]
+                    starts[prefix] = offset
+                # the cheap held-out measures, logged far more often than the decode check
+                cheap = ((data.get("heldout_block_length") or {}).get("history")) or []
+                for key, name in HELDOUT_CURVES:
+                    points = [{"step": float(h["step"]) + offset, "value": h[key]} for h in cheap
+                              if "step" in h and h.get(key) is not None]
+                    if points:
+                        history[f"{prefix} {name}"] = points
                 offset += float(data.get("global_step") or 0)
         if not history:
-            return self.skip(what, f"recipe {recipe!r}: no decode_eval history in metrics_<stage>.json")
+            return self.skip(what, f"recipe {recipe!r}: no decode_eval or heldout_block_length history in "
+                                   "metrics_<stage>.json")
         title = f"{recipe}: held-out tau during training (stages run back to back)"
         self.done(recipe, plots.plot_training_curves(history, self.out / what, title=title, stage_starts=starts))
 

@@ -41,7 +41,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["WORKER", "check_args", "main", "parse_args", "run", "run_worker"]
+__all__ = ["WORKER", "check_args", "main", "parse_args", "run", "run_vllm", "run_worker"]
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 # exittrain: our BlockDrafter reading the DFlash folder; reference: the dflash package's module
@@ -170,11 +170,71 @@ def _ours(drafter_dir: Path, prompts: list[list[int]], max_tokens: int, K: int, 
     return result
 
 
+def run_vllm(
+    vllm_python: str | os.PathLike,
+    target_dir: str | os.PathLike,
+    drafter_dir: str | os.PathLike,
+    prompts: list[list[int]],
+    *,
+    max_tokens: int,
+    workdir: Path,
+    timeout: float = 1800.0,
+    num_speculative_tokens: int | None = None,
+    max_model_len: int = 2048,
+    memory_fraction: float = 0.5,
+    kv_cache_gib: float = 1.0,
+) -> dict:
+    """vLLM's greedy decoding of ``prompts`` (token ids) twice, plain and with the DFlash drafter in
+    ``drafter_dir``, each in a fresh ``vllm_python`` worker process (what ``fit``'s finish calls).
+
+    K (``num_speculative_tokens``) defaults to the drafter's ``block_size - 1``; another K raises
+    ValueError (vLLM would draft a block the drafter never saw). Returns ``plain`` and ``dflash``
+    (the workers' results), ``agreement`` (:func:`~exittrain.serve.compare.compare_outputs` of the
+    two: ``equal`` is the check that speculation changed no output), ``acceptance``
+    (:func:`~exittrain.serve.compare.acceptance_from_metrics`: ``mean_acceptance_length``),
+    ``num_speculative_tokens`` and ``vllm_version``. Worker logs go to ``workdir``.
+    """
+    from exittrain.serve.compare import acceptance_from_metrics, compare_outputs
+    from exittrain.serve.dflash_reference import read_dflash_config
+
+    python = Path(vllm_python)
+    if not (python.is_file() and os.access(python, os.X_OK)):
+        raise ValueError(f"vLLM interpreter {python}: no such executable; build the vLLM venv with `{_SETUP}`")
+    block_k = int(read_dflash_config(Path(drafter_dir))["block_size"]) - 1
+    K = block_k if num_speculative_tokens is None else int(num_speculative_tokens)
+    if K != block_k:
+        raise ValueError(
+            f"num_speculative_tokens={K}: the drafter's block holds K = {block_k}; vLLM drafts a block of root + K "
+            "masks, so another K runs a block the drafter never saw"
+        )
+    if not prompts:
+        raise ValueError("no prompts for vLLM: pass at least one list of token ids")
+    request = {
+        "target": str(target_dir), "prompts": [list(p) for p in prompts], "max_tokens": int(max_tokens),
+        "max_model_len": max_model_len, "memory_fraction": memory_fraction, "dtype": "float32",
+        "kv_cache_gib": kv_cache_gib or None,
+    }
+    workdir = Path(workdir)
+    plain = run_worker(str(python), {**request, "drafter": None}, workdir, "vllm_plain", timeout)
+    spec = run_worker(
+        str(python), {**request, "drafter": str(Path(drafter_dir).resolve()), "num_speculative_tokens": K},
+        workdir, "vllm_dflash", timeout,
+    )
+    return {
+        "plain": plain,
+        "dflash": spec,
+        "agreement": compare_outputs(plain["outputs"], spec["outputs"]),
+        "acceptance": acceptance_from_metrics(spec["metrics"]),
+        "num_speculative_tokens": K,
+        "vllm_version": spec["vllm_version"],
+    }
+
+
 def run(args: argparse.Namespace) -> dict:
     """The whole check (see the module docstring); returns the result dict."""
     from exittrain.data import chat_prompt_ids, load_domain
     from exittrain.models.target import EMBEDDED_TARGET_NAME, convert_embedded_target
-    from exittrain.serve.compare import acceptance_from_metrics, compare_outputs, our_acceptance
+    from exittrain.serve.compare import compare_outputs, our_acceptance
     from exittrain.serve.dflash_reference import read_dflash_config, write_random_dflash_drafter
 
     out = Path(args.out)
@@ -200,19 +260,15 @@ def run(args: argparse.Namespace) -> dict:
     if len(texts) < args.prompts:
         raise ValueError(f"--prompts {args.prompts}: the {args.domain} evaluation set has only {len(texts)}")
     prompts = [chat_prompt_ids(tokenizer, t) for t in texts]
-    request = {
-        "target": str(target_dir), "prompts": prompts, "max_tokens": args.max_tokens,
-        "max_model_len": args.max_model_len, "memory_fraction": args.memory_fraction, "dtype": "float32",
-        "kv_cache_gib": args.kv_cache_gib or None,
-    }
-    plain = run_worker(args.vllm_python, {**request, "drafter": None}, workdir, "vllm_plain", args.timeout)
-    spec = run_worker(
-        args.vllm_python, {**request, "drafter": str(drafter_dir.resolve()), "num_speculative_tokens": K},
-        workdir, "vllm_dflash", args.timeout,
+    vllm = run_vllm(
+        args.vllm_python, str(target_dir), drafter_dir, prompts, max_tokens=args.max_tokens, workdir=workdir,
+        timeout=args.timeout, num_speculative_tokens=K, max_model_len=args.max_model_len,
+        memory_fraction=args.memory_fraction, kv_cache_gib=args.kv_cache_gib,
     )
+    plain, spec = vllm["plain"], vllm["dflash"]
     ours = _ours(drafter_dir, prompts, args.max_tokens, K, args.ours)
     agreement = {
-        "vllm_dflash_vs_plain": compare_outputs(plain["outputs"], spec["outputs"]),
+        "vllm_dflash_vs_plain": vllm["agreement"],
         "hf_greedy_vs_vllm_plain": compare_outputs(plain["outputs"], ours["greedy"]),
     }
     for impl, run_ in ours["runs"].items():
@@ -232,7 +288,7 @@ def run(args: argparse.Namespace) -> dict:
         "command": " ".join([Path(sys.executable).name, "-m", "exittrain.serve.check", *sys.argv[1:]]),
         "host": _host(),
         "agreement": agreement,
-        "vllm_acceptance": acceptance_from_metrics(spec["metrics"]),
+        "vllm_acceptance": vllm["acceptance"],
         "ours": ours,
         "vllm_plain": {k: plain[k] for k in ("startup_s", "generate_s", "outputs", "finish_reasons")},
         "vllm_dflash": {k: spec[k] for k in ("startup_s", "generate_s", "outputs", "finish_reasons",

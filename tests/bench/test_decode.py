@@ -8,7 +8,7 @@ import torch
 
 from exittrain.bench import decode as bench_decode
 from exittrain.bench.registry import BENCHES
-from exittrain.decoding import ROUND_PARTS
+from exittrain.decoding import ROUND_PARTS, auto_decoder
 from exittrain.models import new_drafter
 from tests.models.helpers import tiny_target
 
@@ -50,12 +50,10 @@ def test_host_names_the_cpu_and_its_capability():
     assert h["cpu_model"] and h["threads"] == torch.get_num_threads()
 
 
-def test_markdown_has_the_baselines_our_rows_and_the_drafter_rounds():
+def test_markdown_has_one_table_per_set_with_the_baselines_our_rows_and_the_probe():
     stage = {s: float(i) for i, s in enumerate(ROUND_PARTS)}
-    result = {
-        "host": {"cpu_model": "Some CPU", "cpu_capability": "AVX2", "threads": 2, "torch": "2.13.0"},
-        "domain": "code", "prompts": 2, "skip": 8, "new_tokens": 16, "drafter": "d", "context_window": 512,
-        "lookup_tokens": 10, "round_positions": 4,
+    code = {
+        "name": "code", "prompts": 2,
         "greedy": {"tokens_per_s": 10.0},
         "prompt_lookup": {"tokens_per_s": 15.0, "vs_greedy": 1.5, "equals_greedy": 2},
         "rows": [{"budget": 8, "drafter_cache": True, "head_layout": "auto", "tau": 3.0, "tokens_per_s": 18.0,
@@ -64,17 +62,67 @@ def test_markdown_has_the_baselines_our_rows_and_the_drafter_rounds():
                  {"budget": 4, "drafter_cache": True, "head_layout": "auto", "tau": 3.5, "tokens_per_s": 19.0,
                   "vs_greedy": 1.9, "vs_prompt_lookup": 1.27, "equals_greedy": 2, "ms_per_round": 11.0,
                   "stage_ms_per_round": stage, "copy_tail": 8, "draft_vocab": 4096, "nodes_per_round": 6.5}],
+    }
+    restating = {
+        "name": "restating", "prompts": 2,
+        "greedy": {"tokens_per_s": 10.0},
+        "prompt_lookup": {"tokens_per_s": 16.6, "vs_greedy": 1.66, "equals_greedy": 2},
+        "rows": [{"budget": 4, "drafter_cache": True, "head_layout": "auto", "tau": 4.0, "tokens_per_s": 15.7,
+                  "vs_greedy": 1.57, "vs_prompt_lookup": 0.95, "equals_greedy": 2, "ms_per_round": 9.0,
+                  "stage_ms_per_round": stage, "copy_tail": 10, "draft_vocab": 4096, "nodes_per_round": 9.5,
+                  "auto": True}],
+        "auto": {"reason": "decode auto -> B=4, draft vocab 4096, copy tail 10 (round 9 ms, tau 4.00)"},
+    }
+    result = {
+        "host": {"cpu_model": "Some CPU", "cpu_capability": "AVX2", "threads": 2, "torch": "2.13.0"},
+        "skip": 8, "new_tokens": 16, "drafter": "d", "context_window": 512, "lookup_tokens": 10,
+        "round_positions": 4, "sets": [code, restating],
         "drafter_round": [{"context": 100, "full_ms": 20.0, "cached_ms": 5.0, "speedup": 4.0}],
         "head_layout": [{"rows": 7, "weight": [100, 8], "dtype": "float32", "threads": 2, "layout": "W @ x.T",
                          "linear_ms": 35.0, "transposed_ms": 9.0}],
     }
     md = bench_decode.to_markdown(result)
     assert "Some CPU, capability AVX2, 2 threads" in md
-    assert "| HF prompt lookup (10) | - | - | 15.0 | 1.50x | 1.00x | 2/2 |" in md
+    assert "### code: 2 held-out prompts (from #8) x 16 tokens" in md
+    assert "### restating: 2 held-out prompts (from #8) x 16 tokens" in md
+    assert md.index("### code") < md.index("| HF prompt lookup (10) | - | - | 15.0 | 1.50x | 1.00x | 2/2 |")
+    assert md.index("### restating") < md.index("| HF prompt lookup (10) | - | - | 16.6 | 1.66x | 1.00x | 2/2 |")
     ours = ("| ours B=8, drafter cache on, head auto | 3.00 | 8.0 | 18.0 | 1.80x | 1.20x | 2/2 | 10.0 | 0.0 | 1.0 "
             "| 2.0 | 3.0 | 4.0 |")
     assert ours in md
     tail = "| ours B=4, drafter cache on, head auto, copy tail 8, draft vocab 4096 | 3.50 | 6.5 | 19.0 | 1.90x |"
     assert tail in md
+    assert "| ours auto: B=4, draft vocab 4096, copy tail 10 | 4.00 | 9.5 | 15.7 | 1.57x | 0.95x | 2/2 |" in md
+    assert "Probe: decode auto -> B=4, draft vocab 4096, copy tail 10 (round 9 ms, tau 4.00)." in md
     assert "| 100 | 20.0 | 5.0 | 4.0x |" in md
     assert "| 7 | 35.0 | 9.0 | W @ x.T |" in md
+
+
+def test_a_set_is_measured_with_every_output_checked_against_greedy(target, monkeypatch):
+    """One set through the bench's own loop on the tiny target: greedy, prompt lookup, a fixed and an
+    auto decoder (scripted timings: the probe's choice, not this host's speed, is under test)."""
+    monkeypatch.setattr(target, "eos_token_ids", [])
+    drafter = new_drafter(target, block_size=4, num_layers=1, hidden_size=32, seed=0, copy_ngrams=[2, 1]).eval()
+    prompts = [PROMPT, PROMPT[3:] + PROMPT]
+    fixed = bench_decode._fixed_decoders(target, drafter, None, [4], [True], ["auto"], [0], [0])
+    auto = auto_decoder(target, drafter, prompts, max_budget=4, answer_tokens=8, copy_tails=(0, 10),
+                                   timer=lambda s: 1.0 if s is None else 1.0 + s.budget / 4)
+    measured = bench_decode._measure_set(
+        target, prompts, [*fixed, ({"budget": auto.budget, "drafter_cache": True, "head_layout": "auto",
+                                    "copy_tail": auto.copy_tail, "draft_vocab": 0, "auto": True}, auto)],
+        new_tokens=12, lookup_tokens=10, name="code")
+    assert measured["name"] == "code" and measured["prompts"] == 2
+    assert measured["prompt_lookup"]["equals_greedy"] == 2
+    assert [r["auto"] for r in measured["rows"]] == [False, True]
+    assert all(r["equals_greedy"] == 2 and r["tau"] >= 1 and r["vs_greedy"] > 0 for r in measured["rows"])
+
+
+def test_the_restating_set_wraps_each_humaneval_prompt_in_the_request():
+    code = 'def f(x: int) -> int:\n    """Twice x."""\n'
+    request = bench_decode.restating_request(f"Complete the following Python function.\n\n```python\n{code}```")
+    assert request == bench_decode.RESTATE_INSTRUCTION.format(prompt=code.strip("\n"))
+    assert "Complete the following" not in request and request.count("```") == 2
+    assert bench_decode.restating_request(code) == request  # a bare prompt: the whole text is the code
+    assert set(bench_decode.SETS) == {"code", "dialogue", "math", "restating"}
+    with pytest.raises(ValueError, match="--sets"):
+        bench_decode.run(None, [4], 1, 0, 4, sets=["poetry"])

@@ -77,6 +77,25 @@ def test_the_choice_is_timed_once_per_shape_and_reported(monkeypatch):
     rm._CHOICES.clear()
 
 
+def test_the_choice_follows_the_median_of_the_timed_calls_not_one_lucky_call(monkeypatch):
+    """A scripted clock: F.linear's first timed call is fast (0.5 ms) and the rest slow (2 ms), the
+    transposed layout steady at 1.5 ms. A best-of or single timing would keep F.linear for the
+    run; the median (2 ms against 1.5 ms) picks the transposed layout. The layouts take turns."""
+    linear = [0.5] + [2.0] * (rm.TIMED_REPEATS - 1)
+    transposed = [1.5] * rm.TIMED_REPEATS
+    durations = [d for pair in zip(linear, transposed) for d in pair]  # the order the laps are taken in
+    ticks = iter(t for d in durations for t in (0.0, d / 1e3))  # (start, end) seconds of each lap
+
+    monkeypatch.setattr(rm, "_clock", lambda: next(ticks))
+    rm._CHOICES.clear()
+    w, x = torch.randn(300, 16), torch.randn(6, 16)
+    torch.testing.assert_close(rm.head_rows(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    (six,) = rm.layout_choices()
+    assert (six["layout"], six["linear_ms"], six["transposed_ms"]) == ("W @ x.T", 2.0, 1.5)
+    assert next(ticks, None) is None  # exactly TIMED_REPEATS laps of each layout were timed
+    rm._CHOICES.clear()
+
+
 def test_a_real_timing_picks_a_layout_and_keeps_it():
     """Unscripted: the real timer runs and one of the two layouts is chosen and reported; no
     assertion on the timings themselves (they may round to 0 on a fast host)."""

@@ -79,6 +79,29 @@ def test_page_shows_every_row_linked_to_its_json_and_command(tmp_path):
     assert "- The stage lowers tau. ([fit-a](results/fit-a.json), [old.md](docs/notebook/old.md))" in text
 
 
+def test_fit_rows_show_the_serving_track_when_a_run_has_it(tmp_path):
+    """A run with the chain tau and vLLM's acceptance gets both columns (a MISMATCH flagged); a page of
+    older results keeps its columns as they were."""
+    run, metrics = fake_run(tmp_path)
+    plain = results_page.summarize_fit_run(run, name="fit-a", command="c", commit="abc1234", host=HOST)
+    old_text = results_page.render_page([plain], results_page.load_page(make_root(tmp_path, [plain]) / "results"))
+    assert "chain tau (K)" not in old_text and "vLLM tau" not in old_text
+    for label, tau in (("warm_start", 1.6), ("exittrain", 2.1)):
+        for row in metrics["tables"][label]:
+            row.update(chain_tau=tau, chain_K=7)
+    metrics["tables"]["served"] = [dict(metrics["tables"]["exittrain"][0],
+                                        vllm={"vllm_tau": 2.05, "vllm_matches_plain": False})]
+    write_json(run / "metrics.json", metrics)
+    res = results_page.summarize_fit_run(run, name="fit-b", command="c", commit="abc1234", host=HOST)
+    assert [r["label"] for r in res["tables"]][-1] == "served" and res["tables"][-1]["vllm_tau"] == 2.05
+    text = results_page.render_page([res], results_page.load_page(make_root(tmp_path, [res]) / "results"))
+    header = next(line for line in text.splitlines() if line.startswith("| result | host | drafter"))
+    assert "| chain tau (K) | vLLM tau |" in header
+    assert "| 1.60 (7) | - |" in text and "| 2.10 (7) | - |" in text
+    assert "| DFlash export |" in text and "| 2.10 (7) | 2.05 MISMATCH |" in text
+    assert "vLLM tau: vLLM's mean acceptance length" in text
+
+
 def test_an_emulated_capability_is_named_as_such(tmp_path):
     run, _ = fake_run(tmp_path)
     host = HOST | {"emulation": "ATEN_CPU_CAPABILITY=avx2 on an AVX512 CPU"}

@@ -189,3 +189,36 @@ def test_the_expected_tau_at_temperature_shows_beside_the_decoded_one(tmp_path):
     assert "| 0.6: 2.31, 1: 1.99 |" in line
     warm = next(l for l in md.splitlines() if l.startswith("| fit_run | warm_start |"))
     assert "| - |" in warm
+
+
+def test_the_serving_track_and_the_cheap_curve_reach_the_report(tmp_path, monkeypatch):
+    """chain tau and vLLM's acceptance (a mismatch flagged) in the decoding table; the frequent held-out
+    measures of metrics_<stage>.json drawn beside the decode check's tau, stage after stage."""
+    fit = make_fit_run(tmp_path / "fit_run", tree=False)
+    metrics = json.loads((fit / "metrics.json").read_text())
+    metrics["tables"]["exittrain"][0].update(chain_tau=2.104, chain_K=7,
+                                             vllm={"vllm_tau": 2.05, "vllm_matches_plain": False})
+    write_json(fit / "metrics.json", metrics)
+    files = RunDir(fit)
+    for stage, base in (("pretrain", 1.2), ("exittrain", 1.9)):
+        data = json.loads(files.stage_metrics_path(stage).read_text())
+        data["heldout_block_length"] = {"history": [
+            {"step": s, "heldout/chain_block_length": base + 0.01 * s, "heldout/tree_block_length": base + 0.5,
+             "anchors": 8} for s in (5, 10, 15, 20, 25, 30)]}
+        files.write_stage_metrics(stage, data)
+    drawn = {}
+
+    def capture(history, path, **kwargs):
+        drawn.update(history)
+        path.write_bytes(b"png")
+        return path
+
+    monkeypatch.setattr(report.plots, "plot_training_curves", capture)
+    report.main([str(fit), "--out", str(tmp_path / "out")])
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| chain tau (K) | vLLM tau |" in md
+    line = next(l for l in md.splitlines() if l.startswith("| fit_run | exittrain |"))
+    assert "| 2.10 (7) | 2.05 MISMATCH |" in line
+    chain = drawn["exittrain greedy chain (fixed val rows)"]
+    assert [p["step"] for p in chain] == [35.0, 40.0, 45.0, 50.0, 55.0, 60.0]  # after pretrain's 30 steps
+    assert len(drawn["warm_start greedy tree (fixed val rows)"]) == 6 and "warm_start" in drawn

@@ -123,3 +123,23 @@ def test_serve_check_end_to_end(tmp_path):
         assert agree[f"ours_{kind}_vs_hf_greedy"]["equal"], kind  # our decoder is exact against our own target
         assert run["acceptance"]["drafts"] > 0
     assert "| vLLM DFlash |" in out.with_suffix(".md").read_text()
+
+
+def test_run_vllm_checks_before_starting_vllm(tmp_path):
+    """What fit's finish calls: a missing interpreter, another K than the drafter's block and no prompts
+    are refused before any worker starts."""
+    from exittrain.serve.check import run_vllm
+
+    drafter = tmp_path / "drafter_dflash"
+    drafter.mkdir()
+    config = {"architectures": ["DFlashDraftModel"], "block_size": 8,
+              "dflash_config": {"target_layer_ids": [1], "mask_token_id": 0}}
+    (drafter / "config.json").write_text(json.dumps(config))
+    common = dict(max_tokens=4, workdir=tmp_path / "work")
+    with pytest.raises(ValueError, match="make vllm-setup"):
+        run_vllm(tmp_path / "nope" / "python", "t", drafter, [[1, 2]], **common)
+    with pytest.raises(ValueError, match="num_speculative_tokens=3: the drafter's block holds K = 7"):
+        run_vllm(sys.executable, "t", drafter, [[1, 2]], num_speculative_tokens=3, **common)
+    with pytest.raises(ValueError, match="no prompts"):
+        run_vllm(sys.executable, "t", drafter, [], **common)
+    assert not (tmp_path / "work").exists()

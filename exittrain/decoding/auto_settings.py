@@ -1,0 +1,375 @@
+"""``decode: auto``: probe this host and this drafter, and decode at the setting that yields the most tokens a second.
+
+Shape legend: A anchors (answer positions of the probe prompts), K drafter horizon, V vocabulary,
+S draft vocabulary size, D continuation depth checked (K plus the longest copy tail), T tokens of
+one probe row (prompt + answer), F target feature width, H drafter width.
+
+Why: a round's yield (tau, tokens per round) grows with the budget B, its cost grows too, and by
+how much depends on the host: on a memory-bound 2-core CPU the drafter's LM head and the tree's
+extra rows cost as much as the tokens they add, on a GPU a tree of 16 nodes costs what one token
+does. A draft vocabulary (:mod:`exittrain.decoding.draft_vocab`) cuts the drafter's cost at a
+small loss of tau; a copy tail (:mod:`exittrain.core.copy_tail`) adds tau at the cost of its
+rows. So the setting is measured, not assumed.
+
+What :func:`probe_decode_settings` measures, on a few held-out prompts:
+
+- **tau of every candidate at T = 0**, without decoding it: the target answers each probe prompt
+  greedily; one drafter pass (``forward_anchors``) drafts the block of every answer position at
+  once, and the head is applied once per draft vocabulary. At anchor a the candidate's tree is
+  built exactly as :class:`~exittrain.decoding.SpeculativeDecoder` builds it (``build_tree`` of
+  the budget, then the copy tail's graft), and ``1 + followed_depth(tree, greedy continuation)``
+  is exactly the block a T = 0 verifier accepts there (:func:`~exittrain.core.followed_depth`).
+  tau is the mean over anchors; every candidate is scored on the same anchors, so the comparison
+  is paired.
+- **the cost of a round** of every candidate: the median round time of a short real decode
+  (draft, tree, target forward of the tree's rows, verify, commit: what a round pays), and of a
+  greedy step (one target forward of one token), the median step of a short greedy decode.
+- **the choice**: the candidate of highest ``tau / round`` (tokens per second); its expected
+  speed against greedy is ``tau * greedy step / round``.
+
+Limits: tau at every answer position is not quite the decoded tau, which visits only the
+positions where rounds start; the choice is made at T = 0 (at T > 0 every candidate's tau is
+lower); the probe prompts come from the caller (``eval`` passes its own held-out prompts, so the
+chosen setting is tuned on the prompts it is then timed on). The timings are this host's, now:
+a load that changes after the probe changes the best setting. The prefill is left out of both
+sides (greedy decoding pays it too). ``timer`` is injectable so that tests script the timings.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from exittrain.core import build_tree, check_ngrams, followed_depth
+from exittrain.core.copy_tail import copy_chain, graft_chain
+from exittrain.core.tree import DraftTree
+from exittrain.decoding.draft_vocab import draft_vocabulary, load_token_counts
+
+__all__ = [
+    "AutoChoice",
+    "auto_decoder",
+    "CandidateResult",
+    "DecodeSetting",
+    "HostTimer",
+    "PROMPT_LOOKUP_TOKENS",
+    "candidate_block_lengths",
+    "candidate_settings",
+    "drafter_token_counts",
+    "probe_decode_settings",
+]
+
+log = logging.getLogger("exittrain")
+
+# Hugging Face prompt lookup proposes 10 copied tokens (prompt_lookup_num_tokens in bench decode).
+# The copy tail appends its tokens after the deepest tree node that already holds the copy, so
+# a tail of 10 copies at least as far past the root as prompt lookup does.
+PROMPT_LOOKUP_TOKENS = 10
+DEFAULT_BUDGETS = (2, 4, 8, 16)
+DEFAULT_VOCAB_SIZES = (0, 4096)
+DEFAULT_COPY_TAILS = (0, PROMPT_LOOKUP_TOKENS)
+
+
+@dataclass(frozen=True)
+class DecodeSetting:
+    """One decoding setting: ``budget`` draft nodes, a draft vocabulary of ``draft_vocab`` tokens
+    (0: every token), a copy tail of ``copy_tail`` tokens (0: off)."""
+
+    budget: int
+    draft_vocab: int = 0
+    copy_tail: int = 0
+
+    @property
+    def label(self) -> str:
+        parts = [f"B={self.budget}"]
+        if self.draft_vocab:
+            parts.append(f"draft vocab {self.draft_vocab}")
+        if self.copy_tail:
+            parts.append(f"copy tail {self.copy_tail}")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class CandidateResult:
+    """What the probe measured for one setting: tau at T = 0, draft nodes per round (the budget
+    plus the grafted copy tokens), the median round in ms, and ``tau * greedy ms / round ms``."""
+
+    setting: DecodeSetting
+    tau: float
+    nodes_per_round: float
+    round_ms: float
+    speedup: float
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """The probe's verdict: the chosen setting's result, the recipe's own setting's result
+    (``reference``: B = the recipe budget, no draft vocabulary, no copy tail), every candidate,
+    the greedy step in ms, and a one-line ``reason``. ``beats_greedy`` is False when no
+    candidate is expected to be faster than greedy decoding (the best is still returned).
+    ``vocab_ids`` is the chosen draft vocabulary, ready for ``SpeculativeDecoder(draft_vocab=)``;
+    ``seconds`` the probe's own wall time."""
+
+    chosen: CandidateResult
+    reference: CandidateResult
+    candidates: tuple[CandidateResult, ...]
+    greedy_ms: float
+    reason: str
+    vocab_ids: torch.Tensor | None = None
+    seconds: float = 0.0  # how long the probe took, answers and timings included
+
+    @property
+    def setting(self) -> DecodeSetting:
+        return self.chosen.setting
+
+    @property
+    def beats_greedy(self) -> bool:
+        return self.chosen.speedup > 1.0
+
+    def decoder_kwargs(self) -> dict:
+        """``budget``, ``copy_tail`` and ``draft_vocab`` for :class:`~exittrain.decoding.SpeculativeDecoder`."""
+        return {"budget": self.setting.budget, "copy_tail": self.setting.copy_tail, "draft_vocab": self.vocab_ids}
+
+    def to_dict(self) -> dict:
+        """A JSON-ready record: the chosen setting, the reason and every candidate's figures."""
+        def one(c: CandidateResult) -> dict:
+            return {"setting": c.setting.label, "budget": c.setting.budget, "draft_vocab": c.setting.draft_vocab,
+                    "copy_tail": c.setting.copy_tail, "tau": c.tau, "nodes_per_round": c.nodes_per_round,
+                    "round_ms": c.round_ms, "speedup": c.speedup}
+
+        return {"chosen": one(self.chosen), "reference": one(self.reference), "greedy_ms": self.greedy_ms,
+                "beats_greedy": self.beats_greedy, "reason": self.reason, "probe_seconds": self.seconds,
+                "candidates": [one(c) for c in self.candidates]}
+
+
+def drafter_token_counts(drafter) -> dict | None:
+    """The ``draft_vocab.json`` record of the folder ``drafter`` was loaded from, or None (a fresh
+    drafter, or a folder without the file: ``fit`` writes it into ``drafter/`` at its end)."""
+    folder = getattr(drafter.config, "_name_or_path", "") or ""
+    return load_token_counts(folder) if folder and Path(folder).is_dir() else None
+
+
+def candidate_settings(max_budget: int, vocab_size: int, *, has_token_counts: bool,
+                       budgets: Sequence[int] = DEFAULT_BUDGETS, vocab_sizes: Sequence[int] = DEFAULT_VOCAB_SIZES,
+                       copy_tails: Sequence[int] = DEFAULT_COPY_TAILS) -> list[DecodeSetting]:
+    """Every (budget, draft vocabulary, copy tail) to probe.
+
+    Budgets: those of ``budgets`` up to ``max_budget`` (the recipe's budget, the most the run is
+    meant to spend a round), and ``max_budget`` itself, so the recipe's own setting is measured
+    beside. Draft vocabularies: 0 (every token), and each positive size below the target's
+    vocabulary and at least the budget, only when the drafter has token counts. Copy tails as given.
+    """
+    for key, values in (("budgets", budgets), ("copy_tails", copy_tails), ("vocab_sizes", vocab_sizes)):
+        if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in values):
+            raise ValueError(f"{key} must be integers >= 0, got {list(values)}")
+    if not isinstance(max_budget, int) or isinstance(max_budget, bool) or max_budget < 1:
+        raise ValueError(f"max_budget must be an integer >= 1 (the recipe's budget), got {max_budget!r}")
+    chosen_budgets = sorted({b for b in budgets if 1 <= b <= max_budget} | {max_budget})
+    sizes = ([0] + sorted({s for s in vocab_sizes if 0 < s < vocab_size})) if has_token_counts else [0]
+    return [DecodeSetting(b, s, t) for b in chosen_budgets for s in sizes if s == 0 or s >= b
+            for t in sorted(set(copy_tails))]
+
+
+# ------------------------------------------------------------------------------------------------
+# tau of every candidate from one drafter pass per probe row
+
+
+def _tree_at(trees: DraftTree, n: int) -> DraftTree:
+    """Tree ``n`` of a batch, as a batch of one (what the decoder grafts onto)."""
+    return DraftTree(tokens=trees.tokens[n : n + 1], parents=trees.parents[n : n + 1], depths=trees.depths[n : n + 1],
+                     valid=trees.valid[n : n + 1], max_depth=trees.max_depth,
+                     scores=None if trees.scores is None else trees.scores[n : n + 1])
+
+
+def _continuations(ids_T: torch.Tensor, anchors_A: torch.Tensor, depth: int) -> torch.Tensor:
+    """(A, D) the tokens after each anchor, -1 (never a tree token) past the row's end."""
+    T = ids_T.shape[0]
+    src_AD = anchors_A.unsqueeze(1) + torch.arange(1, depth + 1, device=ids_T.device)
+    return torch.where(src_AD < T, ids_T[src_AD.clamp(max=T - 1)], torch.full_like(src_AD, -1))
+
+
+@torch.no_grad()
+def candidate_block_lengths(
+    target, drafter, rows: Sequence[tuple[torch.Tensor, int]], settings: Sequence[DecodeSetting],
+    vocabs: dict[int, torch.Tensor | None], *, copy_ngrams: Sequence[int] = (3, 2), copy_match: int = 1,
+) -> dict[DecodeSetting, tuple[list[int], list[int]]]:
+    """Per setting, ``(block lengths, draft nodes)`` at every anchor of ``rows`` at T = 0.
+
+    ``rows``: ``(ids (T,) long, n_prompt)``, a prompt and the target's greedy answer to it. The
+    anchors are the positions from the last prompt token to the last but one token (each has a
+    continuation); the decoder's trees there are built from one drafter pass over the row, and
+    the block a T = 0 verifier accepts is 1 + how deep the tree holds the greedy continuation.
+    ``copy_ngrams`` and ``copy_match`` are the decoder's copy-tail settings.
+    """
+    copy_ngrams = check_ngrams(copy_ngrams, key="copy_ngrams")
+    layers = list(drafter.config.target_layer_ids)
+    depth = drafter.config.num_draft_tokens + max(s.copy_tail for s in settings)
+    out: dict[DecodeSetting, tuple[list[int], list[int]]] = {s: ([], []) for s in settings}
+    for ids_T, n_prompt in rows:
+        ids_T = ids_T.to(target.device)
+        if ids_T.shape[0] - n_prompt < 1:
+            continue  # no answer token: nothing to score
+        features_1TF = target.prefill(ids_T[None], layers=layers).features.float()
+        anchors_A = torch.arange(n_prompt - 1, ids_T.shape[0] - 1, device=ids_T.device)
+        hidden_AKH, copy = drafter.forward_anchors(features_1TF, ids_T[None], anchors_A[None], apply_lm_head=False,
+                                                   with_copy_terms=True)
+        labels_AD = _continuations(ids_T, anchors_A, depth)
+        for size in sorted({s.draft_vocab for s in settings}):
+            logq_AKV = torch.log_softmax(drafter.head(hidden_AKH, copy, vocabs[size]).float(), dim=-1)
+            for budget in sorted({s.budget for s in settings if s.draft_vocab == size}):
+                trees = build_tree(logq_AKV, budget, validate=False)
+                plain_A = 1 + followed_depth(trees, labels_AD)
+                for setting in (s for s in settings if s.draft_vocab == size and s.budget == budget):
+                    lengths, nodes = out[setting]
+                    if setting.copy_tail == 0 or not copy_ngrams:
+                        lengths += plain_A.tolist()
+                        nodes += [budget] * len(anchors_A)
+                        continue
+                    for n, a in enumerate(anchors_A.tolist()):  # the graft is the decoder's, one tree at a time
+                        chain = copy_chain(ids_T[: a + 1], copy_ngrams, trees.max_depth + setting.copy_tail)
+                        tree, added = graft_chain(_tree_at(trees, n), chain, setting.copy_tail, copy_match)
+                        lengths.append(1 + int(followed_depth(tree, labels_AD[n : n + 1])[0]))
+                        nodes.append(budget + added)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the cost of a round, measured on this host
+
+
+class HostTimer:
+    """The real timer: ``timer(setting)`` is the median ms of the rounds of a short decode of
+    ``prompt`` at that setting, the first round left out (the LM head's layout choice for new row
+    counts, :mod:`exittrain.models.row_matmul`, is timed there; a later new row count is one
+    outlier among the rounds, which the median ignores); ``timer(None)`` is the median ms of one
+    step of a greedy decode of the same prompt."""
+
+    def __init__(self, target, drafter, prompt: Sequence[int], vocabs: dict[int, torch.Tensor | None],
+                 tokens: int, verifier: str = "tev"):
+        self.target, self.drafter, self.prompt = target, drafter, list(prompt)
+        self.vocabs, self.tokens, self.verifier = vocabs, tokens, verifier
+
+    def __call__(self, setting: DecodeSetting | None) -> float:
+        from exittrain.decoding.speculative import SpeculativeDecoder, autoregressive_generate
+
+        if setting is None:
+            result = autoregressive_generate(self.target, self.prompt, self.tokens)
+            steps = [r.times for r in result.rounds if "target" in r.times]  # the last token needs no forward
+        else:
+            decoder = SpeculativeDecoder(self.target, self.drafter, budget=setting.budget, verifier=self.verifier,
+                                         copy_tail=setting.copy_tail, draft_vocab=self.vocabs[setting.draft_vocab])
+            rounds = decoder.generate(self.prompt, self.tokens).rounds
+            steps = [r.times for r in (rounds[1:] if len(rounds) > 1 else rounds)]
+        if not steps:
+            raise ValueError(f"the probe prompt gave no timed step in {self.tokens} tokens: raise the probe's tokens")
+        return 1e3 * statistics.median(sum(t.values()) for t in steps)
+
+
+def _reason(chosen: CandidateResult, reference: CandidateResult, greedy_ms: float) -> str:
+    def figures(c: CandidateResult) -> str:
+        return f"round {c.round_ms:.0f} ms, tau {c.tau:.2f}"
+
+    head = f"decode auto -> {chosen.setting.label} ({figures(chosen)}"
+    if chosen.setting != reference.setting:
+        head += f"; {reference.setting.label}: {reference.round_ms:.0f} ms, {reference.tau:.2f}"
+    head += f"), expected {chosen.speedup:.2f}x greedy (greedy step {greedy_ms:.0f} ms)"
+    if chosen.speedup > 1.0:
+        return head
+    per_token = chosen.round_ms / chosen.tau
+    return (f"{head}: no setting beats greedy on this host: the best round costs {chosen.round_ms:.0f} ms for "
+            f"{chosen.tau:.2f} tokens, {per_token:.0f} ms a token against {greedy_ms:.0f} ms a greedy step")
+
+
+@torch.no_grad()
+def probe_decode_settings(
+    target,
+    drafter,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_budget: int = 16,
+    token_counts: dict | None = None,
+    budgets: Sequence[int] = DEFAULT_BUDGETS,
+    vocab_sizes: Sequence[int] = DEFAULT_VOCAB_SIZES,
+    copy_tails: Sequence[int] = DEFAULT_COPY_TAILS,
+    probe_prompts: int = 4,
+    answer_tokens: int = 32,
+    timed_tokens: int = 16,
+    verifier: str = "tev",
+    copy_ngrams: Sequence[int] = (3, 2),
+    copy_match: int = 1,
+    timer: Callable[[DecodeSetting | None], float] | None = None,
+) -> AutoChoice:
+    """Measure every candidate setting on this host and pick the fastest (see the module docstring).
+
+    ``prompts``: templated held-out prompts; the first ``probe_prompts`` are answered greedily
+    (``answer_tokens`` each) for tau, the first is decoded ``timed_tokens`` tokens per candidate
+    for the round cost. ``token_counts``: the drafter's ``draft_vocab.json`` record
+    (:func:`drafter_token_counts`); without it no draft vocabulary is tried. ``max_budget`` is the
+    recipe's budget (the largest probed, and the reference the reason compares with).
+    ``timer(setting)`` returns a round's ms, ``timer(None)`` a greedy step's
+    (default :class:`HostTimer`). Deterministic given the timer's values.
+    """
+    from exittrain.decoding.speculative import autoregressive_generate
+
+    if not prompts:
+        raise ValueError("the decode probe needs at least one held-out prompt")
+    for key, value in (("probe_prompts", probe_prompts), ("answer_tokens", answer_tokens),
+                       ("timed_tokens", timed_tokens)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+    settings = candidate_settings(max_budget, target.vocab_size, has_token_counts=token_counts is not None,
+                                  budgets=budgets, vocab_sizes=vocab_sizes, copy_tails=copy_tails)
+    reference_setting = DecodeSetting(max_budget)
+    vocabs = {s: (None if s == 0 else draft_vocabulary(token_counts, s, target.vocab_size, target.eos_token_ids))
+              for s in {c.draft_vocab for c in settings}}
+
+    started = time.perf_counter()
+    probe = [list(p) for p in prompts[:probe_prompts]]
+    rows = [(torch.tensor(p + autoregressive_generate(target, p, answer_tokens).tokens), len(p)) for p in probe]
+    scored = candidate_block_lengths(target, drafter, rows, settings, vocabs, copy_ngrams=copy_ngrams,
+                                     copy_match=copy_match)
+    timer = timer or HostTimer(target, drafter, probe[0], vocabs, timed_tokens, verifier)
+    round_ms = {s: timer(s) for s in settings}
+    greedy_ms = timer(None)  # after the rounds: a load that drifts during the probe weighs on both sides
+    results = []
+    for s in settings:
+        lengths, nodes = scored[s]
+        if not lengths:
+            raise ValueError("the probe prompts' greedy answers are empty (EOS at once): pass other prompts")
+        tau = sum(lengths) / len(lengths)
+        results.append(CandidateResult(s, tau, sum(nodes) / len(nodes), round_ms[s], tau * greedy_ms / round_ms[s]))
+    # the most tokens a second; ties go to the cheaper round, then to the earlier (smaller) setting
+    chosen = max(results, key=lambda c: (round(c.speedup, 9), -c.round_ms))
+    reference = next(c for c in results if c.setting == reference_setting)
+    reason = _reason(chosen, reference, greedy_ms)
+    seconds = time.perf_counter() - started
+    log.info("decode probe: %d settings on %d prompts in %.0f s", len(settings), len(probe), seconds)
+    return AutoChoice(chosen, reference, tuple(results), greedy_ms, reason, vocabs[chosen.setting.draft_vocab],
+                      seconds)
+
+
+def auto_decoder(target, drafter, prompts, *, max_budget: int = 16, verifier: str = "tev",
+                 token_counts: dict | None = None, **probe):
+    """A :class:`~exittrain.decoding.speculative.SpeculativeDecoder` at the setting this host and
+    drafter decode fastest (``decode: auto``).
+
+    :func:`probe_decode_settings` measures the candidate budgets (up to ``max_budget``, the
+    recipe's), draft vocabularies and copy tails on a few of ``prompts`` (templated held-out
+    prompts) and picks the most tokens a second; ``probe`` passes its other settings.
+    ``token_counts`` (default: the drafter folder's ``draft_vocab.json``, when it was loaded from
+    one) lets the probe try a draft vocabulary. The returned decoder's ``auto_choice`` holds the
+    verdict and its one-line ``reason``.
+    """
+    from exittrain.decoding.speculative import SpeculativeDecoder
+
+    counts = token_counts if token_counts is not None else drafter_token_counts(drafter)
+    choice = probe_decode_settings(target, drafter, prompts, max_budget=max_budget, token_counts=counts,
+                                   verifier=verifier, **probe)
+    decoder = SpeculativeDecoder(target, drafter, verifier=verifier, **choice.decoder_kwargs())
+    decoder.auto_choice = choice
+    return decoder

@@ -1,0 +1,182 @@
+"""The serving track of fit's final table: what a chain-verifying engine (vLLM, SGLang) gets from a drafter.
+
+A serving engine verifies one draft per round, the drafter's greedy K tokens (a chain,
+:mod:`exittrain.serve.chain`), where the tree track decodes DDTree's best-first tree of the
+recipe's budget. For every drafter row of the table this module adds:
+
+- ``chain_tau`` (and ``chain_ci95``, ``chain_lossless``): the mean block length of our
+  :class:`~exittrain.serve.chain.ChainDecoder` (K nodes, greedy verifier, T = 0) on the same
+  held-out prompts and token limit as the tree track: what the engine's mean acceptance length
+  should be for this drafter, measured with our own target;
+- ``analytic_chain``: the expected chain block length at ``eval.analytic_temperatures``, paired
+  against the warm start (:meth:`HeldOutLaw.measure_chain` / :meth:`HeldOutLaw.attach_chain`,
+  called by :func:`exittrain.fit.evaluate_held_out`);
+- ``vllm`` (the exported drafter's row only, ``eval.vllm``): vLLM's mean acceptance length with
+  the DFlash export on the same prompts, and whether vLLM's greedy outputs with speculation equal
+  its outputs without (:func:`vllm_track`, through :func:`exittrain.serve.check.run_vllm`).
+
+``+serve=dflash`` (conf/serve/dflash.yaml) is checked by :func:`check_serve_config`.
+
+**Limits.** Greedy only (vLLM's comparison is token for token). Our chain decoder counts the
+prefill's round like any other; vLLM emits its first token from the prefill without a draft, so
+the two acceptance lengths are over slightly different rounds (the serving check,
+:mod:`exittrain.serve.check`, aligns them exactly; this table does not).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from exittrain.heldout.decode_eval import bootstrap_ci
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "VLLM_MODES", "attach_chain", "chain_rows", "check_servable", "check_serve_config",
+    "default_vllm_python",
+    "summarize_chain", "target_folder", "vllm_enabled", "vllm_track",
+]
+
+VLLM_MODES = ("auto", "true", "false")
+_SETUP = "make vllm-setup"
+
+
+def check_serve_config(cfg) -> dict | None:
+    """``cfg.serve`` (``+serve=dflash``) checked against the drafter it trains; None without it.
+
+    ValueError naming the key: an unknown format, a K that is not ``drafter.block_size - 1`` (the
+    engine drafts a block of root + K masks: another K runs a block the drafter never saw), a
+    copy branch or a context window (the DFlash format holds neither), or an unknown ``primary``.
+    """
+    serve = cfg.get("serve")
+    if serve is None:
+        return None
+    if serve.get("format") != "dflash":
+        raise ValueError(f"serve.format={serve.get('format')!r}: only 'dflash' is served (+serve=dflash)")
+    K = serve.get("num_speculative_tokens")
+    block = int(cfg.drafter.block_size)
+    if isinstance(K, bool) or not isinstance(K, int) or K != block - 1:
+        raise ValueError(
+            f"serve.num_speculative_tokens={K!r} with drafter.block_size={block}: the engine drafts root + K masks, "
+            f"so K must be block_size - 1 = {block - 1}; set one to match the other"
+        )
+    if list(cfg.drafter.get("copy_ngrams") or []):
+        raise ValueError(f"drafter.copy_ngrams={list(cfg.drafter.copy_ngrams)} with +serve=dflash: the DFlash format "
+                         "has no copy branch; set drafter.copy_ngrams=[]")
+    if cfg.drafter.get("context_window") is not None:
+        raise ValueError(f"drafter.context_window={cfg.drafter.context_window} with +serve=dflash: a DFlash drafter "
+                         "attends to the whole context; set drafter.context_window=null")
+    if serve.get("primary", "dflash") not in ("dflash", "drafter"):
+        raise ValueError(f"serve.primary={serve.get('primary')!r}: use dflash (drafter_dflash/) or drafter (drafter/)")
+    return {"format": "dflash", "engine": serve.get("engine", "vllm"), "num_speculative_tokens": K,
+            "primary": serve.get("primary", "dflash")}
+
+
+def check_servable(drafter_config) -> None:
+    """``+serve=dflash``, once the drafter is built: ValueError listing what the DFlash format would
+    refuse (:meth:`~exittrain.models.drafter_config.DrafterConfig.dflash_problems`; the learned mask
+    ships beside the weights and is fine), before any training."""
+    problems = {k: v for k, v in drafter_config.dflash_problems().items() if k != "learned_mask"}
+    if problems:
+        raise ValueError("+serve=dflash trains a drafter the DFlash format cannot hold: "
+                         + "; ".join(f"drafter.{k}: {why}" for k, why in problems.items()))
+
+
+def default_vllm_python() -> str:
+    """The vLLM interpreter: ``$EXITTRAIN_VLLM_PYTHON``, else the checkout's ``.venv-vllm/bin/python``
+    (``make vllm-setup``), found from this file so that Hydra's run directory does not matter."""
+    env = os.environ.get("EXITTRAIN_VLLM_PYTHON")
+    return env or str(Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python")
+
+
+def vllm_enabled(mode, vllm_python: str | os.PathLike) -> bool:
+    """Whether fit's finish runs vLLM: ``eval.vllm`` ``auto`` (when ``vllm_python`` is an executable),
+    ``true`` (required: ValueError naming the fix when it is missing) or ``false``."""
+    text = str(mode).lower()
+    if text not in VLLM_MODES:
+        raise ValueError(f"eval.vllm={mode!r}: use auto (when {vllm_python} exists), true (required) or false")
+    present = Path(vllm_python).is_file() and os.access(vllm_python, os.X_OK)
+    if text == "true" and not present:
+        raise ValueError(f"eval.vllm=true but {vllm_python} is missing: build it with `{_SETUP}` or set eval.vllm=auto")
+    return text == "true" or (text == "auto" and present)
+
+
+def chain_rows(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, seed: int = 0,
+               label: str = "", ar_cache: dict | None = None) -> list[dict]:
+    """One row per prompt: the greedy :class:`ChainDecoder` of K nodes, ``block_lengths`` per round,
+    ``new_tokens`` and ``matches_target`` (its tokens equal the target's greedy ones: the chain's lossless check).
+
+    ``ar_cache``: the tree track's autoregressive baselines, keyed ``(temperature, prompt index)``
+    (:func:`~exittrain.heldout.decode_eval.evaluate_prompts`), reused and filled at T = 0."""
+    from exittrain.decoding import autoregressive_generate
+    from exittrain.serve.chain import ChainDecoder
+
+    decoder = ChainDecoder(target, drafter, verifier="greedy")
+    rows = []
+    for i, prompt in enumerate(prompts):
+        result = decoder.generate(list(prompt), max_new_tokens, temperature=0.0, seed=seed + i)
+        key = (0.0, i)
+        if ar_cache is None or key not in ar_cache:
+            baseline = autoregressive_generate(target, list(prompt), max_new_tokens, 0.0, seed=seed + i)
+            if ar_cache is not None:
+                ar_cache[key] = baseline
+        plain = (ar_cache[key] if ar_cache is not None else baseline).tokens
+        n = min(len(plain), len(result.tokens))
+        rows.append({"label": label, "prompt_index": i, "budget": decoder.budget,
+                     "block_lengths": [r.block_length for r in result.rounds], "new_tokens": len(result.tokens),
+                     "matches_target": plain[:n] == result.tokens[:n]})
+    return rows
+
+
+def summarize_chain(rows: list[dict]) -> dict:
+    """``{chain_tau, chain_ci95, chain_K, chain_lossless}`` pooled over ``rows`` (rounds of every prompt)."""
+    if not rows:
+        raise ValueError("no chain rows to summarize: decode at least one held-out prompt")
+    lengths = [r["block_lengths"] for r in rows]
+    rounds = sum(len(x) for x in lengths)
+    return {"chain_tau": sum(map(sum, lengths)) / rounds if rounds else 0.0, "chain_ci95": bootstrap_ci(lengths),
+            "chain_K": rows[0]["budget"], "chain_lossless": all(r["matches_target"] for r in rows)}
+
+
+def attach_chain(table: list[dict], chain: dict) -> None:
+    """Copy the chain summary into every row of one drafter's table (the chain has no budget of its own)."""
+    for row in table:
+        row.update(chain)
+
+
+def target_folder(target, name_or_path) -> str:
+    """The target as vLLM loads it: the embedded SmolLM2 converted to an HF folder, else ``target.name_or_path``."""
+    from exittrain.models import EMBEDDED_TARGET_NAME
+    from exittrain.models.target import convert_embedded_target
+
+    if target.name == EMBEDDED_TARGET_NAME or name_or_path is None:
+        return str(convert_embedded_target())
+    return str(name_or_path)
+
+
+def vllm_track(vllm_python: str | os.PathLike, target_dir: str, drafter_dir: str | os.PathLike,
+               prompts: Sequence[Sequence[int]], *, max_new_tokens: int, workdir: Path,
+               timeout: float = 1800.0, max_model_len: int = 2048) -> dict:
+    """vLLM with the DFlash drafter in ``drafter_dir`` on ``prompts`` (token ids): ``{vllm_tau,
+    vllm_matches_plain, vllm_version, drafts, prompts_equal, prompts}`` (see
+    :func:`exittrain.serve.check.run_vllm`). ``max_model_len``: vLLM's context, at most the target's
+    ``max_position_embeddings`` (vLLM refuses more). A mismatch of speculative and plain outputs is logged
+    as an error."""
+    from exittrain.serve.check import run_vllm
+
+    result = run_vllm(vllm_python, target_dir, drafter_dir, [list(p) for p in prompts], max_tokens=max_new_tokens,
+                      workdir=workdir, timeout=timeout, max_model_len=max_model_len)
+    agreement = result["agreement"]
+    out = {"vllm_tau": result["acceptance"]["mean_acceptance_length"], "vllm_matches_plain": agreement["equal"],
+           "vllm_version": result["vllm_version"], "drafts": result["acceptance"]["drafts"],
+           "prompts_equal": agreement["prompts_equal"], "prompts": agreement["prompts"],
+           "num_speculative_tokens": result["num_speculative_tokens"]}
+    if not agreement["equal"]:
+        log.error("vLLM's greedy outputs WITH DFlash speculation differ from those WITHOUT on %d of %d prompts "
+                  "(first mismatches %s): the engine's acceptance of this drafter is not lossless here; see %s",
+                  agreement["prompts"] - agreement["prompts_equal"], agreement["prompts"],
+                  agreement["first_mismatch"], workdir)
+    return out

@@ -1,0 +1,178 @@
+"""decode: auto. The candidates, the tau estimate against real decoding (its reference twin), the
+choice from scripted timings (no wall-clock assertion anywhere), the decoder built at the choice,
+and evaluate_prompts' auto rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exittrain.decoding import SpeculativeDecoder, auto_decoder, autoregressive_generate
+from exittrain.decoding import auto_settings as auto
+from exittrain.decoding.auto_settings import DecodeSetting
+from exittrain.decoding.draft_vocab import count_answer_tokens, draft_vocabulary, save_token_counts
+from exittrain.heldout.decode_eval import evaluate_prompts
+from exittrain.models import load_drafter, new_drafter
+from tests.models.helpers import tiny_target
+
+# a prompt that repeats itself, so the copy chain and the copy tail have something to copy
+REPEATING = [5, 17, 33, 2, 40, 41, 9, 12, 5, 17, 33, 2, 40, 41, 9, 5, 17]
+PROMPTS = [REPEATING, [7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8], [20, 21, 22, 23, 20, 21, 22, 24, 20, 21]]
+COUNTS = {"ids": list(range(63, -1, -1))}  # a draft_vocab.json record: every token, high ids most frequent
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread, no spinning on a shared box
+
+
+@pytest.fixture(scope="module")
+def target():
+    t = tiny_target("llama", seed=3)
+    t.eos_token_ids = []  # random tiny models emit EOS early: decode the full length
+    return t
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return new_drafter(target, block_size=4, num_layers=1, hidden_size=32, seed=0, copy_ngrams=[2, 1]).eval()
+
+
+def test_candidates_are_capped_by_the_recipe_budget_and_need_token_counts_for_a_vocabulary():
+    got = auto.candidate_settings(8, 64, has_token_counts=False, budgets=(2, 4, 16), copy_tails=(0, 10))
+    assert got == [DecodeSetting(b, 0, t) for b in (2, 4, 8) for t in (0, 10)]  # 16 dropped, the recipe's 8 added
+    got = auto.candidate_settings(4, 64, has_token_counts=True, budgets=(2, 4), vocab_sizes=(0, 3, 16, 64),
+                                  copy_tails=(0,))
+    # 64 is the whole vocabulary (no saving), 3 is smaller than budget 4
+    assert got == [DecodeSetting(2, 0), DecodeSetting(2, 3), DecodeSetting(2, 16), DecodeSetting(4, 0),
+                   DecodeSetting(4, 16)]
+    assert DecodeSetting(4, 4096, 10).label == "B=4, draft vocab 4096, copy tail 10"
+    assert DecodeSetting(16).label == "B=16"
+    with pytest.raises(ValueError, match="max_budget"):
+        auto.candidate_settings(0, 64, has_token_counts=False)
+    with pytest.raises(ValueError, match="copy_tails"):
+        auto.candidate_settings(4, 64, has_token_counts=False, copy_tails=(-1,))
+
+
+def test_the_prompt_lookup_length_is_a_copy_tail_candidate():
+    """Prompt lookup copies 10 tokens; the tail appends after the tree's own copy, so 10 reaches at
+    least as far."""
+    assert auto.PROMPT_LOOKUP_TOKENS == 10 and auto.PROMPT_LOOKUP_TOKENS in auto.DEFAULT_COPY_TAILS
+
+
+@pytest.mark.parametrize("setting", [DecodeSetting(4), DecodeSetting(3, 0, 5), DecodeSetting(4, 16, 5)],
+                         ids=["plain", "copy-tail", "vocab+tail"])
+def test_the_block_length_estimate_equals_each_round_of_a_real_decode(target, drafter, setting):
+    """The reference twin: a greedy decode at the setting visits some anchors of the greedy answer;
+    the estimate from one drafter pass over the whole answer must give, at each of them, the
+    round's block length (the last round is left out: the answer ends there)."""
+    vocab = None if setting.draft_vocab == 0 else draft_vocabulary(COUNTS, setting.draft_vocab, target.vocab_size)
+    answer = autoregressive_generate(target, REPEATING, 30).tokens
+    row = (torch.tensor(REPEATING + answer), len(REPEATING))
+    lengths, nodes = auto.candidate_block_lengths(target, drafter, [row], [setting], {setting.draft_vocab: vocab})[
+        setting]
+    assert len(lengths) == len(answer) and len(nodes) == len(answer)
+    decoder = SpeculativeDecoder(target, drafter, budget=setting.budget, verifier="greedy",
+                                 copy_tail=setting.copy_tail, draft_vocab=vocab)
+    result = decoder.generate(REPEATING, 30)
+    assert result.tokens == answer
+    anchor = 0  # index into the anchors: position len(REPEATING) - 1 + anchor
+    for r in result.rounds[:-1]:
+        assert r.block_length == lengths[anchor] and r.tree_nodes == nodes[anchor]
+        anchor += r.block_length
+    if setting.copy_tail:
+        assert max(nodes) > setting.budget  # the graft happened somewhere, so the tail was exercised
+
+
+def scripted_timer(round_ms: dict, greedy_ms: float):
+    calls = []
+
+    def timer(setting):
+        calls.append(setting)
+        return greedy_ms if setting is None else round_ms(setting)
+
+    return timer, calls
+
+
+def test_the_choice_maximises_tau_per_round_cost_from_scripted_timings(target, drafter):
+    # rounds cost 10 ms + 1 ms a node, the draft vocabulary saves 4 ms, the tail costs 2 ms
+    def cost(s: DecodeSetting) -> float:
+        return 10.0 + s.budget - (4.0 if s.draft_vocab else 0.0) + (2.0 if s.copy_tail else 0.0)
+
+    timer, calls = scripted_timer(cost, greedy_ms=9.0)
+    choice = auto.probe_decode_settings(target, drafter, PROMPTS, max_budget=8, token_counts=COUNTS,
+                                        vocab_sizes=(0, 16), copy_tails=(0, 5), answer_tokens=16, timer=timer)
+    assert calls[-1] is None and len(calls) == len(choice.candidates) + 1  # every candidate, then greedy
+    best = max(choice.candidates, key=lambda c: c.tau / cost(c.setting))
+    assert choice.setting == best.setting
+    for c in choice.candidates:
+        assert c.round_ms == cost(c.setting) and c.speedup == pytest.approx(c.tau * 9.0 / cost(c.setting))
+    assert choice.reference.setting == DecodeSetting(8)
+    assert choice.reason.startswith(f"decode auto -> {best.setting.label} (round {cost(best.setting):.0f} ms")
+    assert f"expected {best.speedup:.2f}x greedy (greedy step 9 ms)" in choice.reason
+    if best.setting != DecodeSetting(8):
+        assert f"B=8: {cost(DecodeSetting(8)):.0f} ms, {choice.reference.tau:.2f}" in choice.reason
+    assert choice.decoder_kwargs()["budget"] == best.setting.budget
+    assert (choice.vocab_ids is None) == (best.setting.draft_vocab == 0)
+    assert choice.to_dict()["chosen"]["setting"] == best.setting.label
+    # the same timings give the same choice
+    again = auto.probe_decode_settings(target, drafter, PROMPTS, max_budget=8, token_counts=COUNTS,
+                                       vocab_sizes=(0, 16), copy_tails=(0, 5), answer_tokens=16,
+                                       timer=scripted_timer(cost, 9.0)[0])
+    def figures(c):
+        return {k: v for k, v in c.to_dict().items() if k != "probe_seconds"}  # the probe's own wall time varies
+
+    assert figures(again) == figures(choice) and choice.seconds > 0
+
+
+def test_when_no_setting_beats_greedy_the_reason_says_why(target, drafter):
+    timer, _ = scripted_timer(lambda s: 100.0 + s.budget, greedy_ms=5.0)
+    choice = auto.probe_decode_settings(target, drafter, PROMPTS[:1], max_budget=4, answer_tokens=8, timer=timer,
+                                        copy_tails=(0,))
+    assert not choice.beats_greedy and choice.chosen.speedup < 1
+    assert "no setting beats greedy on this host" in choice.reason
+    assert f"{choice.chosen.round_ms:.0f} ms for {choice.chosen.tau:.2f} tokens" in choice.reason
+    assert "against 5 ms a greedy step" in choice.reason
+
+
+def test_the_auto_decoder_decodes_at_the_choice_and_stays_greedy(target, drafter):
+    def cost(s: DecodeSetting) -> float:  # only B=2 with the tail is cheap
+        return 1.0 if (s.budget, s.copy_tail) == (2, 5) else 50.0
+
+    decoder = auto_decoder(target, drafter, PROMPTS, max_budget=4, token_counts=COUNTS,
+                                      vocab_sizes=(0, 16), copy_tails=(0, 5), answer_tokens=8,
+                                      timer=scripted_timer(cost, 10.0)[0])
+    assert (decoder.budget, decoder.copy_tail) == (2, 5)
+    assert decoder.auto_choice.setting.budget == 2
+    assert decoder.generate(REPEATING, 20).tokens == autoregressive_generate(target, REPEATING, 20).tokens
+
+
+def test_the_real_timer_runs_and_the_choice_is_one_of_the_candidates(target, drafter):
+    """Unscripted: the host timer times real rounds; no assertion on how fast they were."""
+    choice = auto.probe_decode_settings(target, drafter, PROMPTS[:2], max_budget=4, copy_tails=(0, 5),
+                                        answer_tokens=8, timed_tokens=8)
+    assert choice.setting in {c.setting for c in choice.candidates} and choice.greedy_ms > 0
+    assert all(c.round_ms > 0 and c.tau >= 1 for c in choice.candidates)
+
+
+def test_the_drafter_folder_gives_its_token_counts(tmp_path, target, drafter):
+    assert auto.drafter_token_counts(drafter) is None  # a fresh drafter has no folder
+    drafter.save_pretrained(tmp_path)
+    loaded = load_drafter(tmp_path, target)
+    assert auto.drafter_token_counts(loaded) is None  # a folder without draft_vocab.json
+    save_token_counts(tmp_path, count_answer_tokens([([3, 3, 4], [1, 1, 1])]), source="rows")
+    assert auto.drafter_token_counts(loaded)["ids"] == [3, 4]
+
+
+def test_evaluate_prompts_auto_rows_carry_the_quality_and_the_speed_setting(target, drafter):
+    rows = evaluate_prompts(target, drafter, PROMPTS[:2], budgets=[4], max_new_tokens=12, progress=False,
+                            decode="auto", label="x")
+    fixed = evaluate_prompts(target, drafter, PROMPTS[:2], budgets=[4], max_new_tokens=12, progress=False)
+    for row, plain in zip(rows, fixed):
+        assert row["decode"] == "auto" and plain["decode"] == "fixed" and "auto_setting" not in plain
+        assert row["tau"] == plain["tau"] and row["block_lengths"] == plain["block_lengths"]  # quality at B=4
+        assert row["auto_setting"].startswith(f"B={row['auto_budget']}") and row["auto_budget"] <= 4
+        assert row["auto_tau"] == sum(row["auto_block_lengths"]) / len(row["auto_block_lengths"])
+        assert row["matches_target"] is True and row["new_tokens"] == row["fixed_new_tokens"] == 12
+        assert row["speedup"] == pytest.approx(row["tokens_per_s"] / row["ar_tokens_per_s"])
+        assert row["fixed_speedup"] == pytest.approx(row["fixed_tokens_per_s"] / row["ar_tokens_per_s"])
+        assert row["auto_reason"].startswith("decode auto -> ")
+    with pytest.raises(ValueError, match="eval.decode"):
+        evaluate_prompts(target, drafter, PROMPTS[:1], budgets=[4], decode="fast", progress=False)
