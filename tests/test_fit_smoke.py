@@ -22,6 +22,7 @@ from hydra.utils import instantiate
 from safetensors.torch import load_file
 
 from exittrain.configs import CONF_DIR, register_recipes
+from exittrain.heldout.serving_track import default_vllm_python
 from tests.test_packaging import REPO, copy_sources
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
@@ -115,6 +116,16 @@ def test_fit_smoke_on_the_embedded_target(tmp_path):
             assert 1.0 <= cell["tau"] <= block_size and cell["anchors"] > 0
             assert ("vs_warm_start" in cell) == (label != "warm_start")
     assert "E[tau] T=0.6 (95% CI)" in proc.stdout and "exittrain - warm_start, expected tau at B=8 T=1" in proc.stdout
+    # the serving track: every drafter's greedy chain of K, its analytic chain tau, and (where .venv-vllm
+    # exists: eval.vllm=auto) vLLM's own acceptance of the DFlash export, with speculation changing nothing
+    for label in ("warm_start", "exittrain", "served"):
+        (row,) = metrics["tables"][label]
+        assert row["chain_K"] == block_size - 1 and 1.0 <= row["chain_tau"] <= block_size and row["chain_lossless"]
+        assert set(row["analytic_chain"]) == {f"{t:g}" for t in cfg.eval.analytic_temperatures}
+    if Path(default_vllm_python()).is_file():
+        vllm = metrics["tables"]["served"][0]["vllm"]
+        assert vllm["vllm_matches_plain"] is True and 1.0 <= vllm["vllm_tau"] <= block_size, vllm
+        assert "vLLM tau" in proc.stdout
 
 
 def test_the_installed_wheel_runs_the_smoke_fit_without_a_checkout(tmp_path):
