@@ -29,11 +29,15 @@ time; a host whose load changes a lot between the two products can misjudge a ra
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
+import os
 import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -159,14 +163,63 @@ def trainer_precision(value: str | int | None, accelerator: str | None = "cpu", 
     return choice
 
 
-def generation_dtype(value: str | None, device: str | torch.device = "cpu", *, key: str = "data.generation.dtype"):
+def device_identity(device: str | torch.device) -> str:
+    """What a timed decision on ``device`` depends on: the CUDA device's name, or the CPU's model,
+    capability and bf16 flags; with torch's version."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda {torch.cuda.get_device_name(device)}; torch {torch.__version__}"
+    units = "+".join(sorted(f for f in _cpu_flags() if "bf16" in f or f.startswith("amx")))
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "")  # an emulated AVX2 host keeps its flags but not its bf16 kernels
+    return (f"{device.type} {cpu_model()}; {torch.backends.cpu.get_cpu_capability()} {units} {isa}; "
+            f"torch {torch.__version__}")
+
+
+def remembered_choice(folder: str | Path, key: str, device: str | torch.device, decide) -> Any:
+    """``decide()`` once per ``folder``, ``key`` and :func:`device_identity`: the first process writes
+    its choice to ``folder/.auto-<key>-<hash>.json`` and every later one (another shard, the ``fit``
+    after a ``prepare``) reads it, so a timing that a busy host flips cannot give two processes two
+    answers. ``decide`` returns a JSON value. The file stays: delete it to decide again (after
+    the first decision ran on a host busy enough to time it wrongly, say)."""
+    identity = device_identity(device)
+    name = hashlib.sha256(f"{key}\n{identity}".encode()).hexdigest()[:12]
+    path = Path(folder) / f".auto-{key}-{name}.json"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "device": identity, "choice": decide()}))
+        try:
+            os.link(tmp, path)  # atomic, and never over another process's choice
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    return json.loads(path.read_text())["choice"]
+
+
+def generation_dtype(
+    value: str | None, device: str | torch.device = "cpu", *, key: str = "data.generation.dtype",
+    remember_in: str | Path | None = None,
+):
     """The dtype the regeneration answers in: ``auto`` gives ``"bfloat16"`` where bf16 is fast on
-    ``device`` and None (the target as loaded) elsewhere; any other value is returned unchanged."""
+    ``device`` and None (the target as loaded) elsewhere; any other value is returned unchanged.
+
+    The choice keys the regeneration cache, so with ``remember_in`` (the cache folder) it is made
+    once per host type there (:func:`remembered_choice`): shards and later runs read it back."""
     if value != AUTO:
         return value
-    check = bf16_check(device)
-    choice = "bfloat16" if check.fast else None
-    _log_once(key, f"{choice or 'null (the target as loaded)'} ({check.reason})")
+
+    def decide():
+        check = bf16_check(device)
+        choice = "bfloat16" if check.fast else None
+        _log_once(key, f"{choice or 'null (the target as loaded)'} ({check.reason})")
+        return choice
+
+    if remember_in is None:
+        return decide()
+    choice = remembered_choice(remember_in, key, device, decide)
+    _log_once(f"{key} (remembered)", f"{choice or 'null (the target as loaded)'} (decided once on this host type, "
+              f"kept in {remember_in})")
     return choice
 
 

@@ -145,14 +145,32 @@ def test_generation_auto_resolves_before_it_keys_the_cache(monkeypatch):
         GenerationConfig(dtype="bf16")
 
 
-def test_the_datamodule_resolves_generation_auto_for_its_device(monkeypatch):
+def test_the_datamodule_resolves_generation_auto_for_its_device(monkeypatch, tmp_path):
     from exittrain.data import ExitTrainDataModule
 
     fake_cpu(monkeypatch, bf16_s=140.0)
-    dm = ExitTrainDataModule("code", generation={"dtype": "auto"}, device="cpu")
+    dm = ExitTrainDataModule("code", generation={"dtype": "auto"}, device="cpu", cache_dir=tmp_path)
     assert dm.generation.dtype is None
     fake_cuda(monkeypatch, bf16=True)
-    assert ExitTrainDataModule("code", generation={"dtype": "auto"}, device="cuda:0").generation.dtype == "bfloat16"
+    cuda = ExitTrainDataModule("code", generation={"dtype": "auto"}, device="cuda:0", cache_dir=tmp_path)
+    assert cuda.generation.dtype == "bfloat16"
+
+
+def test_a_cache_folder_keeps_the_first_auto_decision_of_a_host_type(monkeypatch, tmp_path):
+    """Shards of one entry, and the fit after a prepare, key the same entry even when a busy host
+    would time bf16 the other way: the first process's choice is kept in the cache folder."""
+    fake_cpu(monkeypatch, bf16_s=0.1, flags=("avx512_bf16",))
+    first = GenerationConfig(dtype="auto").resolved("cpu", remember_in=tmp_path)
+    precision.cpu_bf16_check.cache_clear()
+    fake_cpu(monkeypatch, bf16_s=3.0, flags=("avx512_bf16",))  # the same host type, timed while busy
+    assert GenerationConfig(dtype="auto").resolved("cpu", remember_in=tmp_path).dtype == first.dtype == "bfloat16"
+    assert GenerationConfig(dtype="auto").resolved("cpu").dtype is None  # without the folder: decided anew
+    # another host type (no bf16 units) decides for itself
+    precision.cpu_bf16_check.cache_clear()
+    fake_cpu(monkeypatch, bf16_s=140.0, flags=("avx2",))
+    assert GenerationConfig(dtype="auto").resolved("cpu", remember_in=tmp_path).dtype is None
+    assert len(list(tmp_path.glob(".auto-data.generation.dtype-*.json"))) == 2
+    assert not list(tmp_path.glob("*.tmp-*"))
 
 
 def test_build_trainer_turns_auto_into_a_lightning_precision(monkeypatch, tmp_path):

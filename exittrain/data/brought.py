@@ -151,7 +151,7 @@ def write_brought_entry(
         ValueError: no conversations, bad ``feature_layers`` / ``top_logprobs``, or a conversation the
             target's chat template cannot render (:func:`~exittrain.data.conversations.render_conversation`).
     """
-    gen = GenerationConfig.coerce(gen).resolved(device)
+    gen = GenerationConfig.coerce(gen).resolved(device, remember_in=cache_dir)
     if not conversations:
         raise ValueError("write_brought_entry got no conversations; check data.train_sources")
     layers = [int(x) for x in feature_layers or []]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -153,11 +154,15 @@ class GenerationConfig:
             )
         return cls(**dict(value))
 
-    def resolved(self, device: str | torch.device = "cpu") -> GenerationConfig:
-        """This config with ``dtype="auto"`` decided for the device the target answers on."""
+    def resolved(
+        self, device: str | torch.device = "cpu", remember_in: str | os.PathLike | None = None
+    ) -> GenerationConfig:
+        """This config with ``dtype="auto"`` decided for the device the target answers on; with
+        ``remember_in`` (the cache folder) decided once per host type there, so every shard and a
+        later ``fit`` key the same entry (:func:`exittrain.precision.generation_dtype`)."""
         if self.dtype != AUTO:
             return self
-        return dataclasses.replace(self, dtype=generation_dtype(self.dtype, device))
+        return dataclasses.replace(self, dtype=generation_dtype(self.dtype, device, remember_in=remember_in))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -226,7 +226,7 @@ class PromptPlan:
         self.target_name = target_name or EMBEDDED_TARGET_NAME
         self.cache_dir = Path(cache_dir)
         self.device = device or "cpu"
-        self.generation = GenerationConfig.coerce(generation).resolved(self.device)
+        self.generation = GenerationConfig.coerce(generation).resolved(self.device, remember_in=self.cache_dir)
         self.max_train_prompts = max_train_prompts
         self.seed = seed
         self.exclude_seed = exclude_seed

@@ -401,7 +401,7 @@ def regenerate(
         ``prompt_index`` (prompts rejected as too long or by the engine have no row). None when
         this process's shard is done but other shards' batches are missing (the entry is pending).
     """
-    gen = resolve_backend(GenerationConfig.coerce(gen).resolved(device))
+    gen = resolve_backend(GenerationConfig.coerce(gen).resolved(device, remember_in=cache_dir))
     if not prompts:
         raise ValueError("regenerate got no prompts; check the prompt sources")
     layers = [int(x) for x in feature_layers or []]
