@@ -34,6 +34,7 @@ from exittrain.heldout.decode_eval import DECODE_MODES
 from exittrain.heldout.heldout_law import check_analytic_settings
 from exittrain.lit.module import check_module_args
 from exittrain.objective import STAGES
+from exittrain.precision import AUTO
 from exittrain.safe_io import load_checkpoint
 
 __all__ = [
@@ -297,6 +298,10 @@ def check_data(cfg: DictConfig) -> None:
         if key != "cache_dir":
             value = cfg.data[key]  # resolved in place: its interpolations see the whole config
             data[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    generation = data.get("generation")
+    if isinstance(generation, dict) and generation.get("dtype") == AUTO:
+        # valid as it is; resolving it would time this host and remember the choice in a cache folder
+        data["generation"] = {**generation, "dtype": None}
     try:
         PromptPlan.from_data_args(data)
         check_loader_settings(**{k: data[k] for k in ("max_length", "batch_size", "val_fraction") if k in data})
