@@ -29,13 +29,13 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)  ## create .venv and install everything (idempotent)
 
-test: setup  ## the fast tier of the offline CPU tests (-m 'not slow'; ~6 min on 2 cores)
+test: setup  ## the fast tier of the offline CPU tests (-m 'not slow'; ~8 min on 2 cores)
 	$(VPY) -m pytest -q
 
 # the slow tier builds .venv-vllm first when it is missing (a few minutes, 3.5 GB, once): its vLLM tests
 # (the serving check, the vLLM answering backend) then run instead of skipping, and under CI=true a
 # missing .venv-vllm fails them
-test-slow: setup $(VLLM_STAMP)  ## only the slow tier (-m slow: subprocess fits, DDP/FSDP, kill-and-resume, vLLM; ~11 min + .venv-vllm)
+test-slow: setup $(VLLM_STAMP)  ## only the slow tier (-m slow: subprocess fits, DDP/FSDP, kill-and-resume, vLLM; ~29 min + .venv-vllm)
 	$(VPY) -m pytest -q -m slow
 
 lint: setup  ## ruff
