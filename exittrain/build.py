@@ -86,7 +86,7 @@ def prepare_data(datamodule, *, wait_s: float, poll_s: float = 10.0) -> None:
     ``datamodule.prepare_data()`` answers this process's shard of the entry's batches: the one
     ``data.generation.shard`` names, else the launcher's global rank of its world size (torchrun's
     ``RANK``/``WORLD_SIZE``, srun's ``SLURM_PROCID``/``SLURM_NTASKS``), else every batch
-    (:func:`exittrain.data.regenerate.process_shard`). The process that completes the last batch
+    (:func:`exittrain.data.answerers.process_shard`). The process that completes the last batch
     merges the entry; the others poll for the folder with the entry's final name, which exists only
     once complete, for up to ``wait_s`` seconds (``data_wait_s``). Under Lightning's own launcher
     rank 0 is alone here (no launcher variables yet: every batch) and the ranks it starts later find

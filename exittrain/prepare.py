@@ -11,7 +11,7 @@ conf/fit.yaml, so the same overrides give the same ``data.*``, target and drafte
 3. otherwise builds the target, the drafter and the DataModule exactly as ``fit`` does
    (:mod:`exittrain.build`), and answers this process's shard of the entry
    (``data.generation.shard=I/N``, or torchrun's / srun's rank and world size, else everything:
-   :func:`exittrain.data.regenerate.process_shard`); the process that completes the last batch merges;
+   :func:`exittrain.data.answerers.process_shard`); the process that completes the last batch merges;
 4. prints the entry, its counts (answered, rejected as too long, rejected by the engine with the
    first few, unfinished) and this run's throughput (answers/s, tokens/s, seconds).
 

@@ -42,6 +42,7 @@ from typing import Any
 import datasets
 import torch
 
+from exittrain.data.answerers import ProcessShard
 from exittrain.data.conversations import (
     Conversation,
     conversation_row,
@@ -50,7 +51,7 @@ from exittrain.data.conversations import (
 )
 from exittrain.data.generation import GenerationConfig, answering_model, eos_token_ids, padding_token_id
 from exittrain.data.regen_cache import CACHE_VERSION, FEATURES, read_meta, safetensors_files, save_atomic
-from exittrain.data.regenerate import ProcessShard, RegenReport
+from exittrain.data.regenerate import RegenReport
 from exittrain.data.sources import REJECT_REASONS, LoadStats
 
 __all__ = ["TEACHER_FORCED_BATCH", "brought_cache_key", "brought_cache_path", "write_brought_entry"]

@@ -42,12 +42,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from exittrain.data.answerers import resolve_backend
 from exittrain.data.brought import brought_cache_key, brought_cache_path, write_brought_entry
 from exittrain.data.conversations import Conversation, load_conversation_set
 from exittrain.data.generation import GenerationConfig, chat_prompt_ids
 from exittrain.data.prompt_selection import seeded_sample
 from exittrain.data.regen_cache import cache_key, cache_path
-from exittrain.data.regenerate import TargetProvider, regenerate, resolve_backend
+from exittrain.data.regenerate import TargetProvider, regenerate
 from exittrain.data.sources import (
     DEFAULT_MAX_CHARS,
     DOMAIN_SOURCES,
@@ -340,7 +341,7 @@ class PromptPlan:
     @property
     def keyed_generation(self) -> GenerationConfig:
         """:attr:`generation` with the answering engine's version filled in, as the cache key reads it
-        (:func:`~exittrain.data.regenerate.resolve_backend`: asks ``.venv-vllm`` or the server once,
+        (:func:`~exittrain.data.answerers.resolve_backend`: asks ``.venv-vllm`` or the server once,
         for ``backend=vllm`` only)."""
         if self._keyed_generation is None:
             self._keyed_generation = resolve_backend(self.generation)

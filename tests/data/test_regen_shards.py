@@ -10,15 +10,14 @@ import pytest
 import torch
 
 from exittrain.data import vllm_backend
+from exittrain.data.answerers import HFAnswerer, ProcessShard, process_shard
 from exittrain.data.regenerate import (
     Answer,
     GenerationConfig,
-    HFAnswerer,
     cache_path,
     chat_prompt_ids,
     load_features,
     load_top_logprobs,
-    process_shard,
     read_meta,
     regenerate,
 )
@@ -156,7 +155,7 @@ def test_engine_rejections_have_no_row_and_are_named_in_the_metadata(tmp_path, s
                                                                      reference):
     tok = smollm2_tokenizer
     bad = [chat_prompt_ids(tok, PROMPTS[i]) for i in (1, 4)]
-    real_open = regen.open_answerer
+    real_open = regen.open_answerer  # the name the run calls: regenerate imports it from answerers
     monkeypatch.setattr(regen, "open_answerer", lambda gen, **kw: RejectingAnswerer(real_open(gen, **kw), bad))
     reports = []
     for label in ("0/2", "1/2"):  # the rejections of both shards reach the merge
@@ -177,7 +176,7 @@ def test_engine_rejections_have_no_row_and_are_named_in_the_metadata(tmp_path, s
 
 def test_the_shard_comes_from_the_setting_then_torchrun_then_srun():
     gen = GenerationConfig()
-    assert process_shard(gen, {}) == regen.ProcessShard(0, 1, "one process")
+    assert process_shard(gen, {}) == ProcessShard(0, 1, "one process")
     assert process_shard(gen, {"RANK": "1", "WORLD_SIZE": "4", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}).label == "1/4"
     assert process_shard(gen, {"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}).source == "SLURM_PROCID/SLURM_NTASKS"
     assert process_shard(gen, {"WORLD_SIZE": "2"}).label == "0/1"  # Lightning's own children: no RANK
