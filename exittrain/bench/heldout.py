@@ -159,26 +159,16 @@ def run(
             if temperature == 0:
                 greedy, accuracy = greedy_block_lengths_by_budget(drafter, rows, layers, budgets, chain=chain)
             if chain:
-                _measure_chain(next(c for c in chains if c["drafter"] == path), first_chain, drafter, target, rows,
-                               layers, anchors[K], temperature, greedy.get("chain") if temperature == 0 else None,
-                               top_p)
+                per_row = greedy["chain"] if temperature == 0 else analytic_block_lengths(
+                    drafter, target, rows, layers, anchors[K], K, temperature, top_p=top_p, shape="chain")
+                _fill_measure(next(c for c in chains if c["drafter"] == path), first_chain, (K, temperature), per_row)
             for budget in budgets:
                 entry = next(r for r in results if r["drafter"] == path and r["budget"] == budget)
+                per_row = greedy[budget] if temperature == 0 else analytic_block_lengths(
+                    drafter, target, rows, layers, anchors[K], budget, temperature, top_p=top_p)
+                _fill_measure(entry, first, (budget, temperature), per_row)
                 if temperature == 0:
-                    per_row = greedy[budget]
-                    stats = summary(per_row)
-                    entry.update(greedy_block_length=stats["mean"], ci95=stats["ci95"], anchors=stats["anchors"],
-                                 accuracy_by_depth=accuracy.tolist())
-                    field = entry
-                else:
-                    per_row = analytic_block_lengths(drafter, target, rows, layers, anchors[K], budget, temperature,
-                                                     top_p=top_p)
-                    stats = summary(per_row)
-                    field = entry["analytic"][str(temperature)] = {
-                        "analytic_tau": stats["mean"], "ci95": stats["ci95"], "anchors": stats["anchors"]}
-                pair = first.get((budget, temperature))
-                field["vs_first"] = None if pair is None else paired_difference(per_row, pair)
-                first.setdefault((budget, temperature), per_row)
+                    entry["accuracy_by_depth"] = accuracy.tolist()
                 if oracle and not any(o["budget"] == budget and o["temperature"] == temperature
                                       and o["max_depth"] == K for o in oracles):
                     bound = summary(oracle_block_lengths(target, rows, anchors[K], budget, K, temperature, top_p=top_p))
@@ -193,25 +183,21 @@ def run(
     }
 
 
-def _measure_chain(entry: dict, first: dict, drafter, target, rows, layers, anchors, temperature: float,
-                   greedy: list[torch.Tensor] | None, top_p: float | None) -> None:
-    """Fill one drafter's chain ``entry`` at ``temperature``: the greedy lengths at T = 0 (``greedy``),
-    else the analytic chain tau at ``anchors``; paired against ``first`` (the first drafter's chain)."""
-    K = entry["K"]
+def _fill_measure(entry: dict, first: dict, key: tuple, per_row: list[torch.Tensor]) -> None:
+    """Fill one drafter's ``entry`` (a tree at a budget, or its chain) with ``per_row`` at the
+    temperature of ``key`` (``(budget or K, temperature)``): the greedy block length at T = 0, else
+    the analytic tau under ``entry["analytic"]``; paired against ``first[key]`` (the first drafter's)."""
+    temperature = key[1]
+    stats = summary(per_row)
     if temperature == 0:
-        per_row = greedy
-        stats = summary(per_row)
-        field = entry
         entry.update(greedy_block_length=stats["mean"], ci95=stats["ci95"], anchors=stats["anchors"])
+        field = entry
     else:
-        per_row = analytic_block_lengths(drafter, target, rows, layers, anchors, K, temperature, top_p=top_p,
-                                         shape="chain")
-        stats = summary(per_row)
         field = entry["analytic"][str(temperature)] = {
             "analytic_tau": stats["mean"], "ci95": stats["ci95"], "anchors": stats["anchors"]}
-    pair = first.get((K, temperature))
+    pair = first.get(key)
     field["vs_first"] = None if pair is None else paired_difference(per_row, pair)
-    first.setdefault((K, temperature), per_row)
+    first.setdefault(key, per_row)
 
 
 def _oracle_tau(result: dict, budget: int, temperature: float) -> float | None:

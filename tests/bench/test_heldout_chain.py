@@ -53,8 +53,9 @@ def test_the_analytic_chain_tau_is_paired_against_the_first_drafter_and_tabled(m
         entry = {"drafter": f"d{i}", "K": K, "analytic": {}}
         greedy = [torch.tensor([1.0, 2.0]), torch.tensor([1.0])] if i == 0 else [torch.tensor([2.0, 2.0]),
                                                                                 torch.tensor([1.0])]
-        bench_heldout._measure_chain(entry, first, drafter, target, rows, [2], anchors, 0.0, greedy, None)
-        bench_heldout._measure_chain(entry, first, drafter, target, rows, [2], anchors, 1.0, None, None)
+        analytic = hl.analytic_block_lengths(drafter, target, rows, [2], anchors, K, 1.0, shape="chain")
+        bench_heldout._fill_measure(entry, first, (K, 0.0), greedy)
+        bench_heldout._fill_measure(entry, first, (K, 1.0), analytic)
         entries.append(entry)
     want = hl.analytic_block_lengths(drafters[1], target, rows, [2], anchors, K, 1.0, shape="chain")
     cell = entries[1]["analytic"]["1.0"]
