@@ -6,9 +6,8 @@
 - :class:`ExportDrafterCallback` saves the drafter in Hugging Face format at fit end, atomically.
 - :class:`MetricsFileCallback` writes the stage's final (and best) metrics as ``metrics_<stage>.json``
   of the run directory (:class:`~exittrain.run_dir.RunDir`) at fit end, atomically.
-- :class:`HeldOutBlockLengthCallback` logs cheap held-out measures often (``heldout/chain_block_length``,
-  ``heldout/tree_block_length``): one drafter pass over a fixed few validation rows, no decoding,
-  no target forward when the batches carry the target features.
+- :class:`~exittrain.lit.heldout_callback.HeldOutBlockLengthCallback` (its own module) logs cheap
+  held-out measures often: one drafter pass over a fixed few validation rows, no decoding.
 
 The progress bar and progress lines are in :mod:`exittrain.lit.progress_callbacks`.
 
@@ -37,9 +36,9 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from exittrain.atomic import fsync_dir, fsync_tree, remove_stale_temps, temp_sibling
-from exittrain.core import anchor_generator, build_tree, followed_depth, sample_anchors
 from exittrain.decoding import SpeculativeDecoder
-from exittrain.lit.sharding import full_drafter
+from exittrain.lit.heldout_callback import HeldOutBlockLengthCallback
+from exittrain.lit.sharding import drafter_and_target, full_drafter
 from exittrain.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -47,23 +46,11 @@ log = logging.getLogger(__name__)
 __all__ = [
     "DecodeEvalCallback",
     "ExportDrafterCallback",
-    "HeldOutBlockLengthCallback",
     "MetricsFileCallback",
-    "chain_block_lengths",
     "save_drafter",
 ]
 
 Prompts = Sequence[Sequence[int]]
-
-
-def _drafter_and_target(pl_module: pl.LightningModule):
-    drafter, target = getattr(pl_module, "drafter", None), getattr(pl_module, "target", None)
-    if drafter is None or target is None:
-        raise ValueError(
-            f"{type(pl_module).__name__} has no 'drafter' and 'target' attributes; "
-            "use these callbacks with ExitTrainModule"
-        )
-    return drafter, target
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,7 +230,7 @@ class DecodeEvalCallback(Callback):
         if self.history and self.last_step == trainer.global_step:
             return self.history[-1]
         stats = None
-        drafter, target = _drafter_and_target(pl_module)
+        drafter, target = drafter_and_target(pl_module)
         drafter = full_drafter(drafter, target)  # sharded: a collective, the full copy on rank 0 only
         if trainer.is_global_zero:
             stats = self.evaluate(drafter, target)
@@ -259,7 +246,7 @@ class DecodeEvalCallback(Callback):
     # -- hooks ------------------------------------------------------------------------------------
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        _drafter_and_target(pl_module)
+        drafter_and_target(pl_module)
         _ = self.prompts  # resolve a callable early, so a bad prompt source fails before training
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -292,154 +279,6 @@ class DecodeEvalCallback(Callback):
 # export
 
 
-class HeldOutBlockLengthCallback(Callback):
-    """Every ``every_n_steps`` optimizer steps, the greedy block lengths of the drafter on fixed validation rows.
-
-    The rows are the first ``num_rows`` of the validation loader (the target's own greedy answers
-    to held-out training prompts), taken once, with ``anchors_per_row`` anchors each drawn once from
-    ``seed``: every measurement reads the same anchors, so the curve moves with the drafter only.
-    One teacher-forced drafter pass (:meth:`~exittrain.models.BlockDrafter.forward_anchors`, the
-    target features as the batch carries them or as the target computes them,
-    :func:`~exittrain.objective.batch_features`), then per anchor with the row's next K tokens:
-
-    - ``heldout/chain_block_length``: 1 + how many of them the drafter's greedy chain matches in a
-      row, the block a T = 0 verifier accepts on the chain a serving engine verifies (the chain tau
-      at T = 0 on these rows; :func:`chain_block_lengths`);
-    - ``heldout/tree_block_length``: 1 + how deep DDTree's tree of ``budget`` nodes holds them
-      (:func:`~exittrain.core.followed_depth`); ``budget=None`` leaves it out.
-
-    Written from ``on_train_batch_end`` to the loggers at the optimizer step (global rank 0) and
-    into ``trainer.callback_metrics`` (every rank computes the same values; under FSDP every rank
-    must run the sharded drafter's forward). :attr:`history` keeps ``{"step", the metrics, "anchors"}``
-    (``metrics_<stage>.json``, the report's training curves). Nothing is decoded: ``val/block_length``
-    (:class:`DecodeEvalCallback`) keeps its own cadence. A loader without rows logs nothing (warned).
-    """
-
-    CHAIN = "heldout/chain_block_length"
-    TREE = "heldout/tree_block_length"
-
-    def __init__(self, every_n_steps: int = 25, num_rows: int = 8, anchors_per_row: int = 16,
-                 budget: int | None = 16, seed: int = 0) -> None:
-        for key, value, low in (("every_n_steps", every_n_steps, 1), ("num_rows", num_rows, 1),
-                                ("anchors_per_row", anchors_per_row, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{key}={value!r}: need an int >= {low}")
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-            raise ValueError(f"budget={budget!r}: need an int >= 1 (tree nodes) or null (no tree measure)")
-        self.every_n_steps, self.num_rows, self.anchors_per_row = every_n_steps, num_rows, anchors_per_row
-        self.budget, self.seed = budget, int(seed)
-        self._rows: list[tuple[dict, torch.Tensor]] | None = None  # (batch on CPU, anchors (L, A) with -1 = none)
-        self._last_step = -1
-        self.history: list[dict[str, float]] = []
-
-    @staticmethod
-    def _validation_batches(trainer):
-        """The DataModule's validation loader; else the loader given to ``fit`` (which Lightning sets up
-        only when a validation runs, so it is read from the validation loop's source)."""
-        datamodule = getattr(trainer, "datamodule", None)
-        if datamodule is not None:
-            return datamodule.val_dataloader()
-        if trainer.val_dataloaders is not None:
-            return trainer.val_dataloaders
-        source = getattr(trainer.fit_loop.epoch_loop.val_loop, "_data_source", None)
-        return (source.dataloader() if getattr(source, "instance", None) is not None else None) or []
-
-    def _fixed_rows(self, trainer, K: int) -> list[tuple[dict, torch.Tensor]]:
-        if self._rows is not None:
-            return self._rows
-        rows, taken = [], 0
-        generator = anchor_generator(self.seed, 0, 0, stream=2)  # stream 2: neither training nor validation's
-        for batch in self._validation_batches(trainer):
-            keep = min(self.num_rows - taken, batch["input_ids"].shape[0])
-            part = {k: (v[:keep] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == batch["input_ids"].shape[0]
-                        else v) for k, v in batch.items()}
-            lengths = part.get("lengths")
-            if lengths is None and part.get("attention_mask") is not None:
-                lengths = part["attention_mask"].sum(1)
-            anchors_LA, valid_LA = sample_anchors(part["loss_mask"], lengths, self.anchors_per_row, K, generator)
-            rows.append((part, anchors_LA.masked_fill(~valid_LA, -1)))
-            taken += keep
-            if taken >= self.num_rows:
-                break
-        if not rows:
-            log.warning("HeldOutBlockLengthCallback: the validation loader has no rows; no heldout/* measures")
-        else:
-            self._rows = rows  # fixed from here on
-        return rows
-
-    @torch.no_grad()
-    def measure(self, trainer, pl_module) -> dict[str, float]:
-        """``{CHAIN: mean, TREE: mean, "anchors": n}`` over the fixed rows' valid anchors ({} without any)."""
-        from exittrain.objective import batch_features
-
-        drafter, target = _drafter_and_target(pl_module)
-        K = drafter.config.num_draft_tokens
-        chain, tree, was_training = [], [], drafter.training
-        drafter.eval()
-        try:
-            for batch, anchors_LA in self._fixed_rows(trainer, K):
-                device = target.device
-                on_device = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-                features = batch_features(drafter, target, on_device, pl_module.objective)[0]
-                input_ids = on_device["input_ids"]
-                anchors = anchors_LA.to(device)
-                valid_N = (anchors >= 0).reshape(-1)
-                logits_NKV = drafter.forward_anchors(features, input_ids, anchors.clamp_min(0),
-                                                     context_window=pl_module.objective.context_window)
-                positions_LAK = (anchors.clamp_min(0).unsqueeze(-1) + torch.arange(1, K + 1, device=device))
-                L, A = anchors.shape
-                labels_NK = input_ids.gather(1, positions_LAK.clamp_max(input_ids.shape[1] - 1).reshape(L, A * K))
-                labels_NK = labels_NK.reshape(L * A, K)[valid_N]
-                logits_NKV = logits_NKV[valid_N].float()
-                chain.append(chain_block_lengths(logits_NKV, labels_NK))
-                if self.budget is not None:
-                    trees = build_tree(torch.log_softmax(logits_NKV, -1), self.budget, validate=False)
-                    tree.append(1.0 + followed_depth(trees, labels_NK).float())
-        finally:
-            drafter.train(was_training)
-        chain_N = torch.cat(chain) if chain else torch.zeros(0)
-        if chain_N.numel() == 0:
-            return {}
-        out = {self.CHAIN: float(chain_N.mean()), "anchors": int(chain_N.numel())}
-        if tree:
-            out[self.TREE] = float(torch.cat(tree).mean())
-        return out
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = trainer.global_step
-        if step == 0 or step % self.every_n_steps or step == self._last_step:  # once per optimizer step
-            return
-        self._last_step = step
-        measured = self.measure(trainer, pl_module)
-        if not measured:
-            return
-        self.history.append({"step": step, **measured})
-        metrics = {k: v for k, v in measured.items() if k.startswith("heldout/")}
-        # straight to the loggers at the optimizer step: a value given to pl_module.log in this hook is
-        # logged again at every later step of the epoch (Lightning keeps on_step results until it ends)
-        trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"history": [dict(h) for h in self.history]}  # a resumed stage keeps its curve
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.history = [dict(h) for h in state_dict.get("history", [])]
-        self._last_step = int(self.history[-1]["step"]) if self.history else -1
-
-
-def chain_block_lengths(logits_NKV: torch.Tensor, labels_NK: torch.Tensor) -> torch.Tensor:
-    """(N,) float: 1 + the length of the run of positions where the drafter's argmax equals the label,
-    from the first: the block a T = 0 verifier accepts on the greedy chain (bonus included).
-
-    Fast path of ``1 + followed_depth(chain_tree(logq), labels)`` (:func:`~exittrain.core.chain_tree`),
-    the twin the tests compare it with."""
-    hits_NK = (logits_NKV.argmax(-1) == labels_NK).long()
-    return 1.0 + hits_NK.cumprod(dim=1).sum(dim=1).float()
-
-
 class ExportDrafterCallback(Callback):
     """Save the drafter in Hugging Face format (config.json + model.safetensors) at fit end.
 
@@ -461,7 +300,7 @@ class ExportDrafterCallback(Callback):
         self.exported: list[Path] = []
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        drafter, target = _drafter_and_target(pl_module)
+        drafter, target = drafter_and_target(pl_module)
         drafter = full_drafter(drafter, target)  # sharded: a collective, the full copy on rank 0 only
         if trainer.is_global_zero:
             self.exported.append(save_drafter(drafter, self.dirpath / self.name))

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
     from exittrain.models import BlockDrafter, TargetModel
 
-__all__ = ["DrafterFSDPStrategy", "full_drafter", "is_sharded", "shard_drafter"]
+__all__ = ["DrafterFSDPStrategy", "drafter_and_target", "full_drafter", "is_sharded", "shard_drafter"]
 
 # FSDP2 warns once per process that the drafter's output is a view (forward_anchors returns a
 # reshape): an in-place op on it would skip the pre-backward all-gather. ExitTrainModule never
@@ -152,3 +152,15 @@ def full_drafter(drafter: BlockDrafter, target: TargetModel) -> BlockDrafter | N
     copy.load_state_dict(state, strict=True, assign=True)
     copy.attach_target(target, check_name=False)  # the pairing was checked when ``drafter`` was attached
     return copy.to(target.device).train(drafter.training)
+
+
+def drafter_and_target(pl_module):
+    """The ``drafter`` and frozen ``target`` of an :class:`~exittrain.lit.ExitTrainModule`, for the callbacks;
+    ValueError for a module without them."""
+    drafter, target = getattr(pl_module, "drafter", None), getattr(pl_module, "target", None)
+    if drafter is None or target is None:
+        raise ValueError(
+            f"{type(pl_module).__name__} has no 'drafter' and 'target' attributes; "
+            "use these callbacks with ExitTrainModule"
+        )
+    return drafter, target

@@ -302,7 +302,7 @@ def plot_training_curves(
     ``history``: label -> entries, each ``{"step", "block_length"}`` (the
     :class:`~exittrain.lit.callbacks.DecodeEvalCallback` history), ``{"step", "val/block_length"}``,
     ``{"step", "value"}`` (``report`` gives the frequent cheap measures of
-    :class:`~exittrain.lit.callbacks.HeldOutBlockLengthCallback` so, one series each) or a
+    :class:`~exittrain.lit.heldout_callback.HeldOutBlockLengthCallback` so, one series each) or a
     ``(step, value)`` pair. ``stage_starts``: label -> step where that stage begins, drawn as a dotted
     vertical line. Empty series are skipped with a warning.
     """

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from exittrain.core import chain_tree, followed_depth
-from exittrain.lit.callbacks import HeldOutBlockLengthCallback, chain_block_lengths
+from exittrain.lit.heldout_callback import HeldOutBlockLengthCallback, chain_block_lengths
 from tests.lit.helpers import BLOCK, ListLogger, loader, make_module
 from tests.lit.helpers import trainer as make_trainer
 
