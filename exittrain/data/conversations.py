@@ -182,14 +182,7 @@ def load_conversations(source: str | PromptSource | Mapping[str, Any]) -> tuple[
     conversations: list[Conversation] = []
     seen: set[str] = set()
     first_keys: list[str] | None = None
-    for row_no, row in rows:
-        stats.rows += 1
-        if isinstance(row, str):  # a reader's rejection reason
-            stats.reject(row, row_no)
-            continue
-        if not isinstance(row, Mapping):
-            stats.reject("malformed", row_no)
-            continue
+    for row_no, row in stats.mapping_rows(rows):
         if first_keys is None:
             first_keys = list(row)
         name = next((c for c in columns if c in row), None)

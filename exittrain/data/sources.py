@@ -113,6 +113,18 @@ class LoadStats:
         if len(examples) < _MAX_EXAMPLE_ROWS:
             examples.append(row)
 
+    def mapping_rows(self, rows: Iterable[tuple[int, Any]]) -> Iterator[tuple[int, Mapping]]:
+        """The ``(row number, row)`` pairs of a reader that are rows (mappings), each counted in
+        :attr:`rows`; a reader's rejection reason (a string) or a non-mapping row is counted as rejected."""
+        for row_no, row in rows:
+            self.rows += 1
+            if isinstance(row, str):  # a reader's rejection reason
+                self.reject(row, row_no)
+            elif not isinstance(row, Mapping):
+                self.reject("malformed", row_no)
+            else:
+                yield row_no, row
+
     @property
     def n_rejected(self) -> int:
         return sum(self.rejected.values())
@@ -248,14 +260,7 @@ def load_prompts(
     prompts: list[str] = []
     seen: set[str] = set()
     task_set = BUILTIN_SOURCES[src.path].task_set if src.kind == "pkg" else None
-    for row_no, row in _chain(first, rows):
-        stats.rows += 1
-        if isinstance(row, str):  # a reader's rejection reason
-            stats.reject(row, row_no)
-            continue
-        if not isinstance(row, Mapping):
-            stats.reject("malformed", row_no)
-            continue
+    for row_no, row in stats.mapping_rows(_chain(first, rows)):
         try:
             text = extract(row, fld).strip()
         except MissingField:
