@@ -1,4 +1,4 @@
-"""`python -m exittrain bench {core,decode,train,ablation,memory,regen,heldout,exittrain} [args]`: run one benchmark."""
+"""`python -m exittrain bench {core,decode,train,ablation,memory,regen,heldout,exittrain,vllm} [args]`: run one benchmark."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ BENCHES = {
     "regen": "exittrain.bench.regen",
     "heldout": "exittrain.bench.heldout",
     "exittrain": "exittrain.bench.exittrain_arms",
+    "vllm": "exittrain.bench.vllm_acceptance",
 }
 
 

@@ -246,11 +246,14 @@ def _analytic_cell(row: dict, temperature: str, key: str = "analytic") -> str:
 
 
 def _vllm_cell(row: dict) -> str:
-    """vLLM's acceptance length, flagged loudly when speculation changed vLLM's greedy outputs."""
+    """vLLM's acceptance length (with its 95% interval over prompts when measured per prompt), flagged
+    loudly when speculation changed vLLM's greedy outputs."""
     vllm = row.get("vllm")
     if vllm is None:
         return "-"
-    return f"{vllm['vllm_tau']:.2f}" + ("" if vllm["vllm_matches_plain"] else " MISMATCH")
+    ci = vllm.get("vllm_ci95")
+    interval = "" if ci is None else f" ({ci[0]:.2f}-{ci[1]:.2f})"
+    return f"{vllm['vllm_tau']:.2f}{interval}" + ("" if vllm["vllm_matches_plain"] else " MISMATCH")
 
 
 def auto_reasons(table: list[dict]) -> list[str]:

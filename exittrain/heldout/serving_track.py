@@ -161,16 +161,21 @@ def vllm_track(vllm_python: str | os.PathLike, target_dir: str, drafter_dir: str
                prompts: Sequence[Sequence[int]], *, max_new_tokens: int, workdir: Path,
                timeout: float = 1800.0, max_model_len: int = 2048) -> dict:
     """vLLM with the DFlash drafter in ``drafter_dir`` on ``prompts`` (token ids): ``{vllm_tau,
-    vllm_matches_plain, vllm_version, drafts, prompts_equal, prompts}`` (see
-    :func:`exittrain.serve.check.run_vllm`). ``max_model_len``: vLLM's context, at most the target's
+    vllm_ci95, vllm_per_prompt, vllm_matches_plain, vllm_version, drafts, prompts_equal, prompts}``
+    (see :func:`exittrain.serve.check.run_vllm`, run one prompt at a time: ``vllm_per_prompt`` holds
+    each prompt's drafts and accepted tokens, ``vllm_ci95`` the interval over prompts, and two
+    drafters' tables on the same prompts pair with :func:`exittrain.serve.compare.paired_acceptance`). ``max_model_len``: vLLM's context, at most the target's
     ``max_position_embeddings`` (vLLM refuses more). A mismatch of speculative and plain outputs is logged
     as an error."""
     from exittrain.serve.check import run_vllm
+    from exittrain.serve.compare import acceptance_interval
 
     result = run_vllm(vllm_python, target_dir, drafter_dir, [list(p) for p in prompts], max_tokens=max_new_tokens,
-                      workdir=workdir, timeout=timeout, max_model_len=max_model_len)
+                      workdir=workdir, timeout=timeout, max_model_len=max_model_len, per_prompt=True)
     agreement = result["agreement"]
-    out = {"vllm_tau": result["acceptance"]["mean_acceptance_length"], "vllm_matches_plain": agreement["equal"],
+    out = {"vllm_tau": result["acceptance"]["mean_acceptance_length"],
+           "vllm_ci95": acceptance_interval(result["per_prompt"])["ci95"], "vllm_per_prompt": result["per_prompt"],
+           "vllm_matches_plain": agreement["equal"],
            "vllm_version": result["vllm_version"], "drafts": result["acceptance"]["drafts"],
            "prompts_equal": agreement["prompts_equal"], "prompts": agreement["prompts"],
            "num_speculative_tokens": result["num_speculative_tokens"]}

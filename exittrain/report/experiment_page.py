@@ -3,9 +3,13 @@
 A result of kind ``experiment`` (schema ``exittrain.result/1``, see :mod:`exittrain.report.results_page`)
 adds ``summary``: ``domain``, ``steps``, ``warm_start``, ``prompts``, ``analytic_anchors``, ``rows``
 (``bench exittrain``'s rows: ``drafter``, ``budget``, ``temperature``, ``tau``, ``ci95``,
-``vs_control`` and ``vs_warm_start`` (``{"delta", "ci95"}`` or null), and ``tau_oracle`` at T > 0),
-optionally ``budget_anchors`` (anchors per answer by budget) and ``oracle_prompts``,
-and ``verdict`` (its lines: the settings whose paired interval against the matched control
+``vs_control`` and ``vs_warm_start`` (``{"delta", "ci95"}`` or null), ``tau_oracle`` at T > 0,
+and ``shape``: ``chain`` for a row of the drafter's greedy chain of K = ``budget`` nodes, else the
+DDTree tree of ``budget`` nodes),
+optionally ``budget_anchors`` (anchors per answer by budget), ``oracle_prompts`` and ``vllm``
+(vLLM's measured acceptance length of each drafter's DFlash export: ``prompts``, ``max_new_tokens``,
+``vllm_version`` and ``drafters``: name -> ``tau``, ``ci95``, ``vs_control``, ``vs_warm_start``,
+``lossless``), and ``verdict`` (its lines: the settings whose paired interval against the matched control
 excludes 0 at T > 0; empty when none does).
 """
 
@@ -17,7 +21,7 @@ from typing import Any
 from exittrain.tables import paired_cell
 
 _SUMMARY_KEYS = ("domain", "steps", "warm_start", "prompts", "analytic_anchors", "rows", "verdict")
-_OPTIONAL_KEYS = ("budget_anchors", "oracle_prompts")
+_OPTIONAL_KEYS = ("budget_anchors", "oracle_prompts", "vllm")
 _ROW_KEYS = ("drafter", "budget", "temperature", "tau", "ci95", "vs_control", "vs_warm_start")
 
 
@@ -42,7 +46,8 @@ def experiment_lines(res: dict, json_link: str, cmd_link: str) -> list[str]:
     """Markdown of one experiment: the verdict, then per budget a drafter x temperature table."""
     sm = res["summary"]
     temps = sorted({r["temperature"] for r in sm["rows"]})
-    budgets = sorted({r["budget"] for r in sm["rows"]})
+    # the trees by budget, then the chain (what a serving engine verifies)
+    groups = sorted({(r.get("shape", "ddtree") == "chain", r["budget"]) for r in sm["rows"]})
     per_budget = sm.get("budget_anchors")
     anchors = (", ".join(f"{n} at B = {b}" for b, n in per_budget.items()) if per_budget
                else str(sm["analytic_anchors"]))
@@ -62,10 +67,11 @@ def experiment_lines(res: dict, json_link: str, cmd_link: str) -> list[str]:
         *(f"- {line}" for line in found),
         "",
     ]
-    for budget in budgets:
-        rows = [r for r in sm["rows"] if r["budget"] == budget]
+    for chain, budget in groups:
+        rows = [r for r in sm["rows"] if r["budget"] == budget and (r.get("shape", "ddtree") == "chain") == chain]
         head = ["drafter"] + [f"T = {t:g}: tau, vs control, vs warm start" for t in temps]
-        lines += [f"B = {budget}:", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+        title = f"The greedy chain of K = {budget} (what vLLM and SGLang verify):" if chain else f"B = {budget}:"
+        lines += [title, "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
         for name in dict.fromkeys(r["drafter"] for r in rows):
             cells = []
             for t in temps:
@@ -78,7 +84,24 @@ def experiment_lines(res: dict, json_link: str, cmd_link: str) -> list[str]:
             lines.append("| oracle bound (same budget and law) | "
                          + " | ".join(f"{oracle[t]:.3f}" if t in oracle else "-" for t in temps) + " |")
         lines.append("")
+    if sm.get("vllm"):
+        lines += vllm_lines(sm["vllm"])
     return lines
+
+
+def vllm_lines(vllm: dict) -> list[str]:
+    """vLLM's measured acceptance length of every drafter's DFlash export, paired against the arm's
+    control and the warm start on the same prompts."""
+    lines = [f"vLLM {vllm['vllm_version']}'s own acceptance length of each drafter's DFlash export (greedy, "
+             f"{vllm['prompts']} held-out prompts x up to {vllm['max_new_tokens']} tokens, 95% intervals "
+             "bootstrapping prompts):", "",
+             "| drafter | vLLM acceptance length | 95% CI | vs control | vs warm start | lossless |",
+             "|---|---|---|---|---|---|"]
+    for name, r in vllm["drafters"].items():
+        lines.append(f"| {name} | {r['tau']:.3f} | {r['ci95'][0]:.3f}-{r['ci95'][1]:.3f} | "
+                     f"{paired_cell(r.get('vs_control'))} | {paired_cell(r.get('vs_warm_start'))} | "
+                     f"{'yes' if r['lossless'] else 'NO'} |")
+    return [*lines, ""]
 
 
 def read_experiment(path: str | Path, read) -> dict:

@@ -183,6 +183,8 @@ def run_vllm(
     max_model_len: int = 2048,
     memory_fraction: float = 0.5,
     kv_cache_gib: float = 1.0,
+    per_prompt: bool = False,
+    plain: dict | None = None,
 ) -> dict:
     """vLLM's greedy decoding of ``prompts`` (token ids) twice, plain and with the DFlash drafter in
     ``drafter_dir``, each in a fresh ``vllm_python`` worker process (what ``fit``'s finish calls).
@@ -193,8 +195,15 @@ def run_vllm(
     two: ``equal`` is the check that speculation changed no output), ``acceptance``
     (:func:`~exittrain.serve.compare.acceptance_from_metrics`: ``mean_acceptance_length``),
     ``num_speculative_tokens`` and ``vllm_version``. Worker logs go to ``workdir``.
+
+    ``per_prompt``: both runs generate one prompt at a time (batches of one, so plain and
+    speculative decoding see the same batch shapes), and the result adds ``per_prompt`` (each
+    prompt's drafts and accepted tokens, :func:`~exittrain.serve.compare.per_prompt_counts`), from
+    which intervals and paired differences follow. ``plain``: the ``plain`` of an earlier call on
+    the same prompts, target and settings, reused instead of a second plain run (comparing several
+    drafters needs one).
     """
-    from exittrain.serve.compare import acceptance_from_metrics, compare_outputs
+    from exittrain.serve.compare import acceptance_from_metrics, compare_outputs, per_prompt_counts
     from exittrain.serve.dflash_reference import read_dflash_config
 
     python = Path(vllm_python)
@@ -212,10 +221,13 @@ def run_vllm(
     request = {
         "target": str(target_dir), "prompts": [list(p) for p in prompts], "max_tokens": int(max_tokens),
         "max_model_len": max_model_len, "memory_fraction": memory_fraction, "dtype": "float32",
-        "kv_cache_gib": kv_cache_gib or None,
+        "kv_cache_gib": kv_cache_gib or None, "per_prompt": bool(per_prompt),
     }
     workdir = Path(workdir)
-    plain = run_worker(str(python), {**request, "drafter": None}, workdir, "vllm_plain", timeout)
+    if plain is None:
+        plain = run_worker(str(python), {**request, "drafter": None}, workdir, "vllm_plain", timeout)
+    elif len(plain["outputs"]) != len(prompts):
+        raise ValueError(f"the reused plain run answered {len(plain['outputs'])} prompts, not these {len(prompts)}")
     spec = run_worker(
         str(python), {**request, "drafter": str(Path(drafter_dir).resolve()), "num_speculative_tokens": K},
         workdir, "vllm_dflash", timeout,
@@ -227,6 +239,7 @@ def run_vllm(
         "acceptance": acceptance_from_metrics(spec["metrics"]),
         "num_speculative_tokens": K,
         "vllm_version": spec["vllm_version"],
+        **({"per_prompt": per_prompt_counts(spec["metrics_after_prompt"])} if per_prompt else {}),
     }
 
 

@@ -14,9 +14,14 @@ greedy token (see :mod:`exittrain.serve.check`).
 
 from __future__ import annotations
 
+import math
+import random
 from collections.abc import Sequence
 
-__all__ = ["acceptance_from_metrics", "compare_outputs", "our_acceptance", "to_markdown"]
+__all__ = [
+    "acceptance_from_metrics", "acceptance_interval", "compare_outputs", "our_acceptance", "paired_acceptance",
+    "per_prompt_counts", "to_markdown",
+]
 
 DRAFTS = "vllm:spec_decode_num_drafts"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
@@ -28,14 +33,9 @@ def _base_name(name: str) -> str:
     return name.removesuffix("_total")
 
 
-def acceptance_from_metrics(metrics: Sequence[dict]) -> dict:
-    """vLLM's speculative-decoding counters from the worker's metric records, summed over labels.
-
-    Returns ``drafts``, ``accepted_tokens``, ``draft_tokens``, ``accepted_per_position`` (a list,
-    empty when vLLM did not report it) and ``mean_acceptance_length``. Raises ``ValueError``
-    when the draft counter is missing (vLLM ran without speculation or with
-    ``disable_log_stats=True``) or zero (nothing was drafted).
-    """
+def _counter_totals(metrics: Sequence[dict]) -> tuple[dict[str, float], list[int]]:
+    """The speculative counters of vLLM's metric records, summed over labels: ``(totals by base name,
+    accepted per position)``. ``ValueError`` names a malformed record."""
     totals: dict[str, float] = {}
     per_position: list[int] = []
     for i, record in enumerate(metrics):
@@ -50,6 +50,18 @@ def acceptance_from_metrics(metrics: Sequence[dict]) -> dict:
             if not isinstance(value, (int, float)):
                 raise ValueError(f"metric {record['name']!r} (record {i}) has no numeric value: {record!r}")
             totals[name] = totals.get(name, 0) + value
+    return totals, per_position
+
+
+def acceptance_from_metrics(metrics: Sequence[dict]) -> dict:
+    """vLLM's speculative-decoding counters from the worker's metric records, summed over labels.
+
+    Returns ``drafts``, ``accepted_tokens``, ``draft_tokens``, ``accepted_per_position`` (a list,
+    empty when vLLM did not report it) and ``mean_acceptance_length``. Raises ``ValueError``
+    when the draft counter is missing (vLLM ran without speculation or with
+    ``disable_log_stats=True``) or zero (nothing was drafted).
+    """
+    totals, per_position = _counter_totals(metrics)
     if DRAFTS not in totals:
         raise ValueError(
             f"vLLM reported no {DRAFTS!r}: the run had no speculative_config, or stats were off "
@@ -66,6 +78,71 @@ def acceptance_from_metrics(metrics: Sequence[dict]) -> dict:
         "accepted_per_position": per_position,
         "mean_acceptance_length": 1.0 + accepted / drafts,
     }
+
+
+def per_prompt_counts(snapshots: Sequence[Sequence[dict]]) -> list[dict]:
+    """Each prompt's ``{"drafts", "accepted_tokens"}`` from the cumulative metric records taken after
+    each prompt (the worker's ``metrics_after_prompt``): differences of consecutive snapshots. A
+    prompt answered by the prefill alone has 0 drafts. ``ValueError`` when a counter decreases
+    (snapshots out of order) or when no snapshot reports drafts (no speculation)."""
+    counts, before = [], (0, 0)
+    seen_drafts = False
+    for i, records in enumerate(snapshots):
+        totals, _ = _counter_totals(records)
+        seen_drafts |= DRAFTS in totals
+        now = (int(totals.get(DRAFTS, 0)), int(totals.get(ACCEPTED, 0)))
+        if now[0] < before[0] or now[1] < before[1]:
+            raise ValueError(f"vLLM's counters decrease at prompt {i} ({before} -> {now}): pass the snapshots in order")
+        counts.append({"drafts": now[0] - before[0], "accepted_tokens": now[1] - before[1]})
+        before = now
+    if snapshots and not seen_drafts:
+        raise ValueError(f"vLLM reported no {DRAFTS!r} after any prompt: the run had no speculative_config")
+    return counts
+
+
+def _pooled(counts: Sequence[dict]) -> float:
+    drafts = sum(c["drafts"] for c in counts)
+    return 1.0 + sum(c["accepted_tokens"] for c in counts) / drafts if drafts else float("nan")
+
+
+def _bootstrap(statistic, n: int, resamples: int, seed: int) -> list[float]:
+    """``statistic(indices)`` on ``resamples`` resamples of ``range(n)`` with replacement, sorted."""
+    rng = random.Random(seed)
+    values = [statistic([rng.randrange(n) for _ in range(n)]) for _ in range(resamples)]
+    return sorted(v for v in values if not math.isnan(v))
+
+
+def _interval(values: list[float]) -> list[float]:
+    if not values:
+        return [float("nan"), float("nan")]
+    return [values[int(0.025 * len(values))], values[min(len(values) - 1, int(0.975 * len(values)))]]
+
+
+def acceptance_interval(counts: Sequence[dict], resamples: int = 2000, seed: int = 0) -> dict:
+    """The pooled mean acceptance length ``1 + sum accepted / sum drafts`` of per-prompt ``counts``
+    and its 95% interval, resampling prompts with replacement (fixed seed): ``{"mean", "ci95",
+    "prompts", "drafts"}``."""
+    if not counts:
+        raise ValueError("no per-prompt counts: run vLLM with per_prompt=True on at least one prompt")
+    stats = _bootstrap(lambda idx: _pooled([counts[i] for i in idx]), len(counts), resamples, seed)
+    return {"mean": _pooled(counts), "ci95": _interval(stats), "prompts": len(counts),
+            "drafts": sum(c["drafts"] for c in counts)}
+
+
+def paired_acceptance(counts: Sequence[dict], reference: Sequence[dict], resamples: int = 2000,
+                      seed: int = 0) -> dict:
+    """``counts``' pooled acceptance length minus ``reference``'s on the same prompts, and its 95%
+    interval resampling the prompts jointly (paired): ``{"delta", "ci95"}``. ``ValueError`` when
+    the two cover different numbers of prompts."""
+    if len(counts) != len(reference) or not counts:
+        raise ValueError(f"paired acceptance needs the same prompts on both sides, got {len(counts)} and "
+                         f"{len(reference)} prompts")
+
+    def diff(idx: list[int]) -> float:
+        return _pooled([counts[i] for i in idx]) - _pooled([reference[i] for i in idx])
+
+    stats = _bootstrap(diff, len(counts), resamples, seed)
+    return {"delta": _pooled(counts) - _pooled(reference), "ci95": _interval(stats)}
 
 
 def compare_outputs(reference: Sequence[Sequence[int]], candidate: Sequence[Sequence[int]]) -> dict:

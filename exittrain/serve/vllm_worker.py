@@ -12,13 +12,16 @@ plain decoding), ``num_speculative_tokens`` (K, with a drafter), ``prompts`` (li
 ids), ``max_tokens``, ``max_model_len``, ``memory_fraction`` (vLLM's
 ``gpu_memory_utilization``: on a CPU the share of host memory it reserves),
 ``kv_cache_gib`` (optional: a fixed KV cache size, which then replaces that share's KV part),
-``dtype``.
+``dtype``, ``per_prompt`` (optional, default false: generate the prompts one at a time, each its
+own batch of one, and keep the metrics after each; the per-prompt acceptance counters are their
+differences).
 
 Result (JSON object): ``mode`` ("plain" or "dflash"), ``vllm_version``, ``startup_s`` (the
 ``LLM(...)`` constructor: load, warm-up, worker start), ``generate_s``, ``outputs`` (new token
 ids per prompt, EOS kept), ``finish_reasons`` and ``metrics`` (every sample of
 ``llm.get_metrics()``: ``name``, ``kind``, ``labels`` and ``value`` or ``values``), which the
-orchestrator parses.
+orchestrator parses; with ``per_prompt``, also ``metrics_after_prompt`` (the cumulative metric
+records after each prompt, in prompt order).
 
 Greedy only (temperature 0): the check compares outputs token for token. vLLM's offline engine
 starts worker processes, so the work runs under ``if __name__ == "__main__"``.
@@ -86,7 +89,16 @@ def run(request: dict) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"])
     prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in request["prompts"]]
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    snapshots = None
+    if request.get("per_prompt"):
+        # one prompt per call: vLLM's counters are cumulative, so a snapshot after each call gives
+        # that prompt's drafts and accepted tokens by difference
+        outputs, snapshots = [], []
+        for prompt in prompts:
+            outputs += llm.generate([prompt], params, use_tqdm=False)
+            snapshots.append([_metric_record(m) for m in llm.get_metrics()])
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     generate_s = time.perf_counter() - start
     return {
         "mode": "plain" if speculative is None else "dflash",
@@ -97,6 +109,7 @@ def run(request: dict) -> dict:
         "outputs": [list(o.outputs[0].token_ids) for o in outputs],
         "finish_reasons": [o.outputs[0].finish_reason for o in outputs],
         "metrics": [_metric_record(m) for m in llm.get_metrics()],
+        **({} if snapshots is None else {"metrics_after_prompt": snapshots}),
     }
 
 

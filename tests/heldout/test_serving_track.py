@@ -67,6 +67,8 @@ def test_table_shows_both_tracks_and_a_vllm_mismatch_loudly():
     assert "| 2.25 (7) |" in text and "| 2.41 |" in text and "MISMATCH" not in text
     table[2]["vllm"]["vllm_matches_plain"] = False
     assert "2.41 MISMATCH" in format_table(table)
+    table[2]["vllm"]["vllm_ci95"] = [2.2, 2.6]  # measured per prompt: its interval over prompts
+    assert "| 2.41 (2.20-2.60) MISMATCH |" in format_table(table)
     assert "chain tau" not in format_table([_row("warm_start")])  # no serving track: the old columns
 
 

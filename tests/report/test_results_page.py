@@ -211,6 +211,26 @@ def test_an_experiment_result_shows_its_verdict_and_paired_table(tmp_path):
         results_page.check_result(broken, "results/e.json")
 
 
+def test_an_experiment_on_the_chain_shows_the_chain_and_vllms_acceptance(tmp_path):
+    """Chain rows get their own table (K, not a budget), and vLLM's acceptance of each export its own."""
+    data = json.loads(_experiment_json(tmp_path, []).read_text())
+    data["rows"].append({"drafter": "exittrain-soft-flow-l1-chain-fresh", "budget": 7, "shape": "chain",
+                         "temperature": 0.0, "tau": 2.31, "ci95": [2.2, 2.4], "vs_warm_start": None,
+                         "vs_control": {"delta": 0.05, "ci95": [0.01, 0.09]}})
+    data["vllm"] = {"prompts": 16, "max_new_tokens": 64, "vllm_version": "0.32.0", "drafters": {
+        "exittrain-soft-flow-l1-chain-fresh": {"tau": 2.2, "ci95": [2.0, 2.4], "lossless": True, "K": 7,
+                                               "vs_control": {"delta": 0.04, "ci95": [0.0, 0.08]},
+                                               "vs_warm_start": None}}}
+    write_json(tmp_path / "chain.json", data)
+    res = results_page.summarize_experiment_json(tmp_path / "chain.json", name="e", command="c", commit="a",
+                                                 host=HOST, date="2026-12-01")
+    text = results_page.render_page([res], PAGE)
+    assert "The greedy chain of K = 7 (what vLLM and SGLang verify):" in text and "B = 7:" not in text
+    assert "| exittrain-soft-flow-l1-chain-fresh | 2.310; +0.050 (+0.010 to +0.090); - | - |" in text
+    assert "vLLM 0.32.0's own acceptance length" in text
+    assert "| exittrain-soft-flow-l1-chain-fresh | 2.200 | 2.000-2.400 | +0.040 (+0.000 to +0.080) | - | yes |" in text
+
+
 @pytest.mark.parametrize("breakage, message", [
     (lambda r: r.pop("command"), "missing key 'command'"),
     (lambda r: r.update(date="1 Dec 2026"), "is not YYYY-MM-DD"),

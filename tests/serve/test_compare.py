@@ -82,3 +82,41 @@ def test_markdown_shows_both_acceptance_lengths():
     assert "| vLLM DFlash | 4 | 2 | 1.500 |" in text
     assert "| ours: chain of K, exittrain's drafter | 4 | 2 | 1.500 |" in text
     assert "| vLLM DFlash vs vLLM plain | True | 1/1 | 2/2 |" in text
+
+
+def _snapshot(drafts, accepted):
+    """vLLM's cumulative counters after a prompt, split over two engines as the worker may report them."""
+    return [_counter("vllm:spec_decode_num_drafts", drafts - 1), _counter("vllm:spec_decode_num_drafts", 1, "1"),
+            _counter("vllm:spec_decode_num_accepted_tokens_total", accepted)]
+
+
+def test_per_prompt_counts_are_differences_of_cumulative_snapshots():
+    from exittrain.serve.compare import per_prompt_counts
+
+    counts = per_prompt_counts([_snapshot(4, 6), _snapshot(4, 6), _snapshot(10, 9)])
+    assert counts == [{"drafts": 4, "accepted_tokens": 6}, {"drafts": 0, "accepted_tokens": 0},
+                      {"drafts": 6, "accepted_tokens": 3}]
+    with pytest.raises(ValueError, match="decrease at prompt 1"):
+        per_prompt_counts([_snapshot(4, 6), _snapshot(3, 6)])
+    with pytest.raises(ValueError, match="no speculative_config"):
+        per_prompt_counts([[_counter("vllm:prompt_tokens", 5)]])
+
+
+def test_acceptance_interval_pools_prompts_and_pairs_them():
+    from exittrain.serve.compare import acceptance_interval, paired_acceptance
+
+    a = [{"drafts": 10, "accepted_tokens": 20}, {"drafts": 5, "accepted_tokens": 0}, {"drafts": 5, "accepted_tokens": 5}]
+    summary = acceptance_interval(a)
+    assert summary["mean"] == pytest.approx(1 + 25 / 20) and summary["drafts"] == 20 and summary["prompts"] == 3
+    low, high = summary["ci95"]
+    assert 1.0 <= low < summary["mean"] < high <= 3.0  # three unequal prompts: a real spread
+    same = paired_acceptance(a, a)
+    assert same == {"delta": 0.0, "ci95": [0.0, 0.0]}
+    # one more accepted token per draft on every prompt: +1 pooled, whatever the resample
+    b = [{"drafts": c["drafts"], "accepted_tokens": c["accepted_tokens"] + c["drafts"]} for c in a]
+    shifted = paired_acceptance(b, a)
+    assert shifted["delta"] == pytest.approx(1.0) and shifted["ci95"] == pytest.approx([1.0, 1.0])
+    with pytest.raises(ValueError, match="same prompts"):
+        paired_acceptance(a, a[:2])
+    with pytest.raises(ValueError, match="per_prompt=True"):
+        acceptance_interval([])
