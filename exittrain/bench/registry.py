@@ -1,4 +1,4 @@
-"""`python -m exittrain bench {core,decode,train,ablation,memory,regen,heldout,exittrain,vllm} [args]`: run one benchmark."""
+"""`python -m exittrain bench NAME [args]`: run one benchmark (NAME: a key of :data:`BENCHES`)."""
 
 from __future__ import annotations
 

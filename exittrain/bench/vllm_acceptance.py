@@ -57,7 +57,8 @@ def dflash_folder(path: str | Path, label: str, work: Path, target) -> Path:
                          "exittrain drafter (RUN_DIR/drafter)")
     exported = export_beside(load_drafter(path, target), work / label, target)
     if exported["path"] is None:
-        raise ValueError(f"{path}: the DFlash format cannot hold this drafter ({exported['why']}); vLLM cannot serve it")
+        raise ValueError(f"{path}: the DFlash format cannot hold this drafter ({exported['why']}); vLLM cannot "
+                         "serve it")
     return Path(exported["path"])
 
 
@@ -109,7 +110,8 @@ def run(args: argparse.Namespace) -> dict:
     labels = args.labels or [Path(d).parent.name + "/" + Path(d).name for d in args.drafters]
     if len(set(labels)) != len(labels):
         raise ValueError(f"two drafters share the label PARENT/FOLDER ({labels}); name them with --labels")
-    folders = {label: dflash_folder(d, label.replace("/", "_"), work, target) for label, d in zip(labels, args.drafters)}
+    folders = {label: dflash_folder(path, label.replace("/", "_"), work, target)
+               for label, path in zip(labels, args.drafters)}
     data = ExitTrainDataModule(args.domain, tokenizer=target.tokenizer, progress=False)
     prompts = data.eval_prompts(args.skip + args.prompts)[args.skip:]
     if not prompts:

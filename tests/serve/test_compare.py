@@ -105,7 +105,8 @@ def test_per_prompt_counts_are_differences_of_cumulative_snapshots():
 def test_acceptance_interval_pools_prompts_and_pairs_them():
     from exittrain.serve.compare import acceptance_interval, paired_acceptance
 
-    a = [{"drafts": 10, "accepted_tokens": 20}, {"drafts": 5, "accepted_tokens": 0}, {"drafts": 5, "accepted_tokens": 5}]
+    a = [{"drafts": 10, "accepted_tokens": 20}, {"drafts": 5, "accepted_tokens": 0},
+         {"drafts": 5, "accepted_tokens": 5}]
     summary = acceptance_interval(a)
     assert summary["mean"] == pytest.approx(1 + 25 / 20) and summary["drafts"] == 20 and summary["prompts"] == 3
     low, high = summary["ci95"]
