@@ -165,8 +165,8 @@ def vllm_track(vllm_python: str | os.PathLike, target_dir: str, drafter_dir: str
     (see :func:`exittrain.serve.check.run_vllm`, run one prompt at a time: ``vllm_per_prompt`` holds
     each prompt's drafts and accepted tokens, ``vllm_ci95`` the interval over prompts, and two
     drafters' tables on the same prompts pair with :func:`exittrain.serve.compare.paired_acceptance`).
-    ``max_model_len``: vLLM's context, at most the target's ``max_position_embeddings`` (vLLM refuses more). A mismatch of speculative and plain outputs is logged
-    as an error."""
+    ``max_model_len``: vLLM's context, at most the target's ``max_position_embeddings`` (vLLM refuses
+    more). A mismatch of speculative and plain outputs is logged as an error."""
     from exittrain.serve.check import run_vllm
     from exittrain.serve.compare import acceptance_interval
 
