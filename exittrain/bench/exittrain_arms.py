@@ -3,18 +3,32 @@
 ``python -m exittrain bench exittrain --warm-start RUN/warmstart_drafter [--steps 30] [--out results/exittrain]``
 (``make bench-exittrain``; hours on a 2-core CPU: run it in the background)
 
+Chain against tree ExitTrain under the serving profile (every arm trained as ``+serve=dflash``
+trains, from the warm start of a ``+serve=dflash`` fit: K = 7 draft tokens; the arm, not
+``tree.shape``, sets each arm's shape)::
+
+    python -m exittrain bench exittrain --warm-start RUN/warmstart_drafter --override +serve=dflash \\
+        --arms control-soft-fresh exittrain-soft-flow-l1-chain-fresh exittrain-soft-flow-l1-fresh --budgets 16 ...
+
 **The arms.** One warm start (a saved drafter, for example the ``warmstart_drafter`` of a
 default ``fit``; without ``--warm-start`` one is trained here with the recipe's pretrain stage).
 From it every arm runs the same ``--steps`` of one stage, with the same seed, so the same batches
 in the same order and the same anchors (the ExitTrain stage's lr and anchors per sequence):
 
 - ``control-<labels>-<rows>``: block CE only (full softmax), the matched control;
-- ``exittrain-<labels>-<weights>-l<lambda>[-B<budget>]-<rows>``: block CE + lambda x the node loss.
+- ``exittrain-<labels>-<weights>-l<lambda>[-B<budget>]-<rows>``: block CE + lambda x the node loss
+  on DDTree's best-first tree of the budget's nodes (16 without the suffix);
+- ``exittrain-<labels>-<weights>-l<lambda>-chain-<rows>``: the same on the drafter's greedy chain
+  of its K draft tokens (``tree_shape=chain``), the draft vLLM and SGLang verify.
 
 ``labels``: ``soft`` (the recipe's labels: the target's top-16 distribution) or ``hard`` (the
 answer token). ``rows``: ``fresh``, prompts the warm start never saw (``data.exclude_seed``: no
 task of the warm start's sample, in either prompt form; the reference recipe's structure), or
 ``own``, the warm start's own rows. The budget is the training tree's (``tree.budget_train``).
+Every arm passes its tree shape and budget to the stage's module, so an ``--override`` of
+``tree.shape`` (``+serve=dflash`` sets chain) changes no arm's shape; ``--override +serve=dflash``
+trains every arm under the serving profile's settings. The drafter (K included) is the warm
+start's: pass the ``warmstart_drafter`` of a ``+serve=dflash`` fit, or none to train one here under it.
 :data:`ARMS` lists the grid that runs; it is a cut of the full factorial, stated in its comments.
 
 **What each drafter reports** (the warm start included), on held-out prompts of the domain's
@@ -25,11 +39,23 @@ evaluation set (from ``--skip``, past the ones ``fit`` decodes), at every ``--bu
   under the target law warped to T, at ``--analytic-anchors`` seeded positions per answer of the
   target's own samples at T (the same anchors for every drafter; ``--budget-anchors`` takes the
   first n of them at each budget, since a tree of B nodes costs B + 1 target rows per anchor);
-- the oracle bound: the best-first tree of the same budget under the same law, at the same anchors
-  of the first ``--oracle-prompts`` prompts (it costs a few times a drafter tree's rows per anchor),
-  and each drafter's efficiency tau / tau_oracle on those prompts;
+- the chain (unless ``--no-chain``): the same two on the drafter's greedy chain of its K draft
+  tokens (the draft vLLM and SGLang verify: at T = 0 their acceptance length), at T > 0 at all
+  ``--analytic-anchors`` anchors (a chain costs K + 1 target rows per anchor); a row with
+  ``shape: chain`` and ``budget`` = K;
+- the oracle bound (trees only): the best-first tree of the same budget under the same law, at the same
+  anchors of the first ``--oracle-prompts`` prompts (it costs a few times a drafter tree's rows per
+  anchor), and each drafter's efficiency tau / tau_oracle on those prompts;
 - paired differences against the arm's matched control and against the warm start (mean over the
-  same anchors, 95% interval bootstrapping prompts), with the verdict per temperature.
+  same anchors, 95% interval bootstrapping prompts), with the verdict per shape, budget and
+  temperature (T = 0 included).
+
+**vLLM** (``--vllm``): every drafter is exported to the DFlash format (``<out>/vllm/<name>/``) and
+vLLM (``.venv-vllm``, or ``--vllm-python``) decodes the first ``--vllm-prompts`` held-out prompts
+greedily with it, one prompt at a time after one plain run: vLLM's own acceptance length, its
+interval over prompts, paired against the warm start and the matched control on the same prompts,
+and whether speculation left vLLM's outputs unchanged (:mod:`exittrain.bench.vllm_acceptance`). An
+arm whose interval against its control excludes 0 joins the verdict.
 
 Writes ``<out>/exittrain.json`` (everything; ``exittrain_partial.json``, rewritten after each
 temperature, while it runs), ``<out>/exittrain.md`` and ``<out>/exittrain_vs_control.png``, each
@@ -52,6 +78,7 @@ import torch
 
 from exittrain.bench.ablation import compose_fit_config, train_drafter
 from exittrain.build import build_datamodule
+from exittrain.core import TREE_SHAPES
 from exittrain.settings import module_overrides
 from exittrain.tables import markdown_table, paired_cell
 
@@ -60,13 +87,25 @@ PARTIAL = "exittrain_partial.json"
 
 @dataclass(frozen=True)
 class Arm:
-    """One arm: the stage it trains (``pretrain`` = block CE only) and what differs from the others."""
+    """One arm: the stage it trains (``pretrain`` = block CE only) and what differs from the others.
+
+    ``tree_shape``: the ExitTrain stage's training trees, ``ddtree`` (DDTree's best-first tree of
+    ``budget_train`` nodes) or ``chain`` (the drafter's greedy chain, the draft vLLM and SGLang
+    verify). A chain has one node per draft position: the module's chain takes ``min(budget_train,
+    K)`` nodes, so the default ``budget_train`` (16 >= K) trains on the whole chain of K nodes.
+    """
 
     labels: str = "soft"  # "soft" | "hard"
     rows: str = "fresh"  # "fresh" | "own"
     lambda_exit: float = 0.0  # 0: the block-CE control
     weight_type: str = "flow"
     budget_train: int = 16
+    tree_shape: str = "ddtree"  # "ddtree" | "chain"
+
+    def __post_init__(self) -> None:
+        if self.tree_shape not in TREE_SHAPES:
+            raise ValueError(f"Arm(tree_shape={self.tree_shape!r}): the training tree shape must be one of "
+                             f"{TREE_SHAPES}")
 
     @property
     def stage(self) -> str:
@@ -74,20 +113,27 @@ class Arm:
 
     @property
     def name(self) -> str:
+        """``control-<labels>-<rows>``, or ``exittrain-<labels>-<weights>-l<lambda>[-B<budget> | -chain]-<rows>``
+        (a chain's size is the drafter's K, not the budget: it gets no ``-B`` suffix)."""
         if self.stage == "pretrain":
             return f"control-{self.labels}-{self.rows}"
-        budget = "" if self.budget_train == 16 else f"-B{self.budget_train}"
-        return f"exittrain-{self.labels}-{self.weight_type}-l{self.lambda_exit:g}{budget}-{self.rows}"
+        if self.tree_shape == "chain":
+            tree = "-chain"
+        else:
+            tree = "" if self.budget_train == 16 else f"-B{self.budget_train}"
+        return f"exittrain-{self.labels}-{self.weight_type}-l{self.lambda_exit:g}{tree}-{self.rows}"
 
     @property
     def control(self) -> str:
-        """The name of the matched control: the same labels and rows, no node loss."""
+        """The name of the matched control: the same labels and rows, no node loss (and so no tree)."""
         return Arm(labels=self.labels, rows=self.rows).name
 
     def module_args(self) -> dict:
-        """What the arm changes in the stage's module arguments."""
+        """What the arm changes in the stage's module arguments. ``tree_shape`` and ``budget`` are always
+        passed, so an arm trains on its own shape whatever the config's ``tree.shape`` says (``+serve=dflash``
+        sets chain); a chain arm passes its ``budget_train`` too, of which the module's chain uses min(budget, K)."""
         args = {"soft_label_weight": 1.0 if self.labels == "soft" else 0.0, "vocab_sample": None,
-                "budget": self.budget_train}
+                "budget": self.budget_train, "tree_shape": self.tree_shape}
         if self.stage == "exittrain":
             args.update(lambda_exit=self.lambda_exit, weight_type=self.weight_type)
         else:
@@ -96,14 +142,17 @@ class Arm:
 
 
 # The grid that runs: a cut of the issue's factorial (2 labels x 2 lambdas x 2 weights x 2 rows x
-# 2 budgets = 32 ExitTrain arms) to the ones that answer its questions on a CPU: each label kind
-# at the reference's lambda 0.1 and at 1 (flow), the missing weights at 1, the training budget 32
-# once, and the warm start's own rows once against their own control (at lambda 1).
+# 2 budgets = 32 ExitTrain arms on DDTree's tree) to the ones that answer its questions on a CPU:
+# each label kind at the reference's lambda 0.1 and at 1 (flow), the missing weights at 1, the
+# training budget 32 once, the warm start's own rows once against their own control (at lambda 1),
+# and the chain once (soft, flow, lambda 1): the serving profile's stage against the tree's.
 ARMS = (
     Arm("soft"),
     Arm("hard"),
     Arm("soft", lambda_exit=0.1),
-    Arm("soft", lambda_exit=1.0),
+    Arm("soft", lambda_exit=1.0),  # tree ExitTrain (B = 16)
+    # chain ExitTrain: the stage `+serve=dflash` trains (the K-node chain vLLM and SGLang verify)
+    Arm("soft", lambda_exit=1.0, tree_shape="chain"),
     Arm("soft", lambda_exit=1.0, weight_type="missing"),
     Arm("hard", lambda_exit=0.1),  # the reference recipe: hard-label CE + 0.1 x flow
     Arm("hard", lambda_exit=1.0),
@@ -172,16 +221,75 @@ def train_arms(args, target, warm_path: Path) -> tuple[dict, dict]:
 MEASURE_SETTINGS = ("domain", "prompts", "skip", "max_new_tokens", "analytic_anchors", "budget_anchors", "seed")
 
 
-def measure(args, target, drafters: dict[str, Path], on_step=None) -> dict:
-    """Greedy, analytic and oracle tau of every drafter at every budget and temperature.
+def heldout_prompts(args, target) -> list[list[int]]:
+    """The held-out evaluation prompts every drafter is measured on: ``--skip .. --skip + --prompts``."""
+    from exittrain.data import ExitTrainDataModule
 
-    Each drafter's per-row values are kept under ``<out>/measured/`` (:class:`MeasureCache`, keyed
-    by the measuring settings and the drafter's weights): a rerun measures only the drafters,
-    budgets and temperatures it has not measured. ``on_step(measured)`` runs after each temperature.
+    data = ExitTrainDataModule(args.domain, tokenizer=target.tokenizer, progress=False)
+    return data.eval_prompts(args.skip + args.prompts)[args.skip:]
+
+
+def measure_in_vllm(args, target, drafters: dict[str, Path], warm_name: str) -> dict:
+    """vLLM's own acceptance length of every drafter's DFlash export (exported under ``<out>/vllm/``)
+    on the first ``--vllm-prompts`` held-out prompts, greedy, each paired against the warm start and
+    the arm's matched control on the same prompts (:func:`exittrain.bench.vllm_acceptance.measure_vllm`).
+
+    Returns the ``vllm`` block of the result: ``prompts``, ``max_new_tokens``, ``vllm_version`` and
+    ``drafters``: name -> ``tau``, ``ci95``, ``vs_warm_start``, ``vs_control``, ``lossless``, ``K``,
+    ``per_prompt``. A drafter the DFlash format cannot hold raises ``ValueError`` (the reason named).
+    """
+    from exittrain.bench.vllm_acceptance import dflash_folder, measure_vllm
+    from exittrain.heldout.serving_track import target_folder
+    from exittrain.serve.compare import paired_acceptance
+
+    work = Path(args.out) / "vllm"
+    folders = {name: dflash_folder(path, name.replace(" ", "_"), work, target) for name, path in drafters.items()}
+    prompts = heldout_prompts(args, target)[: args.vllm_prompts]
+    _log(f"vLLM: {len(folders)} DFlash exports on {len(prompts)} prompts, one worker each")
+    measured = measure_vllm(args.vllm_python, target_folder(target, None), folders, prompts,
+                            max_new_tokens=args.max_new_tokens, workdir=work)
+    per = measured["drafters"]
+    arms = {a.name: a for a in ARMS}
+    for name, r in per.items():
+        arm = arms.get(name)
+        control = arm.control if arm is not None and arm.stage == "exittrain" else None
+        r["vs_warm_start"] = None if name == warm_name else paired_acceptance(r["per_prompt"],
+                                                                              per[warm_name]["per_prompt"])
+        r["control"] = control if control in per else None
+        r["vs_control"] = paired_acceptance(r["per_prompt"], per[control]["per_prompt"]) if r["control"] else None
+        r.pop("vs_first", None)  # the warm start is first: vs_warm_start says the same
+    return {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+            "vllm_version": measured["vllm_version"], "drafters": per}
+
+
+def vllm_verdict(vllm: dict | None) -> list[str]:
+    """The arms whose vLLM acceptance length differs from their matched control's (paired interval
+    excluding 0), in :func:`verdict`'s words."""
+    lines = []
+    for name, r in (vllm or {}).get("drafters", {}).items():
+        pair = r.get("vs_control")
+        if pair is None:
+            continue
+        low, high = pair["ci95"]
+        if low > 0 or high < 0:
+            lines.append(f"{name} {'beats' if low > 0 else 'loses to'} {r['control']} in vLLM's measured "
+                         f"acceptance length: {pair['delta']:+.4f} ({low:+.4f} to {high:+.4f})")
+    return lines
+
+
+def measure(args, target, drafters: dict[str, Path], on_step=None) -> dict:
+    """Greedy, analytic and oracle tau of every drafter at every budget and temperature, and (unless
+    ``args.chain`` is False) on every drafter's greedy chain of K nodes.
+
+    Returns ``{"prompts", "K": the drafters' num_draft_tokens, "per_row": {drafter: {key: per-row
+    (A_r,) tensors}}, "oracle": {key: ...}}`` with keys ``<budget>/<T>`` (DDTree's tree of that
+    budget) and ``chain/<T>`` (the chain; no oracle). Each drafter's per-row values are kept under
+    ``<out>/measured/`` (:class:`MeasureCache`, keyed by the measuring settings and the drafter's
+    weights): a rerun measures only the keys it has not measured (a cache from before the chain
+    gets its chain keys). ``on_step(measured)`` runs after each temperature.
     """
     from exittrain.bench.heldout import greedy_block_lengths_by_budget
     from exittrain.bench.measure_cache import MeasureCache
-    from exittrain.data import ExitTrainDataModule
     from exittrain.heldout.measures import analytic_block_lengths, answer_rows, heldout_anchors, oracle_block_lengths
     from exittrain.models import load_drafter
 
@@ -189,16 +297,17 @@ def measure(args, target, drafters: dict[str, Path], on_step=None) -> dict:
     first = next(iter(loaded.values()))
     layers = list(first.config.target_layer_ids)
     K = first.config.num_draft_tokens
-    data = ExitTrainDataModule(args.domain, tokenizer=target.tokenizer, progress=False)
-    prompts = data.eval_prompts(args.skip + args.prompts)[args.skip:]
+    prompts = heldout_prompts(args, target)
     cache = MeasureCache(Path(args.out) / "measured", {k: getattr(args, k) for k in MEASURE_SETTINGS})
     oracle_name = f"oracle-{args.oracle_prompts}-prompts"
     per_row = {name: cache.load(name, drafters[name]) for name in loaded}
     oracle = cache.load(oracle_name)
-    measured = {"prompts": len(prompts), "per_row": per_row, "oracle": oracle}
+    measured = {"prompts": len(prompts), "K": K, "per_row": per_row, "oracle": oracle}
     for T in args.temperatures:
-        keys = {budget: f"{budget}/{T:g}" for budget in args.budgets}
-        todo = [name for name in loaded if any(k not in per_row[name] for k in keys.values())]
+        keys = {budget: f"{budget}/{T:g}" for budget in args.budgets}  # the oracle's keys too
+        chain_key = f"chain/{T:g}" if args.chain else None
+        wanted = [*keys.values(), *([chain_key] if chain_key else [])]
+        todo = [name for name in loaded if any(k not in per_row[name] for k in wanted)]
         if not todo and (T == 0 or all(k in oracle for k in keys.values())):
             _log(f"T={T:g}: every drafter measured before ({cache.folder})")
             continue
@@ -206,10 +315,12 @@ def measure(args, target, drafters: dict[str, Path], on_step=None) -> dict:
         rows = answer_rows(target, prompts, layers, args.max_new_tokens, 32, temperature=T, seed=args.seed)
         anchors = None if T == 0 else heldout_anchors(rows, K, args.analytic_anchors, args.seed)
         _log(f"T={T:g}: {len(rows)} answers ({time.perf_counter() - t0:.0f} s); measuring {len(todo)} drafters")
-        if T == 0:  # every answer position; one drafter pass per row serves every budget
+        if T == 0:  # every answer position; one drafter pass per row serves every budget and the chain
+            key_of = {**keys, "chain": chain_key}  # greedy's keys: the budgets and "chain"
             for name in todo:
-                greedy = greedy_block_lengths_by_budget(loaded[name], rows, layers, list(args.budgets))[0]
-                per_row[name].update({keys[b]: v for b, v in greedy.items()})
+                greedy = greedy_block_lengths_by_budget(loaded[name], rows, layers, list(args.budgets),
+                                                        chain=args.chain)[0]
+                per_row[name].update({key_of[b]: v for b, v in greedy.items()})
         else:
             for budget, per_answer in zip(args.budgets, args.budget_anchors):
                 key = keys[budget]
@@ -221,7 +332,14 @@ def measure(args, target, drafters: dict[str, Path], on_step=None) -> dict:
                     oracle[key] = oracle_block_lengths(target, rows[:n], mine[:n], budget, K, T)
                     cache.save(oracle_name, oracle)
                 for name in todo:
-                    per_row[name][key] = analytic_block_lengths(loaded[name], target, rows, layers, mine, budget, T)
+                    if key not in per_row[name]:
+                        per_row[name][key] = analytic_block_lengths(loaded[name], target, rows, layers, mine,
+                                                                    budget, T)
+            # the chain at every anchor: it costs K + 1 target rows per anchor, fewer than a tree of B = 16
+            for name in todo if chain_key else ():
+                if chain_key not in per_row[name]:
+                    per_row[name][chain_key] = analytic_block_lengths(loaded[name], target, rows, layers, anchors,
+                                                                      K, T, shape="chain")
         for name in todo:
             cache.save(name, per_row[name], drafters[name])
         _log(f"T={T:g}: {len(todo)} drafters measured ({time.perf_counter() - t0:.0f} s)")
@@ -230,8 +348,24 @@ def measure(args, target, drafters: dict[str, Path], on_step=None) -> dict:
     return measured
 
 
+def _parse_key(key: str, K: int | None) -> tuple[str, int, float]:
+    """A per-row key as ``(shape, budget, temperature)``: ``<budget>/<T>`` is DDTree's tree of that
+    budget, ``chain/<T>`` the greedy chain, whose budget is its K nodes (``measured["K"]``)."""
+    size, T = key.split("/")
+    if size != "chain":
+        return "ddtree", int(size), float(T)
+    if K is None:
+        raise ValueError(f"measured holds {key!r} but no 'K' (the drafters' num_draft_tokens, the chain's nodes)")
+    return "chain", int(K), float(T)
+
+
 def compare(measured: dict, warm_name: str) -> list[dict]:
-    """One row per (drafter, budget, temperature): tau, its interval, and the paired differences."""
+    """One row per (drafter, shape, budget, temperature): tau, its interval, and the paired differences.
+
+    ``shape`` is ``ddtree`` (``budget`` = the tree's nodes) or ``chain`` (``budget`` = K); both are
+    paired against the warm start and the matched control at the same key. The oracle (and the
+    efficiency) is DDTree's bound: ddtree rows only.
+    """
     from exittrain.heldout.decode_eval import bootstrap_ci
     from exittrain.heldout.measures import paired_difference
 
@@ -240,17 +374,19 @@ def compare(measured: dict, warm_name: str) -> list[dict]:
     out = []
     for name, by_key in per_row.items():
         for key, values in by_key.items():
-            budget, T = key.split("/")
+            shape, budget, T = _parse_key(key, measured.get("K"))
             flat = torch.cat(values)
-            row = {"drafter": name, "budget": int(budget), "temperature": float(T), "tau": float(flat.mean()),
+            row = {"drafter": name, "shape": shape, "budget": budget, "temperature": T, "tau": float(flat.mean()),
                    "ci95": list(bootstrap_ci([v.tolist() for v in values])), "anchors": int(flat.numel()),
-                   "vs_warm_start": None if name == warm_name else paired_difference(values, per_row[warm_name][key]),
+                   "vs_warm_start": None if name == warm_name or key not in per_row[warm_name]
+                   else paired_difference(values, per_row[warm_name][key]),
                    "vs_control": None}
             arm = arms.get(name)
-            if arm is not None and arm.stage == "exittrain" and arm.control in per_row:
+            # a key the other lacks (a cache from a --no-chain run beside one with the chain): unpaired
+            if arm is not None and arm.stage == "exittrain" and key in per_row.get(arm.control, {}):
                 row["control"] = arm.control
                 row["vs_control"] = paired_difference(values, per_row[arm.control][key])
-            if key in oracle:  # on the oracle's prompts (the first ones), so is the efficiency
+            if shape == "ddtree" and key in oracle:  # on the oracle's prompts (the first ones), so is the efficiency
                 n = len(oracle[key])
                 tau_oracle = float(torch.cat(oracle[key]).mean())
                 row["tau_oracle"], row["oracle_prompts"] = tau_oracle, n
@@ -262,29 +398,45 @@ def compare(measured: dict, warm_name: str) -> list[dict]:
 NEGLIGIBLE = 0.005  # tokens per round (~0.2% of tau here): an interval can exclude 0 and still mean nothing
 
 
+def _setting(r: dict) -> str:
+    """Where a row was measured, in words: ``at B = 16, T = 0.6`` or ``on the chain of K = 7 at T = 0.6``."""
+    if r.get("shape", "ddtree") == "chain":  # rows of results from before the chain have no shape
+        return f"on the chain of K = {r['budget']} at T = {r['temperature']:g}"
+    return f"at B = {r['budget']}, T = {r['temperature']:g}"
+
+
 def verdict(rows: list[dict]) -> list[str]:
-    """The settings whose paired interval against their matched control excludes 0, per sign, at T > 0;
-    a difference under :data:`NEGLIGIBLE` says so (a tiny lambda moves few trees, by little, consistently)."""
+    """The settings whose paired interval against their matched control excludes 0, per sign, at every
+    temperature, T = 0 included (the greedy tau at every answer position; on the chain it is the
+    acceptance length vLLM's T = 0 decoding sees), for both shapes; a difference under
+    :data:`NEGLIGIBLE` says so (a tiny lambda moves few trees, by little, consistently)."""
     lines = []
     for r in rows:
         pair = r.get("vs_control")
-        if pair is None or r["temperature"] == 0:
+        if pair is None:
             continue
         low, high = pair["ci95"]
         if low > 0 or high < 0:
             word = "beats" if low > 0 else "loses to"
             size = f" (under {NEGLIGIBLE} tokens per round: negligible)" if abs(pair["delta"]) < NEGLIGIBLE else ""
-            lines.append(f"{r['drafter']} {word} {r['control']} at B = {r['budget']}, T = {r['temperature']:g}: "
+            lines.append(f"{r['drafter']} {word} {r['control']} {_setting(r)}: "
                          f"{pair['delta']:+.4f} ({low:+.4f} to {high:+.4f}){size}")  # 4 places: some are tiny
     return lines
 
 
+def _sort_key(r: dict) -> tuple:
+    """Tree rows by budget and temperature, then the chain rows together."""
+    return r.get("shape", "ddtree") == "chain", r["budget"], r["temperature"]
+
+
 def to_markdown(result: dict) -> str:
-    rows = sorted(result["rows"], key=lambda r: (r["budget"], r["temperature"]))
+    """The report: one table row per (drafter, shape, budget, T), the chain's B cell reading ``chain K=7``."""
+    rows = sorted(result["rows"], key=_sort_key)
     header = ["drafter", "B", "T", "tau", "95% CI", "vs matched control (paired)", "vs warm start (paired)",
               "tau_oracle", "tau / oracle"]
     body = (
-        [r["drafter"], r["budget"], f"{r['temperature']:g}", f"{r['tau']:.3f}",
+        [r["drafter"], f"chain K={r['budget']}" if r.get("shape") == "chain" else r["budget"],
+         f"{r['temperature']:g}", f"{r['tau']:.3f}",
          f"{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}", paired_cell(r["vs_control"]), paired_cell(r["vs_warm_start"]),
          f"{r['tau_oracle']:.2f}" if "tau_oracle" in r else "-",
          f"{r['efficiency']:.2f}" if "efficiency" in r else "-"]
@@ -293,46 +445,53 @@ def to_markdown(result: dict) -> str:
     train = [[name, f"{t.get('train_s', 0):.0f}", f"{t.get('s_per_step', 0):.1f}"]
              for name, t in result["train"].items() if not t.get("reused")]
     found = result["verdict"] or ["none: no ExitTrain setting's paired interval against its matched control "
-                                  "excludes 0 at T > 0"]
+                                  "excludes 0"]
     lines = [
         f"{result['domain']}: {result['steps']} steps per arm from {result['warm_start']}; held out: "
         f"{result['prompts']} evaluation prompts (from #{result['skip']}), up to {result['max_new_tokens']} new "
         f"tokens; T = 0 is the greedy block length at every answer position, T > 0 the analytic (expected TEV) "
         f"block length at seeded positions of the target's samples at T (per answer, by budget: "
-        f"{result.get('budget_anchors') or result['analytic_anchors']}). The oracle bound and tau / oracle: the "
-        f"first {result.get('oracle_prompts', result['prompts'])} prompts.",
+        f"{result.get('budget_anchors') or result['analytic_anchors']}). B = chain K=k: the drafter's greedy "
+        f"chain of its k draft tokens (what vLLM and SGLang verify), at every anchor. The oracle bound and "
+        f"tau / oracle (trees only): the first {result.get('oracle_prompts', result['prompts'])} prompts.",
         "",
         *markdown_table(header, body),
         "",
-        "Settings whose interval against the matched control excludes 0 (T > 0):",
+        "Settings whose interval against the matched control excludes 0 (every T, greedy T = 0 included):",
         "",
         *(f"- {line}" for line in found),
         "",
         *markdown_table(["arm", "train s", "s / step"], train),
     ]
+    if result.get("vllm"):
+        from exittrain.report.experiment_page import vllm_lines
+
+        lines += ["", *vllm_lines(result["vllm"])]
     return "\n".join(lines) + "\n"
 
 
 def plot(result: dict, path: Path) -> None:
-    """Forest plot: each ExitTrain arm's paired difference from its control, per (B, T)."""
+    """Forest plot: each ExitTrain arm's paired difference from its control, one panel per (B, T) of the
+    trees, then one per T of the chain."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [r for r in result["rows"] if r.get("vs_control")]
-    keys = sorted({(r["budget"], r["temperature"]) for r in rows})
+    keys = sorted({_sort_key(r) for r in rows})  # (is chain, budget, T): a panel each
     names = sorted({r["drafter"] for r in rows})
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 0.5 * len(names) + 1.5), sharey=True, squeeze=False)
-    for ax, (budget, T) in zip(axes[0], keys):
+    for ax, key in zip(axes[0], keys):
+        panel = [r for r in rows if _sort_key(r) == key]
         for y, name in enumerate(names):
-            r = next((r for r in rows if r["drafter"] == name and (r["budget"], r["temperature"]) == (budget, T)), None)
+            r = next((r for r in panel if r["drafter"] == name), None)
             if r is None:
                 continue
             d, (lo, hi) = r["vs_control"]["delta"], r["vs_control"]["ci95"]
             ax.errorbar(d, y, xerr=[[d - lo], [hi - d]], fmt="o", color="C0" if lo <= 0 <= hi else "C3", capsize=3)
         ax.axvline(0, color="grey", lw=1)
-        ax.set_title(f"B = {budget}, T = {T:g}")
+        ax.set_title(f"chain K = {key[1]}, T = {key[2]:g}" if key[0] else f"B = {key[1]}, T = {key[2]:g}")
         ax.set_xlabel("tau - matched control")
     axes[0][0].set_yticks(range(len(names)), names)
     fig.tight_layout()
@@ -362,7 +521,7 @@ def run(args) -> dict:
     train_s = time.perf_counter() - t0
     drafters = {"warm start": warm_path, **paths}
 
-    def result_of(measured: dict) -> dict:
+    def result_of(measured: dict, vllm: dict | None = None) -> dict:
         rows = compare(measured, "warm start")
         return {
             "domain": args.domain, "warm_start": str(warm_path), "steps": args.steps,
@@ -370,16 +529,20 @@ def run(args) -> dict:
             "analytic_anchors": args.analytic_anchors,
             "budget_anchors": dict(zip(map(str, args.budgets), args.budget_anchors)),
             "oracle_prompts": args.oracle_prompts, "budgets": list(args.budgets),
+            "chain": args.chain, "num_draft_tokens": measured["K"],
             "temperatures": list(args.temperatures), "overrides": list(args.override),
             "arms": [{"name": a.name, "control": a.control, **asdict(a)} for a in selected_arms(args)],
-            "train": train, "rows": rows, "verdict": verdict(rows), "host": host_info(),
+            "train": train, "rows": rows, "verdict": verdict(rows) + vllm_verdict(vllm), "host": host_info(),
             "wall_s": {"train": train_s, "measure": time.perf_counter() - t0 - train_s},
+            **({"vllm": vllm} if vllm else {}),
         }
 
     def write_partial(measured: dict) -> None:  # what is measured so far, readable while it runs
         write_json_atomic(out / PARTIAL, result_of(measured))
 
-    result = result_of(measure(args, target, drafters, on_step=write_partial))
+    measured = measure(args, target, drafters, on_step=write_partial)
+    vllm = measure_in_vllm(args, target, drafters, "warm start") if args.vllm else None
+    result = result_of(measured, vllm)
     write_json_atomic(out / "exittrain.json", result)
     (out / PARTIAL).unlink(missing_ok=True)
     (out / "exittrain.md").write_text(to_markdown(result))
@@ -420,15 +583,22 @@ def parse_args(argv=None):
     parser.add_argument("--budget-anchors", type=int, nargs="+", default=None,
                         help="anchors per answer at each budget (<= --analytic-anchors; default: all of them)")
     parser.add_argument("--oracle-prompts", type=int, default=8, help="prompts the oracle bound is measured on")
+    parser.add_argument("--no-chain", dest="chain", action="store_false",
+                        help="skip the measure of every drafter's greedy chain of K nodes (default: measured)")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.6, 1.0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--override", action="append", default=[], help="a Hydra override of the fit config")
     parser.add_argument("--arms", nargs="+", choices=[a.name for a in ARMS], help="run only these arms (default all)")
+    parser.add_argument("--vllm", action="store_true",
+                        help="also measure vLLM's own acceptance length of every drafter's DFlash export (greedy)")
+    parser.add_argument("--vllm-prompts", type=int, default=16, help="held-out prompts vLLM decodes (the first ones)")
+    parser.add_argument("--vllm-python", default=None,
+                        help="the vLLM interpreter (default: $EXITTRAIN_VLLM_PYTHON, else .venv-vllm/bin/python)")
     parser.add_argument("--resume", action="store_true",
                         help="reuse the warm start and the arms already saved under --out")
     parser.add_argument("--out", default="results/exittrain")
     args = parser.parse_args(argv)
-    for key in ("steps", "fresh_prompts", "prompts", "analytic_anchors", "oracle_prompts"):
+    for key in ("steps", "fresh_prompts", "prompts", "analytic_anchors", "oracle_prompts", "vllm_prompts"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be >= 1")
     if args.budget_anchors is None:
@@ -442,6 +612,13 @@ def parse_args(argv=None):
     if args.warm_start is not None and not (Path(args.warm_start) / "config.json").is_file():
         parser.error(f"--warm-start {args.warm_start} is not a saved drafter folder (no config.json): pass "
                      "RUN_DIR/warmstart_drafter of a fit, or omit it to train one here")
+    if args.vllm:
+        from exittrain.heldout.serving_track import default_vllm_python
+
+        args.vllm_python = args.vllm_python or default_vllm_python()
+        if not Path(args.vllm_python).is_file():
+            parser.error(f"--vllm needs vLLM's interpreter, and {args.vllm_python} is none: build it with "
+                         "`make vllm-setup` or pass --vllm-python")
     return args
 
 

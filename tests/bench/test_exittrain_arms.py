@@ -6,6 +6,7 @@ Training and measuring run on the real target in the slow test below and in ``ma
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -28,6 +29,21 @@ def test_every_exittrain_arm_has_its_matched_control_in_the_grid():
     hard = bx.Arm("hard", lambda_exit=0.1)
     assert hard.module_args()["soft_label_weight"] == 0.0 and hard.name == "exittrain-hard-flow-l0.1-fresh"
     assert bx.Arm(budget_train=32, lambda_exit=1.0).name.endswith("-B32-fresh")
+
+
+def test_the_chain_arm_trains_on_its_shape_against_the_same_control():
+    chain = next(a for a in bx.ARMS if a.tree_shape == "chain")
+    assert chain.name == "exittrain-soft-flow-l1-chain-fresh"
+    assert chain.control == "control-soft-fresh"
+    # the shape is passed whatever tree.shape says, for both shapes; the chain keeps budget_train (min(B, K) nodes)
+    assert chain.module_args()["tree_shape"] == "chain" and chain.module_args()["budget"] == 16
+    tree = bx.Arm("soft", lambda_exit=1.0)
+    assert tree.name == "exittrain-soft-flow-l1-fresh" and tree.module_args()["tree_shape"] == "ddtree"
+    assert bx.Arm().module_args()["tree_shape"] == "ddtree"  # the control: passed, unused (no node loss)
+    # the chain's size is K, not the budget: no -B suffix at any budget
+    assert bx.Arm(lambda_exit=1.0, budget_train=32, tree_shape="chain").name == "exittrain-soft-flow-l1-chain-fresh"
+    with pytest.raises(ValueError, match="ddtree"):
+        bx.Arm(lambda_exit=1.0, tree_shape="tree")
 
 
 def _measured(shift: float, noise: float, prompts: int = 12, anchors: int = 20) -> dict:
@@ -60,6 +76,52 @@ def test_compare_pairs_each_arm_with_its_control_and_the_verdict_reads_the_inter
     assert len(tiny) == 1 and "beats" in tiny[0] and "negligible" in tiny[0]
 
 
+def _chain_measured(shift: float, prompts: int = 12, anchors: int = 20) -> dict:
+    """Chain entries at T = 0 and 0.6 (the chain arm adds ``shift`` over the control) beside one tree entry."""
+    g = torch.Generator().manual_seed(1)
+    out = {"per_row": {}, "oracle": {"16/0.6": [torch.full((anchors,), 5.0) for _ in range(prompts)]}, "K": 7}
+    base = {key: [1.0 + torch.rand(anchors, generator=g) for _ in range(prompts)]
+            for key in ("chain/0", "chain/0.6", "16/0.6")}
+    out["per_row"]["warm start"] = base
+    out["per_row"]["control-soft-fresh"] = {k: [v + 0.05 for v in vs] for k, vs in base.items()}
+    out["per_row"]["exittrain-soft-flow-l1-chain-fresh"] = {
+        k: [v + 0.05 + (shift if k.startswith("chain") else 0.0) + 0.01 * torch.randn(anchors, generator=g)
+            for v in vs] for k, vs in base.items()}
+    return out
+
+
+def test_compare_pairs_the_chain_with_its_control_at_every_temperature():
+    rows = bx.compare(_chain_measured(shift=0.3), "warm start")
+    chain = [r for r in rows if r["shape"] == "chain"]
+    assert len(chain) == 3 * 2 and {r["budget"] for r in chain} == {7}  # 3 drafters x T = 0, 0.6; budget = K
+    arm = {r["temperature"]: r for r in chain if r["drafter"] == "exittrain-soft-flow-l1-chain-fresh"}
+    assert set(arm) == {0.0, 0.6}
+    for r in arm.values():
+        assert r["control"] == "control-soft-fresh"
+        assert r["vs_control"]["delta"] == pytest.approx(0.3, abs=0.02)
+        assert r["vs_warm_start"]["delta"] == pytest.approx(0.35, abs=0.02)
+        assert "tau_oracle" not in r and "efficiency" not in r  # the oracle bounds trees only
+    tree = next(r for r in rows if r["drafter"] == "exittrain-soft-flow-l1-chain-fresh" and r["shape"] == "ddtree")
+    assert tree["budget"] == 16 and tree["tau_oracle"] == 5.0
+    lines = bx.verdict(rows)  # the chain beats its control at T = 0 and 0.6; the tree entry does not move
+    assert len(lines) == 2 and all("on the chain of K = 7" in line and "beats control-soft-fresh" in line
+                                   for line in lines)
+    assert any("at T = 0:" in line for line in lines) and any("at T = 0.6:" in line for line in lines)
+    md = bx.to_markdown({"domain": "code", "warm_start": "W", "steps": 3, "prompts": 12, "skip": 16,
+                         "max_new_tokens": 8, "analytic_anchors": 20, "rows": rows, "verdict": lines, "train": {}})
+    table = [line for line in md.splitlines() if line.startswith(("| warm start", "| control-", "| exittrain-"))]
+    shapes = ["chain K=7" in line for line in table]
+    assert shapes == sorted(shapes) and sum(shapes) == 6  # the chain rows together, after the trees
+    # a control measured without the chain (--no-chain, cached): the arm's chain rows stand unpaired
+    partial = _chain_measured(shift=0.3)
+    partial["per_row"]["control-soft-fresh"] = {"16/0.6": partial["per_row"]["control-soft-fresh"]["16/0.6"]}
+    unpaired = [r for r in bx.compare(partial, "warm start") if r["drafter"] == "exittrain-soft-flow-l1-chain-fresh"]
+    assert [(r["shape"], r["vs_control"] is None) for r in unpaired] == [("chain", True), ("chain", True),
+                                                                         ("ddtree", False)]
+    with pytest.raises(ValueError, match="'K'"):
+        bx.compare({k: v for k, v in _chain_measured(shift=0.3).items() if k != "K"}, "warm start")
+
+
 def test_the_report_states_the_verdict_and_plots(tmp_path):
     rows = bx.compare(_measured(shift=0.0, noise=0.3), "warm start")
     result = {"domain": "code", "warm_start": "W", "steps": 3, "prompts": 12, "skip": 16, "max_new_tokens": 8,
@@ -69,6 +131,9 @@ def test_the_report_states_the_verdict_and_plots(tmp_path):
     assert "none: no ExitTrain setting" in md and "control-soft-fresh" in md
     bx.plot(result, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
+    chain_rows = bx.compare(_chain_measured(shift=0.3), "warm start")
+    bx.plot({**result, "rows": chain_rows}, tmp_path / "c.png")  # a panel per (B, T) of the tree, per T of the chain
+    assert (tmp_path / "c.png").stat().st_size > 1000
 
 
 def test_bad_arguments_name_the_option(tmp_path):
@@ -83,6 +148,46 @@ def test_bad_arguments_name_the_option(tmp_path):
     with pytest.raises(SystemExit):
         bx.parse_args(["--analytic-anchors", "2", "--budget-anchors", "3", "1"])
     assert bx.parse_args(["--analytic-anchors", "4"]).budget_anchors == [4, 4]
+    assert bx.parse_args([]).chain is True and bx.parse_args(["--no-chain"]).chain is False
+
+
+def test_vllm_pairs_each_arm_with_its_control_and_the_warm_start_on_the_same_prompts(tmp_path, monkeypatch, capsys):
+    """vLLM's per-prompt counts (vLLM itself runs in tests/bench/test_vllm_acceptance.py): each arm is
+    paired with its matched control and the warm start; an interval off 0 joins the verdict."""
+    import exittrain.bench.vllm_acceptance as va
+
+    chain = "exittrain-soft-flow-l1-chain-fresh"
+    counts = {"warm start": [(10, 5), (10, 8), (10, 2)], "control-soft-fresh": [(10, 6), (10, 8), (10, 3)],
+              chain: [(10, 9), (10, 12), (10, 6)]}  # (drafts, accepted) per prompt: the chain +0.33 on each
+
+    def fake_measure(python, target_dir, folders, prompts, **kw):
+        assert list(folders) == list(counts) and len(prompts) == 3
+        return {"vllm_version": "0.32.0", "drafters": {name: {
+            "tau": 0.0, "ci95": [0.0, 0.0], "vs_first": None, "K": 7, "lossless": True,
+            "per_prompt": [{"drafts": d, "accepted_tokens": a} for d, a in counts[name]]} for name in folders}}
+
+    monkeypatch.setattr(va, "measure_vllm", fake_measure)
+    monkeypatch.setattr(va, "dflash_folder", lambda path, label, work, target: path)
+    monkeypatch.setattr(bx, "heldout_prompts", lambda args, target: [[1], [2], [3], [4]])
+    monkeypatch.setattr("exittrain.heldout.serving_track.target_folder", lambda target, name: "T")
+    args = bx.parse_args(["--out", str(tmp_path), "--vllm-prompts", "3"])
+    args.vllm_python = "python"
+    vllm = bx.measure_in_vllm(args, None, {name: tmp_path / name for name in counts}, "warm start")
+    per = vllm["drafters"]
+    assert per["warm start"]["vs_warm_start"] is None and per["warm start"]["vs_control"] is None
+    assert per[chain]["control"] == "control-soft-fresh"
+    assert per[chain]["vs_control"]["delta"] == pytest.approx(1.0 / 3.0)  # (27 - 17) / 30 accepted per draft
+    assert per[chain]["vs_warm_start"]["delta"] == pytest.approx(0.4)
+    lines = bx.vllm_verdict(vllm)
+    assert lines == [f"{chain} beats control-soft-fresh in vLLM's measured acceptance length: +0.3333 "
+                     f"({per[chain]['vs_control']['ci95'][0]:+.4f} to {per[chain]['vs_control']['ci95'][1]:+.4f})"]
+    assert per[chain]["vs_control"]["ci95"][0] > 0  # every prompt gains: the interval excludes 0
+    result = {"domain": "code", "warm_start": "W", "steps": 3, "prompts": 3, "skip": 16, "max_new_tokens": 8,
+              "analytic_anchors": 2, "rows": [], "verdict": lines, "train": {}, "vllm": vllm}
+    assert "vLLM 0.32.0's own acceptance length" in bx.to_markdown(result)
+    with pytest.raises(SystemExit):
+        bx.parse_args(["--vllm", "--vllm-python", str(tmp_path / "none")])
+    assert "make vllm-setup" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -92,15 +197,23 @@ def test_the_experiment_runs_end_to_end_on_the_embedded_target(tmp_path, monkeyp
         "--steps", "2", "--fresh-prompts", "8", "--prompts", "2", "--max-new-tokens", "12",
         "--analytic-anchors", "2", "--budgets", "4", "3", "--budget-anchors", "2", "1", "--oracle-prompts", "1",
         "--temperatures", "0", "1",
-        "--arms", "control-soft-fresh", "exittrain-soft-flow-l1-fresh",
+        "--arms", "control-soft-fresh", "exittrain-soft-flow-l1-fresh", "exittrain-soft-flow-l1-chain-fresh",
         "--override", "debug=smoke", "--override", "stages.pretrain.max_steps=2", "--out", str(tmp_path / "out"),
     ])
     result = bx.run(args)
     saved = json.loads((tmp_path / "out" / "exittrain.json").read_text())
     assert saved["verdict"] == result["verdict"]
     names = {r["drafter"] for r in saved["rows"]}
-    assert names == {"warm start", "control-soft-fresh", "exittrain-soft-flow-l1-fresh"}
-    analytic = [r for r in saved["rows"] if r["temperature"] == 1.0]
+    assert names == {"warm start", "control-soft-fresh", "exittrain-soft-flow-l1-fresh",
+                     "exittrain-soft-flow-l1-chain-fresh"}
+    chain = [r for r in saved["rows"] if r["shape"] == "chain"]
+    K = saved["num_draft_tokens"]
+    assert {(r["drafter"], r["temperature"]) for r in chain} == {(n, T) for n in names for T in (0.0, 1.0)}
+    for r in chain:  # a chain of K nodes: a block of at least the bonus, at most 1 + K; every anchor at T > 0
+        assert r["budget"] == K and 1.0 <= r["tau"] <= 1 + K and math.isfinite(r["tau"])
+        assert r["temperature"] == 0 or r["anchors"] == 2 * 2
+    assert all(r["vs_control"] is not None for r in chain if r["drafter"].startswith("exittrain-"))
+    analytic = [r for r in saved["rows"] if r["temperature"] == 1.0 and r["shape"] == "ddtree"]
     for r in analytic:  # a block of a budget-B tree: at least the bonus, at most 1 + B; the oracle bounds it
         assert 1.0 <= r["tau"] <= 1 + r["budget"] and r["efficiency"] <= 1 + 1e-6 and r["oracle_prompts"] == 1
     arm = {r["budget"]: r for r in analytic if r["drafter"] == "exittrain-soft-flow-l1-fresh"}
