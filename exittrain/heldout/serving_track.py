@@ -17,10 +17,11 @@ recipe's budget. For every drafter row of the table this module adds:
 
 ``+serve=dflash`` (conf/serve/dflash.yaml) is checked by :func:`check_serve_config`.
 
-**Limits.** Greedy only (vLLM's comparison is token for token). Our chain decoder counts the
-prefill's round like any other; vLLM emits its first token from the prefill without a draft, so
-the two acceptance lengths are over slightly different rounds (the serving check,
-:mod:`exittrain.serve.check`, aligns them exactly; this table does not).
+**Limits.** Greedy only (vLLM's comparison is token for token). vLLM emits its first token from
+the prefill without a draft; the chain track does the same (the target's first greedy token, then
+rounds from the prompt plus that token: :func:`exittrain.serve.chain.decode_after_prefill`), so
+both count the same rounds. vLLM's target runs its own CPU kernels: a near tie can still resolve
+differently, and the two acceptance lengths then differ a little.
 """
 
 from __future__ import annotations
@@ -112,22 +113,27 @@ def chain_rows(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tok
     ``ar_cache``: the tree track's autoregressive baselines, keyed ``(temperature, prompt index)``
     (:func:`~exittrain.heldout.decode_eval.evaluate_prompts`), reused and filled at T = 0."""
     from exittrain.decoding import autoregressive_generate
-    from exittrain.serve.chain import ChainDecoder
+    from exittrain.serve.chain import ChainDecoder, decode_after_prefill
 
     decoder = ChainDecoder(target, drafter, verifier="greedy")
     rows = []
     for i, prompt in enumerate(prompts):
-        result = decoder.generate(list(prompt), max_new_tokens, temperature=0.0, seed=seed + i)
         key = (0.0, i)
         if ar_cache is None or key not in ar_cache:
             baseline = autoregressive_generate(target, list(prompt), max_new_tokens, 0.0, seed=seed + i)
             if ar_cache is not None:
                 ar_cache[key] = baseline
         plain = (ar_cache[key] if ar_cache is not None else baseline).tokens
-        n = min(len(plain), len(result.tokens))
+        if not plain:  # no new token asked for: no round
+            rows.append({"label": label, "prompt_index": i, "budget": decoder.budget, "block_lengths": [],
+                         "new_tokens": 0, "matches_target": True})
+            continue
+        # rounds as vLLM counts them: its prefill emits the first token without a draft
+        tokens, rounds = decode_after_prefill(decoder, list(prompt), plain[0], max_new_tokens, target.eos_token_ids)
+        n = min(len(plain), len(tokens))
         rows.append({"label": label, "prompt_index": i, "budget": decoder.budget,
-                     "block_lengths": [r.block_length for r in result.rounds], "new_tokens": len(result.tokens),
-                     "matches_target": plain[:n] == result.tokens[:n]})
+                     "block_lengths": [r.block_length for r in rounds], "new_tokens": len(tokens),
+                     "matches_target": plain[:n] == tokens[:n]})
     return rows
 
 

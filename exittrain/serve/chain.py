@@ -15,7 +15,7 @@ import torch
 from exittrain.core import DraftTree, chain_tree
 from exittrain.decoding import SpeculativeDecoder
 
-__all__ = ["ChainDecoder"]
+__all__ = ["ChainDecoder", "decode_after_prefill"]
 
 
 class ChainDecoder(SpeculativeDecoder):
@@ -35,3 +35,19 @@ class ChainDecoder(SpeculativeDecoder):
 
     def _tree(self, logq_1KV: torch.Tensor, context, root_1: torch.Tensor) -> DraftTree:
         return chain_tree(logq_1KV, self.budget)
+
+
+def decode_after_prefill(decoder: SpeculativeDecoder, prompt: list[int], first: int, max_new_tokens: int,
+                         eos_token_ids) -> tuple[list[int], list]:
+    """Decode as a serving engine counts its rounds: the prefill emits the target's first token
+    ``first`` with no draft, and rounds start from ``prompt + [first]``.
+
+    Returns ``(tokens, rounds)``: the ``max_new_tokens`` (or fewer) new tokens, ``first`` included,
+    and the decoder's rounds after it; no round when ``first`` ends the answer (an EOS) or
+    ``max_new_tokens`` is 1. So the mean block length over these rounds is comparable, round for
+    round, with vLLM's mean acceptance length on the same prompt.
+    """
+    if first in eos_token_ids or max_new_tokens <= 1:
+        return [first], []
+    result = decoder.generate(list(prompt) + [first], max_new_tokens - 1)
+    return [first] + result.tokens, result.rounds

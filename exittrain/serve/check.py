@@ -143,7 +143,7 @@ def _ours(drafter_dir: Path, prompts: list[list[int]], max_tokens: int, K: int, 
     """Our target's greedy decoding, then our chain decoder with each drafter implementation."""
     from exittrain.decoding import autoregressive_generate
     from exittrain.models import load_target
-    from exittrain.serve.chain import ChainDecoder
+    from exittrain.serve.chain import ChainDecoder, decode_after_prefill
 
     target = load_target(None)
     start = time.perf_counter()
@@ -158,14 +158,9 @@ def _ours(drafter_dir: Path, prompts: list[list[int]], max_tokens: int, K: int, 
         chain, accepts = [], []
         start = time.perf_counter()
         for ids, plain in zip(prompts, greedy):
-            first = plain[0]
-            if first in target.eos_token_ids:  # vLLM stops after the prefill's token too: no round to draft
-                chain.append([first])
-                accepts.append([])
-                continue
-            res = decoder.generate(list(ids) + [first], max_tokens - 1)
-            chain.append([first] + res.tokens)
-            accepts.append([r.accept_length for r in res.rounds])
+            tokens, rounds = decode_after_prefill(decoder, ids, plain[0], max_tokens, target.eos_token_ids)
+            chain.append(tokens)
+            accepts.append([r.accept_length for r in rounds])
         result["runs"][kind] = {"chain": chain, "accept_lengths": accepts, "seconds": time.perf_counter() - start}
     return result
 

@@ -9,7 +9,7 @@ import torch
 
 from exittrain.decoding import autoregressive_generate
 from exittrain.models import TargetModel
-from exittrain.serve.chain import ChainDecoder
+from exittrain.serve.chain import ChainDecoder, decode_after_prefill
 
 pytest.importorskip("dflash", reason="the reference DFlash drafter needs `pip install --no-deps dflash==0.1.0`")
 
@@ -61,9 +61,10 @@ def test_chain_decoder_matches_dflash_generate(tiny_pair, one_thread, monkeypatc
         ref = reference.dflash_generate(
             drafter.model, target.model, torch.tensor([prompt]), new_tokens, None, return_stats=True
         )
-        # the reference emits its first token from the prefill; we start one token later, from the same root
-        ours = decoder.generate(prompt + greedy[:1], new_tokens - 1)
-        assert ref.output_ids[0, len(prompt):].tolist() == greedy == greedy[:1] + ours.tokens
+        # the reference emits its first token from the prefill; so does decode_after_prefill (the chain track's)
+        tokens, rounds = decode_after_prefill(decoder, prompt, greedy[0], new_tokens, target.eos_token_ids)
+        assert ref.output_ids[0, len(prompt):].tolist() == greedy == tokens
+        assert decode_after_prefill(decoder, prompt, greedy[0], new_tokens, {greedy[0]}) == ([greedy[0]], [])
         # near the end the reference drafts a shorter block (what is left of max_new_tokens): compare the
         # rounds it drafted a full block for
         full, produced = 0, 0
@@ -72,8 +73,8 @@ def test_chain_decoder_matches_dflash_generate(tiny_pair, one_thread, monkeypatc
                 break
             full, produced = full + 1, produced + length
         assert full >= 3
-        assert [r.block_length for r in ours.rounds[:full]] == ref.acceptance_lengths[:full]
-        accepted += sum(r.accept_length for r in ours.rounds[:full])
+        assert [r.block_length for r in rounds[:full]] == ref.acceptance_lengths[:full]
+        accepted += sum(r.accept_length for r in rounds[:full])
     assert accepted > 0  # the comparison saw accepted drafts, not only rejections
 
 
