@@ -141,6 +141,12 @@ def setup_run(cfg: DictConfig, target: TargetArg = None) -> FitRun:
     return run
 
 
+def warm_start_reference(measured: dict, label: str) -> dict | None:
+    """The warm start's measure to pair ``label``'s against: None for the warm start itself (a drafter
+    paired with itself is no comparison) or when it was not measured."""
+    return None if label == "warm_start" else measured.get("warm_start")
+
+
 def evaluate_held_out(run: FitRun, label: str, drafter=None) -> list[dict]:
     """Decode the held-out prompts with ``drafter`` (default ``run.full``); records the table and
     writes ``eval_<label>.json``.
@@ -156,7 +162,7 @@ def evaluate_held_out(run: FitRun, label: str, drafter=None) -> list[dict]:
     table = summarize(rows)
     if run.law is not None:
         run.analytic[label] = run.law.measure(drafter, run.settings["budgets"])
-        run.law.attach(table, run.analytic[label], None if label == "warm_start" else run.analytic.get("warm_start"))
+        run.law.attach(table, run.analytic[label], warm_start_reference(run.analytic, label))
     # the serving track: the greedy chain of K nodes that vLLM and SGLang verify, on the same prompts
     chain = chain_rows(run.target, drafter, prompts, max_new_tokens=run.settings["max_new_tokens"],
                        seed=run.settings["seed"], label=label, ar_cache=run.ar_cache)
@@ -164,7 +170,7 @@ def evaluate_held_out(run: FitRun, label: str, drafter=None) -> list[dict]:
     write_json_atomic(run.run_dir.path / f"chain_{label}.json", chain)  # not eval_*.json: another row layout
     if run.law is not None:  # the analytic chain tau at eval.analytic_temperatures, paired against the warm start
         run.analytic_chain[label] = run.law.measure_chain(drafter)
-        run.law.attach_chain(table, run.analytic_chain[label], run.analytic_chain.get("warm_start"))
+        run.law.attach_chain(table, run.analytic_chain[label], warm_start_reference(run.analytic_chain, label))
     run.summary["tables"][label] = table
     run.run_dir.write_eval_rows(label, rows)
     run.timings[f"eval_{label}_s"] = time.perf_counter() - t0
