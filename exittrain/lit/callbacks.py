@@ -36,10 +36,12 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from exittrain.atomic import fsync_dir, fsync_tree, remove_stale_temps, temp_sibling
+from exittrain.core import TREE_SHAPES
 from exittrain.decoding import SpeculativeDecoder
 from exittrain.lit.heldout_callback import HeldOutBlockLengthCallback
 from exittrain.lit.sharding import drafter_and_target, full_drafter
 from exittrain.run_dir import RunDir
+from exittrain.serve.chain import ChainDecoder
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +124,10 @@ class DecodeEvalCallback(Callback):
         every_n_steps: evaluate after every this many optimizer steps (0 = only at validation
             epochs and at fit end).
         budget, max_new_tokens, temperature, verifier: :class:`SpeculativeDecoder` settings.
+        shape: ``ddtree`` (the decoder's best-first tree of ``budget`` nodes) or ``chain`` (the
+            drafter's greedy chain of its K tokens, :class:`~exittrain.serve.chain.ChainDecoder`, what
+            a serving engine verifies; ``budget`` does not apply): ``tree.shape``, so that under
+            ``+serve=dflash`` the best checkpoint is the one whose chain decodes longest.
         on_validation: also evaluate at the end of every validation epoch (skipped during the
             sanity check), so a ``ModelCheckpoint`` on ``val/block_length`` always finds the key
             when it runs after validation.
@@ -152,6 +158,7 @@ class DecodeEvalCallback(Callback):
         temperature: float = 0.0,
         verifier: str = "tev",
         *,
+        shape: str = "ddtree",
         on_validation: bool = False,
         seed: int = 0,
     ) -> None:
@@ -163,9 +170,12 @@ class DecodeEvalCallback(Callback):
             raise ValueError(f"max_new_tokens={max_new_tokens!r}: need an int >= 1")
         if not (isinstance(temperature, (int, float)) and temperature >= 0):
             raise ValueError(f"temperature={temperature!r}: need a number >= 0 (0 = greedy)")
+        if shape not in TREE_SHAPES:
+            raise ValueError(f"shape={shape!r}: the decode check's draft shape must be one of {TREE_SHAPES}")
         if not callable(prompts):
             prompts = self._check_prompts(prompts)
         self._prompts_arg = prompts
+        self.shape = shape
         self._prompts: list[list[int]] | None = None if callable(prompts) else prompts
         self.every_n_steps = every_n_steps
         self.budget = budget
@@ -204,7 +214,10 @@ class DecodeEvalCallback(Callback):
         was_training = drafter.training
         drafter.eval()
         try:
-            decoder = SpeculativeDecoder(target, drafter, budget=self.budget, verifier=self.verifier)
+            if self.shape == "chain":
+                decoder = ChainDecoder(target, drafter, verifier=self.verifier)
+            else:
+                decoder = SpeculativeDecoder(target, drafter, budget=self.budget, verifier=self.verifier)
             tokens = rounds = block_sum = 0
             seconds = 0.0
             for i, prompt in enumerate(self.prompts):

@@ -38,6 +38,19 @@ def test_decode_eval_matches_the_decoder_and_restores_train_mode(target):
     assert stats["tokens_per_s"] > 0
 
 
+def test_decode_eval_on_the_chain_decodes_what_a_serving_engine_verifies(target):
+    """shape=chain (+serve=dflash's tree.shape): the chain decoder's rounds, whatever the budget."""
+    from exittrain.serve.chain import ChainDecoder
+
+    module = make_module(target)
+    stats = DecodeEvalCallback(PROMPTS, budget=16, max_new_tokens=6, shape="chain").evaluate(module.drafter, target)
+    decoder = ChainDecoder(target, module.drafter.eval())
+    results = [decoder.generate(p, max_new_tokens=6, seed=i) for i, p in enumerate(PROMPTS)]
+    rounds = sum(len(r.rounds) for r in results)
+    assert stats["rounds"] == rounds
+    assert stats["block_length"] == pytest.approx(sum(r.block_length for x in results for r in x.rounds) / rounds)
+
+
 def test_decode_eval_feeds_model_checkpoint_without_a_validation_loop(target, tmp_path):
     """Logged from on_train_batch_end, val/block_length reaches callback_metrics before ModelCheckpoint runs."""
     decode = DecodeEvalCallback(PROMPTS, every_n_steps=2, budget=8, max_new_tokens=6)
@@ -66,6 +79,7 @@ def test_decode_eval_feeds_model_checkpoint_without_a_validation_loop(target, tm
         ({"temperature": -1.0}, "temperature"),
         ({"prompts": [[3]]}, "prompts"),
         ({"prompts": []}, "prompts"),
+        ({"shape": "star"}, "shape"),
     ],
 )
 def test_decode_eval_rejects_bad_arguments(kwargs, key):
