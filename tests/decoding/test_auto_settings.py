@@ -132,6 +132,16 @@ def test_when_no_setting_beats_greedy_the_reason_says_why(target, drafter):
     assert "against 5 ms a greedy step" in choice.reason
 
 
+def test_a_gain_within_timing_noise_says_so():
+    """An expected 1.02x is no promise: the reason says the decoded speed can land either side of greedy's."""
+    slim = auto.CandidateResult(DecodeSetting(2, copy_tail=5), tau=2.04, nodes_per_round=3.0, round_ms=100.0,
+                                speedup=1.02)
+    clear = auto.CandidateResult(DecodeSetting(4), tau=3.0, nodes_per_round=5.0, round_ms=100.0, speedup=1.5)
+    assert "timing noise can put the decoded speed either side" in auto._reason(slim, clear, 50.0)
+    assert "49 ms a token against 50 ms a greedy step" in auto._reason(slim, clear, 50.0)
+    assert auto._reason(clear, clear, 50.0).endswith("expected 1.50x greedy (greedy step 50 ms)")
+
+
 def test_the_auto_decoder_decodes_at_the_choice_and_stays_greedy(target, drafter):
     def cost(s: DecodeSetting) -> float:  # only B=2 with the tail is cheap
         return 1.0 if (s.budget, s.copy_tail) == (2, 5) else 50.0
