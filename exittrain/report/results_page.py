@@ -215,7 +215,9 @@ def _serving_cells(row: dict) -> str:
     chain = f"{row['chain_tau']:.2f} ({row.get('chain_K', '-')})" if row.get("chain_tau") is not None else "-"
     vllm = "-"
     if row.get("vllm_tau") is not None:
-        vllm = f"{row['vllm_tau']:.2f}" + ("" if row.get("vllm_matches_plain", True) else " MISMATCH")
+        ci = row.get("vllm_ci95")
+        vllm = f"{row['vllm_tau']:.2f}" + ("" if ci is None else f" ({ci[0]:.2f}-{ci[1]:.2f})")
+        vllm += "" if row.get("vllm_matches_plain", True) else " MISMATCH"
     return f" {chain} | {vllm} |"
 
 
@@ -408,7 +410,7 @@ def summarize_fit_run(run_dir: str | Path, *, name: str, command: str, commit: s
         for r in tables.get(label, []):
             row = {k: r[k] for k in (*_ROW_KEYS, "lossless", "chain_tau", "chain_K") if k in r} | {"label": label}
             if "vllm" in r:  # the serving track's engine measurement, flattened
-                row |= {"vllm_tau": r["vllm"]["vllm_tau"], "vllm_matches_plain": r["vllm"]["vllm_matches_plain"]}
+                row |= {k: r["vllm"][k] for k in ("vllm_tau", "vllm_ci95", "vllm_matches_plain") if k in r["vllm"]}
             rows.append(row)
     val = metrics.get("pretrain_metrics", {})
     heldout = None

@@ -100,6 +100,12 @@ def test_fit_rows_show_the_serving_track_when_a_run_has_it(tmp_path):
     assert "| 1.60 (7) | - |" in text and "| 2.10 (7) | - |" in text
     assert "| DFlash export |" in text and "| 2.10 (7) | 2.05 MISMATCH |" in text
     assert "vLLM tau: vLLM's mean acceptance length" in text
+    metrics["tables"]["served"][0]["vllm"] |= {"vllm_ci95": [1.9, 2.2], "vllm_per_prompt": [{"drafts": 1}]}
+    write_json(run / "metrics.json", metrics)
+    res = results_page.summarize_fit_run(run, name="fit-c", command="c", commit="abc1234", host=HOST)
+    assert "vllm_per_prompt" not in res["tables"][-1]  # the page keeps the summary, not the counts
+    text = results_page.render_page([res], results_page.load_page(make_root(tmp_path, [res]) / "results"))
+    assert "| 2.10 (7) | 2.05 (1.90-2.20) MISMATCH |" in text
 
 
 def test_an_emulated_capability_is_named_as_such(tmp_path):
