@@ -77,8 +77,19 @@ def test_the_block_length_estimate_equals_each_round_of_a_real_decode(target, dr
     for r in result.rounds[:-1]:
         assert r.block_length == lengths[anchor] and r.tree_nodes == nodes[anchor]
         anchor += r.block_length
+    # the probe's tau walks the same rounds: its blocks are the decoding's, round for round
+    walked, walked_nodes = auto.along_the_rounds([(lengths, nodes)])
+    n = len(result.rounds) - 1
+    assert walked[:n] == [r.block_length for r in result.rounds[:-1]] and len(walked) >= n
+    assert walked_nodes[:n] == [r.tree_nodes for r in result.rounds[:-1]]
     if setting.copy_tail:
         assert max(nodes) > setting.budget  # the graft happened somewhere, so the tail was exercised
+
+
+def test_round_starts_walk_one_block_at_a_time():
+    assert auto.round_starts([3, 1, 1, 2, 1, 1, 4]) == [0, 3, 5, 6]
+    assert auto.round_starts([]) == []
+    assert auto.along_the_rounds([([2, 9, 1], [4, 4, 5]), ([1, 1], [3, 3])]) == ([2, 1, 1, 1], [4, 5, 3, 3])
 
 
 def scripted_timer(round_ms: dict, greedy_ms: float):
