@@ -77,10 +77,10 @@ from pathlib import Path
 import torch
 
 from exittrain.bench.ablation import compose_fit_config, train_drafter
+from exittrain.bench.exittrain_report import plot, to_markdown, verdict, vllm_verdict
 from exittrain.build import build_datamodule
 from exittrain.core import TREE_SHAPES
 from exittrain.settings import module_overrides
-from exittrain.tables import markdown_table, paired_cell
 
 PARTIAL = "exittrain_partial.json"
 
@@ -262,21 +262,6 @@ def measure_in_vllm(args, target, drafters: dict[str, Path], warm_name: str) -> 
             "vllm_version": measured["vllm_version"], "drafters": per}
 
 
-def vllm_verdict(vllm: dict | None) -> list[str]:
-    """The arms whose vLLM acceptance length differs from their matched control's (paired interval
-    excluding 0), in :func:`verdict`'s words."""
-    lines = []
-    for name, r in (vllm or {}).get("drafters", {}).items():
-        pair = r.get("vs_control")
-        if pair is None:
-            continue
-        low, high = pair["ci95"]
-        if low > 0 or high < 0:
-            lines.append(f"{name} {'beats' if low > 0 else 'loses to'} {r['control']} in vLLM's measured "
-                         f"acceptance length: {pair['delta']:+.4f} ({low:+.4f} to {high:+.4f})")
-    return lines
-
-
 def measure(args, target, drafters: dict[str, Path], on_step=None) -> dict:
     """Greedy, analytic and oracle tau of every drafter at every budget and temperature, and (unless
     ``args.chain`` is False) on every drafter's greedy chain of K nodes.
@@ -393,110 +378,6 @@ def compare(measured: dict, warm_name: str) -> list[dict]:
                 row["efficiency"] = float(torch.cat(values[:n]).mean()) / tau_oracle
             out.append(row)
     return out
-
-
-NEGLIGIBLE = 0.005  # tokens per round (~0.2% of tau here): an interval can exclude 0 and still mean nothing
-
-
-def _setting(r: dict) -> str:
-    """Where a row was measured, in words: ``at B = 16, T = 0.6`` or ``on the chain of K = 7 at T = 0.6``."""
-    if r.get("shape", "ddtree") == "chain":  # rows of results from before the chain have no shape
-        return f"on the chain of K = {r['budget']} at T = {r['temperature']:g}"
-    return f"at B = {r['budget']}, T = {r['temperature']:g}"
-
-
-def verdict(rows: list[dict]) -> list[str]:
-    """The settings whose paired interval against their matched control excludes 0, per sign, at every
-    temperature, T = 0 included (the greedy tau at every answer position; on the chain it is the
-    acceptance length vLLM's T = 0 decoding sees), for both shapes; a difference under
-    :data:`NEGLIGIBLE` says so (a tiny lambda moves few trees, by little, consistently)."""
-    lines = []
-    for r in rows:
-        pair = r.get("vs_control")
-        if pair is None:
-            continue
-        low, high = pair["ci95"]
-        if low > 0 or high < 0:
-            word = "beats" if low > 0 else "loses to"
-            size = f" (under {NEGLIGIBLE} tokens per round: negligible)" if abs(pair["delta"]) < NEGLIGIBLE else ""
-            lines.append(f"{r['drafter']} {word} {r['control']} {_setting(r)}: "
-                         f"{pair['delta']:+.4f} ({low:+.4f} to {high:+.4f}){size}")  # 4 places: some are tiny
-    return lines
-
-
-def _sort_key(r: dict) -> tuple:
-    """Tree rows by budget and temperature, then the chain rows together."""
-    return r.get("shape", "ddtree") == "chain", r["budget"], r["temperature"]
-
-
-def to_markdown(result: dict) -> str:
-    """The report: one table row per (drafter, shape, budget, T), the chain's B cell reading ``chain K=7``."""
-    rows = sorted(result["rows"], key=_sort_key)
-    header = ["drafter", "B", "T", "tau", "95% CI", "vs matched control (paired)", "vs warm start (paired)",
-              "tau_oracle", "tau / oracle"]
-    body = (
-        [r["drafter"], f"chain K={r['budget']}" if r.get("shape") == "chain" else r["budget"],
-         f"{r['temperature']:g}", f"{r['tau']:.3f}",
-         f"{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}", paired_cell(r["vs_control"]), paired_cell(r["vs_warm_start"]),
-         f"{r['tau_oracle']:.2f}" if "tau_oracle" in r else "-",
-         f"{r['efficiency']:.2f}" if "efficiency" in r else "-"]
-        for r in rows
-    )
-    train = [[name, f"{t.get('train_s', 0):.0f}", f"{t.get('s_per_step', 0):.1f}"]
-             for name, t in result["train"].items() if not t.get("reused")]
-    found = result["verdict"] or ["none: no ExitTrain setting's paired interval against its matched control "
-                                  "excludes 0"]
-    lines = [
-        f"{result['domain']}: {result['steps']} steps per arm from {result['warm_start']}; held out: "
-        f"{result['prompts']} evaluation prompts (from #{result['skip']}), up to {result['max_new_tokens']} new "
-        f"tokens; T = 0 is the greedy block length at every answer position, T > 0 the analytic (expected TEV) "
-        f"block length at seeded positions of the target's samples at T (per answer, by budget: "
-        f"{result.get('budget_anchors') or result['analytic_anchors']}). B = chain K=k: the drafter's greedy "
-        f"chain of its k draft tokens (what vLLM and SGLang verify), at every anchor. The oracle bound and "
-        f"tau / oracle (trees only): the first {result.get('oracle_prompts', result['prompts'])} prompts.",
-        "",
-        *markdown_table(header, body),
-        "",
-        "Settings whose interval against the matched control excludes 0 (every T, greedy T = 0 included):",
-        "",
-        *(f"- {line}" for line in found),
-        "",
-        *markdown_table(["arm", "train s", "s / step"], train),
-    ]
-    if result.get("vllm"):
-        from exittrain.report.experiment_page import vllm_lines
-
-        lines += ["", *vllm_lines(result["vllm"])]
-    return "\n".join(lines) + "\n"
-
-
-def plot(result: dict, path: Path) -> None:
-    """Forest plot: each ExitTrain arm's paired difference from its control, one panel per (B, T) of the
-    trees, then one per T of the chain."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in result["rows"] if r.get("vs_control")]
-    keys = sorted({_sort_key(r) for r in rows})  # (is chain, budget, T): a panel each
-    names = sorted({r["drafter"] for r in rows})
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 0.5 * len(names) + 1.5), sharey=True, squeeze=False)
-    for ax, key in zip(axes[0], keys):
-        panel = [r for r in rows if _sort_key(r) == key]
-        for y, name in enumerate(names):
-            r = next((r for r in panel if r["drafter"] == name), None)
-            if r is None:
-                continue
-            d, (lo, hi) = r["vs_control"]["delta"], r["vs_control"]["ci95"]
-            ax.errorbar(d, y, xerr=[[d - lo], [hi - d]], fmt="o", color="C0" if lo <= 0 <= hi else "C3", capsize=3)
-        ax.axvline(0, color="grey", lw=1)
-        ax.set_title(f"chain K = {key[1]}, T = {key[2]:g}" if key[0] else f"B = {key[1]}, T = {key[2]:g}")
-        ax.set_xlabel("tau - matched control")
-    axes[0][0].set_yticks(range(len(names)), names)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def run(args) -> dict:
