@@ -141,10 +141,17 @@ def train_drafter(cfg, drafter, target, datamodule, stage: str, steps: int, **ov
     exactly ``overrides`` (no ``stages.*``: an arm states its own); returns the last scalar metrics.
 
     Every arm reads the same target features and soft labels from the DataModule's store."""
+    from exittrain import progress
+    from exittrain.lit import ProgressLogCallback, stage_progress_bar
+
     seed_everything(cfg.seed)  # the same data order and anchors for every arm
     module = build_module(cfg, stage, drafter, target, overrides)
+    # as fit shows its stages: a bar on a terminal, else a progress line every 10 steps
+    bar = progress.interactive()
+    shown = stage_progress_bar(stage) if bar else ProgressLogCallback(stage, every_n_steps=10)
     trainer = train_steps(module, datamodule, steps=steps, trainer_cfg=cfg.trainer, logger=False,
-                          enable_checkpointing=False, callbacks=[], limit_val_batches=0)
+                          enable_checkpointing=False, callbacks=[shown], limit_val_batches=0,
+                          **({} if bar else {"enable_progress_bar": False}))
     return scalar_metrics(trainer)
 
 
