@@ -2,7 +2,7 @@
 
 ``python -m exittrain bench decode --drafter PATH [--sets code dialogue math restating] [--decode auto fixed]
 [--budgets 16] [--prompts 10] [--skip 16] [--new-tokens 96] [--cache on off] [--head-layout auto linear]
-[--copy-tail 0 8] [--draft-vocab 0 4096] [--contexts 100 600]``
+[--copy-tail 0 8] [--copy-lead 0 4] [--draft-vocab 0 4096] [--contexts 100 600]``
 
 Side by side in one run, on the same held-out prompts and the same fp32 target, at temperature 0:
 
@@ -14,14 +14,17 @@ Side by side in one run, on the same held-out prompts and the same fp32 target, 
   re-read, the reference twin), with the LM head in the layout timed fastest on this host and/or
   plain ``F.linear`` (``--head-layout auto linear``; :mod:`exittrain.models.row_matmul`;
   ``linear`` is the reference twin), and with each ``--copy-tail`` length
-  (:mod:`exittrain.core.copy_tail`; 0 is off) and each ``--draft-vocab`` size
+  (:mod:`exittrain.core.copy_tail`; 0 is off), each ``--copy-lead`` n-gram length (copy-led
+  rounds: where the root's last n tokens occurred before, the round verifies the copy alone,
+  without the drafter; 0 is off) and each ``--draft-vocab`` size
   (:mod:`exittrain.decoding.draft_vocab`, read from the drafter folder's ``draft_vocab.json``; 0
   is the whole vocabulary);
 - with ``--decode auto``, our decoder at the setting :mod:`exittrain.decoding.auto_settings`
   probes fastest on this host for each prompt set (budgets up to the largest of ``--budgets``, a
   draft vocabulary when the drafter folder has token counts, a copy tail of prompt lookup's
-  length), probed on ``--probe-prompts`` prompts of the set that follow the measured ones, so the
-  choice is not tuned on the prompts it is timed on. The probe's reason is printed with the table.
+  length, copy-led rounds, or greedy decoding without the drafter when nothing beats it),
+  probed on ``--probe-prompts`` prompts of the set that follow the measured ones, so the choice
+  is not tuned on the prompts it is timed on. The probe's reason is printed with the table.
 
 The prompt sets (``--sets``), each reported in its own table: ``code``, ``dialogue``, ``math``,
 the domain's evaluation prompts of ``bench heldout`` (HumanEval, MT-Bench, gsm_symbolic with the
@@ -179,22 +182,28 @@ def _head_layout(layout: str):
     return linear_only() if layout == "linear" else contextlib.nullcontext()
 
 
-def _fixed_decoders(target, drafter, drafter_path, budgets, caches, head_layouts, copy_tails, vocab_sizes) -> list:
+def _fixed_decoders(target, drafter, drafter_path, budgets, caches, head_layouts, copy_tails, vocab_sizes,
+                    copy_leads=(0,)) -> list:
     """``(row settings, decoder)`` for every combination of the fixed grid."""
     vocabs = {n: load_draft_vocabulary(drafter_path, n, target) for n in vocab_sizes}
-    return [({"budget": b, "drafter_cache": c, "head_layout": h, "copy_tail": t, "draft_vocab": n, "auto": False},
+    return [({"budget": b, "drafter_cache": c, "head_layout": h, "copy_tail": t, "draft_vocab": n, "copy_lead": m,
+              "auto": False},
              SpeculativeDecoder(target, drafter, budget=b, verifier="tev", drafter_cache=c, copy_tail=t,
-                                draft_vocab=vocabs[n]))
-            for b in budgets for c in caches for h in head_layouts for t in copy_tails for n in vocab_sizes]
+                                draft_vocab=vocabs[n], copy_lead=m))
+            for b in budgets for c in caches for h in head_layouts for t in copy_tails for n in vocab_sizes
+            for m in copy_leads]
 
 
-def _auto_decoder(target, drafter, drafter_path, probe_prompts, max_budget: int) -> tuple[dict, SpeculativeDecoder]:
-    """``(row settings, decoder)`` at the setting the probe finds fastest on ``probe_prompts``."""
+def _auto_decoder(target, drafter, drafter_path, probe_prompts, max_budget: int,
+                  new_tokens: int) -> tuple[dict, SpeculativeDecoder]:
+    """``(row settings, decoder)`` at the setting the probe finds fastest on ``probe_prompts``,
+    whose answers it scores as long as the bench decodes them (``new_tokens``)."""
     counts = load_token_counts(drafter_path) if drafter_path else None
-    decoder = auto_decoder(target, drafter, probe_prompts, max_budget=max_budget, token_counts=counts)
+    decoder = auto_decoder(target, drafter, probe_prompts, max_budget=max_budget, token_counts=counts,
+                           answer_tokens=new_tokens)
     s = decoder.auto_choice.setting
     return ({"budget": s.budget, "drafter_cache": True, "head_layout": "auto", "copy_tail": s.copy_tail,
-             "draft_vocab": s.draft_vocab, "auto": True}, decoder)
+             "draft_vocab": s.draft_vocab, "copy_lead": s.copy_lead, "auto": True}, decoder)
 
 
 def _measure_set(target, prompts, decoders, new_tokens: int, lookup_tokens: int, name: str) -> dict:
@@ -246,7 +255,7 @@ def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int,
         sets: list[str] = ("code",), caches: list[bool] = (True,), lookup_tokens: int = 10,
         contexts: list[int] | None = None, round_positions: int = 4, head_layouts: list[str] = ("auto",),
         copy_tails: list[int] = (0,), vocab_sizes: list[int] = (0,), decode: list[str] = ("fixed",),
-        probe_prompts: int = 4) -> dict:
+        probe_prompts: int = 4, copy_leads: list[int] = (0,)) -> dict:
     from exittrain.models import load_drafter, load_target, new_drafter
 
     unknown = [name for name in sets if name not in SETS]
@@ -254,8 +263,8 @@ def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int,
         raise ValueError(f"--sets {list(sets)}: choose among {list(SETS)}")
     target = load_target(None)
     drafter = (load_drafter(drafter_path, target) if drafter_path else new_drafter(target, seed=0)).eval()
-    fixed = (_fixed_decoders(target, drafter, drafter_path, budgets, caches, head_layouts, copy_tails, vocab_sizes)
-             if "fixed" in decode else [])
+    fixed = (_fixed_decoders(target, drafter, drafter_path, budgets, caches, head_layouts, copy_tails, vocab_sizes,
+                             copy_leads) if "fixed" in decode else [])
     measured = []
     for name in sets:
         prompts = set_prompts(target, name, n_prompts, skip)
@@ -263,7 +272,8 @@ def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int,
         choice = None
         if "auto" in decode:  # probed on the prompts after the measured ones: not tuned on what it is timed on
             meta, decoder = _auto_decoder(target, drafter, drafter_path,
-                                          set_prompts(target, name, probe_prompts, skip + n_prompts), max(budgets))
+                                          set_prompts(target, name, probe_prompts, skip + n_prompts), max(budgets),
+                                          new_tokens)
             decoders.append((meta, decoder))
             choice = decoder.auto_choice
             print(f"{name}: {choice.reason}")
@@ -280,11 +290,12 @@ def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int,
 
 def _row_label(r: dict) -> str:
     if r.get("auto"):
-        setting = DecodeSetting(r["budget"], r.get("draft_vocab", 0), r.get("copy_tail", 0))
+        setting = DecodeSetting(r["budget"], r.get("draft_vocab", 0), r.get("copy_tail", 0), r.get("copy_lead", 0))
         return f"ours auto: {setting.label}"
     return (f"ours B={r['budget']}, drafter cache {'on' if r['drafter_cache'] else 'off'}, "
             f"head {r.get('head_layout', 'linear')}" + (f", copy tail {r['copy_tail']}" if r.get("copy_tail") else "")
-            + (f", draft vocab {r['draft_vocab']}" if r.get("draft_vocab") else ""))
+            + (f", draft vocab {r['draft_vocab']}" if r.get("draft_vocab") else "")
+            + (f", copy lead {r['copy_lead']}" if r.get("copy_lead") else ""))
 
 
 def set_table(result: dict, measured: dict) -> list[str]:
@@ -336,8 +347,9 @@ def to_markdown(result: dict) -> str:
     if result.get("head_layout"):
         lines += ["", "LM head layout chosen on this host (row_matmul.head_rows, the median of timed calls per row "
                   "count):", "",
-                  *markdown_table(["rows", "F.linear ms", "W @ x.T ms", "chosen"],
-                                  ([c["rows"], f"{c['linear_ms']:.1f}", f"{c['transposed_ms']:.1f}", c["layout"]]
+                  *markdown_table(["rows", "weight (V x H)", "F.linear ms", "W @ x.T ms", "chosen"],
+                                  ([c["rows"], " x ".join(map(str, c.get("weight", ["?"]))), f"{c['linear_ms']:.1f}",
+                                    f"{c['transposed_ms']:.1f}", c["layout"]]
                                    for c in result["head_layout"]))]
     return "\n".join(lines) + "\n"
 
@@ -349,8 +361,9 @@ def main(argv=None) -> None:
                         help="prompt sets, one table each: the domains' held-out prompts, and restating (HumanEval "
                              "prompts asking to repeat the code at length)")
     parser.add_argument("--decode", nargs="+", choices=["fixed", "auto"], default=["fixed"],
-                        help="fixed: the grid of --budgets/--cache/--head-layout/--copy-tail/--draft-vocab; auto: "
-                             "the setting the probe finds fastest here per set (budgets up to max(--budgets))")
+                        help="fixed: the grid of --budgets/--cache/--head-layout/--copy-tail/--copy-lead/"
+                             "--draft-vocab; auto: the setting the probe finds fastest here per set (budgets "
+                             "up to max(--budgets))")
     parser.add_argument("--budgets", type=int, nargs="+", default=[16])
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--skip", type=int, default=16, help="evaluation prompts to leave out first (fit decodes them)")
@@ -363,6 +376,9 @@ def main(argv=None) -> None:
                         help="the LM head in the layout timed fastest here (auto), plain F.linear, or both")
     parser.add_argument("--copy-tail", type=int, nargs="+", default=[0],
                         help="copy tail lengths to decode with (0: off; SpeculativeDecoder(copy_tail=))")
+    parser.add_argument("--copy-lead", type=int, nargs="+", default=[0],
+                        help="copy-led rounds on n-gram matches of these lengths (0: off; "
+                             "SpeculativeDecoder(copy_lead=))")
     parser.add_argument("--draft-vocab", type=int, nargs="+", default=[0],
                         help="draft vocabulary sizes (0: every token; else the drafter folder's draft_vocab.json)")
     parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of the baseline")
@@ -377,7 +393,7 @@ def main(argv=None) -> None:
                  lookup_tokens=args.lookup_tokens, contexts=args.contexts, round_positions=args.round_positions,
                  head_layouts=list(dict.fromkeys(args.head_layout)), copy_tails=list(dict.fromkeys(args.copy_tail)),
                  vocab_sizes=list(dict.fromkeys(args.draft_vocab)), decode=list(dict.fromkeys(args.decode)),
-                 probe_prompts=args.probe_prompts)
+                 probe_prompts=args.probe_prompts, copy_leads=list(dict.fromkeys(args.copy_lead)))
     write_results(args.out, result, to_markdown(result))
 
 

@@ -34,7 +34,7 @@ import torch
 from .ngram_copy import ngram_lookup
 from .tree import DraftTree
 
-__all__ = ["copy_chain", "graft_chain"]
+__all__ = ["copy_chain", "copy_only_tree", "graft_chain"]
 
 
 def copy_chain(ids_T: torch.Tensor, ngrams: Sequence[int], length: int) -> list[int]:
@@ -47,6 +47,19 @@ def copy_chain(ids_T: torch.Tensor, ngrams: Sequence[int], length: int) -> list[
     chain = chain_11L[0, 0].tolist()
     # copies stop at the root (ngram_lookup's -1): keep the leading run of real tokens
     return chain[: chain.index(-1)] if -1 in chain else chain
+
+
+def copy_only_tree(chain: Sequence[int], device: torch.device | str = "cpu") -> DraftTree:
+    """The tree of a copy-led round: the chain alone, node j under node j - 1, the first under the
+    root (one tree, L = ``len(chain)`` nodes, ``max_depth`` L, no drafter score). Like a graft,
+    it depends on the committed text only, so every verifier stays exact on it."""
+    if not chain:
+        raise ValueError("copy_only_tree needs at least one chain token (a copy-led round needs a copy)")
+    L = len(chain)
+    depths = torch.arange(1, L + 1, device=device).unsqueeze(0)
+    return DraftTree(tokens=torch.tensor([list(chain)], dtype=torch.long, device=device), parents=depths - 1,
+                     depths=depths, valid=torch.ones(1, L, dtype=torch.bool, device=device), max_depth=L,
+                     scores=torch.full((1, L), float("-inf"), device=device))
 
 
 def graft_chain(tree: DraftTree, chain: Sequence[int], max_new: int, min_match: int = 0) -> tuple[DraftTree, int]:

@@ -3,13 +3,21 @@ the fastest setting on this host (``decode: auto``)."""
 
 from .auto_settings import AutoChoice, DecodeSetting, auto_decoder, probe_decode_settings
 from .oracle import oracle_generate
-from .speculative import ROUND_PARTS, GenerationResult, RoundStats, SpeculativeDecoder, autoregressive_generate
+from .speculative import (
+    ROUND_PARTS,
+    GenerationResult,
+    GreedyDecoder,
+    RoundStats,
+    SpeculativeDecoder,
+    autoregressive_generate,
+)
 
 __all__ = [
     "AutoChoice",
     "DecodeSetting",
     "ROUND_PARTS",
     "GenerationResult",
+    "GreedyDecoder",
     "RoundStats",
     "SpeculativeDecoder",
     "auto_decoder",

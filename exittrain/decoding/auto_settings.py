@@ -9,7 +9,8 @@ how much depends on the host: on a memory-bound 2-core CPU the drafter's LM head
 extra rows cost as much as the tokens they add, on a GPU a tree of 16 nodes costs what one token
 does. A draft vocabulary (:mod:`exittrain.decoding.draft_vocab`) cuts the drafter's cost at a
 small loss of tau; a copy tail (:mod:`exittrain.core.copy_tail`) adds tau at the cost of its
-rows. So the setting is measured, not assumed.
+rows; a copy-led round (``copy_lead``) skips the drafter where the text is restating itself and
+verifies the copy alone, as prompt lookup does. So the setting is measured, not assumed.
 
 What :func:`probe_decode_settings` measures, on a few held-out prompts:
 
@@ -17,17 +18,22 @@ What :func:`probe_decode_settings` measures, on a few held-out prompts:
   greedily; one drafter pass (``forward_anchors``) drafts the block of every answer position at
   once, and the head is applied once per draft vocabulary. At anchor a the candidate's tree is
   built exactly as :class:`~exittrain.decoding.SpeculativeDecoder` builds it (``build_tree`` of
-  the budget, then the copy tail's graft), and ``1 + followed_depth(tree, greedy continuation)``
+  the budget, then the copy tail's graft; or the copy chain alone where the round is copy-led),
+  and ``1 + followed_depth(tree, greedy continuation)``
   is exactly the block a T = 0 verifier accepts there (:func:`~exittrain.core.followed_depth`).
   tau is the mean over the anchors where the decoder's rounds start (:func:`round_starts`: the
   first answer position, then one block further each time), so it is the decoded tau at T = 0.
   The mean over every position is higher (one code drafter: 3.97 at B = 16 on the probe prompts,
   where fit's table decoded 2.67), and choosing by it promised speedups decoding did not deliver.
-- **the cost of a round** of every candidate: the median round time of a short real decode
-  (draft, tree, target forward of the tree's rows, verify, commit: what a round pays), and of a
-  greedy step (one target forward of one token), the median step of a short greedy decode.
+- **the cost of a round** of every candidate: the mean round time of short real decodes of a
+  few probe prompts (draft, tree, target forward of the tree's rows, verify, commit: what a
+  round pays), drafted and copy-led rounds apart, weighed by how often the walk above met each;
+  and of a greedy step (one target forward of one token), the mean step of greedy decodes of
+  the same prompts (:class:`HostTimer`).
 - **the choice**: the candidate of highest ``tau / round`` (tokens per second); its expected
-  speed against greedy is ``tau * greedy step / round``.
+  speed against greedy is ``tau * greedy step / round``. When none is expected to be
+  :data:`CLEAR_GAIN` times faster than greedy decoding, the choice is :data:`GREEDY`, decoding
+  without the drafter, and the reason gives the best candidate's round cost against its tau.
 
 Limits: the choice is made at T = 0 (at T > 0 every candidate's tau is
 lower); the probe prompts come from the caller (``eval`` passes its own held-out prompts, so the
@@ -58,6 +64,7 @@ __all__ = [
     "auto_decoder",
     "CandidateResult",
     "DecodeSetting",
+    "GREEDY",
     "HostTimer",
     "PROMPT_LOOKUP_TOKENS",
     "round_starts",
@@ -76,37 +83,52 @@ PROMPT_LOOKUP_TOKENS = 10
 DEFAULT_BUDGETS = (2, 4, 8, 16)
 DEFAULT_VOCAB_SIZES = (0, 4096)
 DEFAULT_COPY_TAILS = (0, PROMPT_LOOKUP_TOKENS)
+# copy-led rounds (SpeculativeDecoder(copy_lead=n)) where the root's last 4 tokens occurred
+# before: a match that long is mostly a restated span, where a 2-gram match is often chance
+DEFAULT_COPY_LEADS = (0, 4)
 
 
 @dataclass(frozen=True)
 class DecodeSetting:
     """One decoding setting: ``budget`` draft nodes, a draft vocabulary of ``draft_vocab`` tokens
-    (0: every token), a copy tail of ``copy_tail`` tokens (0: off)."""
+    (0: every token), a copy tail of ``copy_tail`` tokens (0: off), copy-led rounds on
+    ``copy_lead``-gram matches (0: off). Budget 0 is :data:`GREEDY`: no drafter at all."""
 
     budget: int
     draft_vocab: int = 0
     copy_tail: int = 0
+    copy_lead: int = 0
 
     @property
     def label(self) -> str:
+        if self.budget == 0:
+            return "greedy, no drafter"
         parts = [f"B={self.budget}"]
         if self.draft_vocab:
             parts.append(f"draft vocab {self.draft_vocab}")
         if self.copy_tail:
             parts.append(f"copy tail {self.copy_tail}")
+        if self.copy_lead:
+            parts.append(f"copy lead {self.copy_lead}")
         return ", ".join(parts)
+
+
+GREEDY = DecodeSetting(0)  # auto's fallback when no drafting setting is expected to beat greedy decoding
 
 
 @dataclass(frozen=True)
 class CandidateResult:
     """What the probe measured for one setting: tau at T = 0, draft nodes per round (the budget
-    plus the grafted copy tokens), the median round in ms, and ``tau * greedy ms / round ms``."""
+    plus the grafted copy tokens), the mean round in ms (drafted and copy-led rounds weighed by
+    how often the probe's rounds were each), ``tau * greedy ms / round ms``, and the share of
+    copy-led rounds."""
 
     setting: DecodeSetting
     tau: float
     nodes_per_round: float
     round_ms: float
     speedup: float
+    copy_led: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -116,7 +138,8 @@ class AutoChoice:
     the greedy step in ms, and a one-line ``reason``. ``beats_greedy`` is False when no
     candidate is expected to be faster than greedy decoding (the best is still returned).
     ``vocab_ids`` is the chosen draft vocabulary, ready for ``SpeculativeDecoder(draft_vocab=)``;
-    ``seconds`` the probe's own wall time."""
+    ``seconds`` the probe's own wall time. ``chosen`` is :data:`GREEDY` (speedup 1) when the
+    probe falls back to greedy decoding; ``candidates`` holds it then too."""
 
     chosen: CandidateResult
     reference: CandidateResult
@@ -132,18 +155,21 @@ class AutoChoice:
 
     @property
     def beats_greedy(self) -> bool:
-        return self.chosen.speedup > 1.0
+        return self.setting != GREEDY and self.chosen.speedup > 1.0
 
     def decoder_kwargs(self) -> dict:
-        """``budget``, ``copy_tail`` and ``draft_vocab`` for :class:`~exittrain.decoding.SpeculativeDecoder`."""
-        return {"budget": self.setting.budget, "copy_tail": self.setting.copy_tail, "draft_vocab": self.vocab_ids}
+        """``budget``, ``copy_tail``, ``copy_lead`` and ``draft_vocab`` for
+        :class:`~exittrain.decoding.SpeculativeDecoder` (not for :data:`GREEDY`)."""
+        return {"budget": self.setting.budget, "copy_tail": self.setting.copy_tail,
+                "copy_lead": self.setting.copy_lead, "draft_vocab": self.vocab_ids}
 
     def to_dict(self) -> dict:
         """A JSON-ready record: the chosen setting, the reason and every candidate's figures."""
         def one(c: CandidateResult) -> dict:
             return {"setting": c.setting.label, "budget": c.setting.budget, "draft_vocab": c.setting.draft_vocab,
-                    "copy_tail": c.setting.copy_tail, "tau": c.tau, "nodes_per_round": c.nodes_per_round,
-                    "round_ms": c.round_ms, "speedup": c.speedup}
+                    "copy_tail": c.setting.copy_tail, "copy_lead": c.setting.copy_lead, "tau": c.tau,
+                    "nodes_per_round": c.nodes_per_round, "round_ms": c.round_ms, "speedup": c.speedup,
+                    "copy_led": c.copy_led}
 
         return {"chosen": one(self.chosen), "reference": one(self.reference), "greedy_ms": self.greedy_ms,
                 "beats_greedy": self.beats_greedy, "reason": self.reason, "probe_seconds": self.seconds,
@@ -159,23 +185,29 @@ def drafter_token_counts(drafter) -> dict | None:
 
 def candidate_settings(max_budget: int, vocab_size: int, *, has_token_counts: bool,
                        budgets: Sequence[int] = DEFAULT_BUDGETS, vocab_sizes: Sequence[int] = DEFAULT_VOCAB_SIZES,
-                       copy_tails: Sequence[int] = DEFAULT_COPY_TAILS) -> list[DecodeSetting]:
-    """Every (budget, draft vocabulary, copy tail) to probe.
+                       copy_tails: Sequence[int] = DEFAULT_COPY_TAILS,
+                       copy_leads: Sequence[int] = DEFAULT_COPY_LEADS) -> list[DecodeSetting]:
+    """Every (budget, draft vocabulary, copy tail, copy lead) to probe.
 
     Budgets: those of ``budgets`` up to ``max_budget`` (the recipe's budget, the most the run is
     meant to spend a round), and ``max_budget`` itself, so the recipe's own setting is measured
     beside. Draft vocabularies: 0 (every token), and each positive size below the target's
-    vocabulary and at least the budget, only when the drafter has token counts. Copy tails as given.
+    vocabulary and at least the budget, only when the drafter has token counts. Copy tails as
+    given. Copy leads: 0 with every tail, a positive one only with a positive tail (a copy-led
+    round verifies K + tail tokens: with a tail it copies further than prompt lookup's 10), so
+    every copy-led setting has its drafting twin (the same with copy lead 0) among the candidates.
     """
-    for key, values in (("budgets", budgets), ("copy_tails", copy_tails), ("vocab_sizes", vocab_sizes)):
+    for key, values in (("budgets", budgets), ("copy_tails", copy_tails), ("vocab_sizes", vocab_sizes),
+                        ("copy_leads", copy_leads)):
         if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in values):
             raise ValueError(f"{key} must be integers >= 0, got {list(values)}")
     if not isinstance(max_budget, int) or isinstance(max_budget, bool) or max_budget < 1:
         raise ValueError(f"max_budget must be an integer >= 1 (the recipe's budget), got {max_budget!r}")
     chosen_budgets = sorted({b for b in budgets if 1 <= b <= max_budget} | {max_budget})
     sizes = ([0] + sorted({s for s in vocab_sizes if 0 < s < vocab_size})) if has_token_counts else [0]
-    return [DecodeSetting(b, s, t) for b in chosen_budgets for s in sizes if s == 0 or s >= b
-            for t in sorted(set(copy_tails))]
+    leads = sorted(set(copy_leads) | {0})
+    return [DecodeSetting(b, s, t, n) for b in chosen_budgets for s in sizes if s == 0 or s >= b
+            for t in sorted(set(copy_tails)) for n in leads if n == 0 or t > 0]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -196,23 +228,36 @@ def _continuations(ids_T: torch.Tensor, anchors_A: torch.Tensor, depth: int) -> 
     return torch.where(src_AD < T, ids_T[src_AD.clamp(max=T - 1)], torch.full_like(src_AD, -1))
 
 
+def _common_prefix(chain: Sequence[int], labels_D: torch.Tensor) -> int:
+    """How many leading tokens of ``chain`` the continuation ``labels_D`` (D,) holds."""
+    n = 0
+    for token, label in zip(chain, labels_D.tolist()):
+        if token != label:
+            break
+        n += 1
+    return n
+
+
 @torch.no_grad()
 def candidate_block_lengths(
     target, drafter, rows: Sequence[tuple[torch.Tensor, int]], settings: Sequence[DecodeSetting],
     vocabs: dict[int, torch.Tensor | None], *, copy_ngrams: Sequence[int] = (3, 2), copy_match: int = 1,
-) -> dict[DecodeSetting, tuple[list[int], list[int]]]:
-    """Per setting, ``(block lengths, draft nodes)`` at every anchor of ``rows`` at T = 0.
+) -> dict[DecodeSetting, tuple[list[int], list[int], list[bool]]]:
+    """Per setting, ``(block lengths, draft nodes, drafted)`` at every anchor of ``rows`` at T = 0.
 
     ``rows``: ``(ids (T,) long, n_prompt)``, a prompt and the target's greedy answer to it. The
     anchors are the positions from the last prompt token to the last but one token (each has a
     continuation); the decoder's trees there are built from one drafter pass over the row, and
     the block a T = 0 verifier accepts is 1 + how deep the tree holds the greedy continuation.
+    Where a setting's round would be copy-led (``copy_lead``: the root's last n tokens occurred
+    before), the tree is the copy chain alone and ``drafted`` is False there.
     ``copy_ngrams`` and ``copy_match`` are the decoder's copy-tail settings.
     """
     copy_ngrams = check_ngrams(copy_ngrams, key="copy_ngrams")
     layers = list(drafter.config.target_layer_ids)
-    depth = drafter.config.num_draft_tokens + max(s.copy_tail for s in settings)
-    out: dict[DecodeSetting, tuple[list[int], list[int]]] = {s: ([], []) for s in settings}
+    K = drafter.config.num_draft_tokens
+    depth = K + max(s.copy_tail for s in settings)
+    out: dict[DecodeSetting, tuple[list[int], list[int], list[bool]]] = {s: ([], [], []) for s in settings}
     for ids_T, n_prompt in rows:
         ids_T = ids_T.to(target.device)
         if ids_T.shape[0] - n_prompt < 1:
@@ -222,18 +267,29 @@ def candidate_block_lengths(
         hidden_AKH, copy = drafter.forward_anchors(features_1TF, ids_T[None], anchors_A[None], apply_lm_head=False,
                                                    with_copy_terms=True)
         labels_AD = _continuations(ids_T, anchors_A, depth)
+        # the copy-led rounds' chains: the decoder's own lookup (K + tail tokens on n-gram matches)
+        leads = {(s.copy_lead, s.copy_tail) for s in settings if s.copy_lead}
+        lead_chains = {key: [copy_chain(ids_T[: a + 1], [key[0]], K + key[1]) for a in anchors_A.tolist()]
+                       for key in leads}
         for size in sorted({s.draft_vocab for s in settings}):
             logq_AKV = torch.log_softmax(drafter.head(hidden_AKH, copy, vocabs[size]).float(), dim=-1)
             for budget in sorted({s.budget for s in settings if s.draft_vocab == size}):
                 trees = build_tree(logq_AKV, budget, validate=False)
                 plain_A = 1 + followed_depth(trees, labels_AD)
                 for setting in (s for s in settings if s.draft_vocab == size and s.budget == budget):
-                    lengths, nodes = out[setting]
-                    if setting.copy_tail == 0 or not copy_ngrams:
-                        lengths += plain_A.tolist()
-                        nodes += [budget] * len(anchors_A)
-                        continue
-                    for n, a in enumerate(anchors_A.tolist()):  # the graft is the decoder's, one tree at a time
+                    lengths, nodes, drafted = out[setting]
+                    chains = lead_chains.get((setting.copy_lead, setting.copy_tail)) if setting.copy_lead else None
+                    for n, a in enumerate(anchors_A.tolist()):  # the decoder's round at anchor a, one at a time
+                        if chains is not None and chains[n]:  # copy-led: the chain alone
+                            lengths.append(1 + _common_prefix(chains[n], labels_AD[n]))
+                            nodes.append(len(chains[n]))
+                            drafted.append(False)
+                            continue
+                        drafted.append(True)
+                        if setting.copy_tail == 0 or not copy_ngrams:
+                            lengths.append(int(plain_A[n]))
+                            nodes.append(budget)
+                            continue
                         chain = copy_chain(ids_T[: a + 1], copy_ngrams, trees.max_depth + setting.copy_tail)
                         tree, added = graft_chain(_tree_at(trees, n), chain, setting.copy_tail, copy_match)
                         lengths.append(1 + int(followed_depth(tree, labels_AD[n : n + 1])[0]))
@@ -252,16 +308,18 @@ def round_starts(lengths: Sequence[int]) -> list[int]:
     return starts
 
 
-def along_the_rounds(rows: Sequence[tuple[list[int], list[int]]]) -> tuple[list[int], list[int]]:
-    """``(block lengths, draft nodes)`` of the rounds of every row (:func:`round_starts`), from each
-    row's per-anchor ``(block lengths, draft nodes)``: the decoded tau, lower than the mean over every
-    position (a round tends to end where the drafter goes wrong, and the next starts there)."""
-    lengths, nodes = [], []
-    for row_lengths, row_nodes in rows:
-        for i in round_starts(row_lengths):
-            lengths.append(row_lengths[i])
-            nodes.append(row_nodes[i])
-    return lengths, nodes
+def along_the_rounds(rows: Sequence[tuple[list, ...]]) -> tuple[list, ...]:
+    """The per-anchor lists of the rounds of every row (:func:`round_starts`), from each row's
+    per-anchor ``(block lengths, ...)`` (any further lists: draft nodes, drafted): the decoded
+    tau, lower than the mean over every position (a round tends to end where the drafter goes
+    wrong, and the next starts there)."""
+    walked: tuple[list, ...] | None = None
+    for row in rows:
+        walked = walked or tuple([] for _ in row)
+        for i in round_starts(row[0]):
+            for column, values in zip(walked, row):
+                column.append(values[i])
+    return walked or ([], [])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -269,39 +327,84 @@ def along_the_rounds(rows: Sequence[tuple[list[int], list[int]]]) -> tuple[list[
 
 
 class HostTimer:
-    """The real timer: ``timer(setting)`` is the median ms of the rounds of a short decode of
-    ``prompt`` at that setting, the first round left out (the LM head's layout choice for new row
-    counts, :mod:`exittrain.models.row_matmul`, is timed there; a later new row count is one
-    outlier among the rounds, which the median ignores); ``timer(None)`` is the median ms of one
-    step of a greedy decode of the same prompt."""
+    """The real timer. ``timer(setting)`` decodes each of ``prompts`` for ``tokens`` tokens at that
+    setting and returns ``(ms of a drafted round, ms of a copy-led round)``, each the mean over
+    every such round of the decodes but their first (None for a kind that did not occur);
+    ``timer(None)`` returns the mean ms of a greedy decode's step over the same prompts.
 
-    def __init__(self, target, drafter, prompt: Sequence[int], vocabs: dict[int, torch.Tensor | None],
+    The mean, not the median: tokens per second is total tokens over total time, so a slow round
+    counts at its cost. What would bias it is one-off work, so each setting first decodes a few
+    tokens untimed (the LM head's layout choice for new row counts,
+    :mod:`exittrain.models.row_matmul`, is timed then), and each decode's first round is left out.
+    Several prompts, a few dozen tokens, and contexts that reach into the answers put the rounds
+    at the contexts decoding sees: timed on one prompt's first 16 tokens, rounds came out 20%
+    cheaper than in the decode they predicted (a round over 600 tokens of context costs 13-34 ms
+    more than over 150, on a 2-core EPYC).
+    """
+
+    WARM_UP_TOKENS = 4
+
+    def __init__(self, target, drafter, prompts: Sequence[Sequence[int]], vocabs: dict[int, torch.Tensor | None],
                  tokens: int, verifier: str = "tev"):
-        self.target, self.drafter, self.prompt = target, drafter, list(prompt)
+        self.target, self.drafter, self.prompts = target, drafter, [list(p) for p in prompts]
         self.vocabs, self.tokens, self.verifier = vocabs, tokens, verifier
 
-    def __call__(self, setting: DecodeSetting | None) -> float:
+    def __call__(self, setting: DecodeSetting | None):
         from exittrain.decoding.speculative import SpeculativeDecoder, autoregressive_generate
 
         if setting is None:
-            result = autoregressive_generate(self.target, self.prompt, self.tokens)
-            steps = [r.times for r in result.rounds if "target" in r.times]  # the last token needs no forward
-        else:
-            decoder = SpeculativeDecoder(self.target, self.drafter, budget=setting.budget, verifier=self.verifier,
-                                         copy_tail=setting.copy_tail, draft_vocab=self.vocabs[setting.draft_vocab])
-            rounds = decoder.generate(self.prompt, self.tokens).rounds
-            steps = [r.times for r in (rounds[1:] if len(rounds) > 1 else rounds)]
-        if not steps:
-            raise ValueError(f"the probe prompt gave no timed step in {self.tokens} tokens: raise the probe's tokens")
-        return 1e3 * statistics.median(sum(t.values()) for t in steps)
+            steps = [r.times for p in self.prompts for r in autoregressive_generate(self.target, p, self.tokens).rounds
+                     if "target" in r.times]  # the last token needs no forward
+            if not steps:
+                raise ValueError(f"the probe prompts gave no greedy step in {self.tokens} tokens: raise timed_tokens")
+            return 1e3 * statistics.fmean(sum(t.values()) for t in steps)
+        decoder = SpeculativeDecoder(self.target, self.drafter, budget=setting.budget, verifier=self.verifier,
+                                     copy_tail=setting.copy_tail, copy_lead=setting.copy_lead,
+                                     draft_vocab=self.vocabs[setting.draft_vocab])
+        decoder.generate(self.prompts[0], self.WARM_UP_TOKENS)
+        rounds = [r for p in self.prompts for r in decoder.generate(p, self.tokens).rounds[1:]]
+        if not rounds:
+            raise ValueError(f"the probe prompts gave no timed round in {self.tokens} tokens: raise timed_tokens")
+
+        def mean_ms(drafted: bool) -> float | None:
+            times = [sum(r.times.values()) for r in rounds if r.drafted == drafted]
+            return 1e3 * statistics.fmean(times) if times else None
+
+        return mean_ms(True), mean_ms(False)
+
+
+def _round_costs(timed, twin) -> tuple[float, float]:
+    """``(drafted ms, copy-led ms)`` from a timer's answer: one number is every round's cost; a
+    pair leaves None where the timed decodes had no such round, filled from ``twin``, the drafting
+    setting's round ms (a copy-led round skips its draft, so it costs at most that, roughly)."""
+    if isinstance(timed, (int, float)):
+        return float(timed), float(timed)
+    drafted, led = timed
+    drafted = twin if drafted is None else drafted
+    return drafted, drafted if led is None else led
 
 
 CLEAR_GAIN = 1.05  # an expected speedup under this is within a probe's timing noise of greedy's speed
 
 
-def _reason(chosen: CandidateResult, reference: CandidateResult, greedy_ms: float) -> str:
+def _cost_line(best: CandidateResult, greedy_ms: float) -> str:
+    return (f"{best.round_ms:.0f} ms for {best.tau:.2f} tokens, "
+            f"{best.round_ms / best.tau:.0f} ms a token against {greedy_ms:.0f} ms a greedy step")
+
+
+def _reason(chosen: CandidateResult, reference: CandidateResult, greedy_ms: float,
+            best_draft: CandidateResult | None = None) -> str:
+    """The one-line verdict. ``best_draft``: the fastest drafting candidate, named when ``chosen``
+    is :data:`GREEDY` (default: ``chosen``)."""
+    best_draft = best_draft or chosen
+    if chosen.setting == GREEDY:
+        return (f"decode auto -> {GREEDY.label}: no setting is expected to beat greedy on this host by the "
+                f"{CLEAR_GAIN:g}x that timing noise allows: the best, {best_draft.setting.label}, expected "
+                f"{best_draft.speedup:.2f}x, costs a round {_cost_line(best_draft, greedy_ms)}")
+
     def figures(c: CandidateResult) -> str:
-        return f"round {c.round_ms:.0f} ms, tau {c.tau:.2f}"
+        led = f", {c.copy_led:.0%} copy-led" if c.copy_led else ""
+        return f"round {c.round_ms:.0f} ms, tau {c.tau:.2f}{led}"
 
     head = f"decode auto -> {chosen.setting.label} ({figures(chosen)}"
     if chosen.setting != reference.setting:
@@ -309,8 +412,7 @@ def _reason(chosen: CandidateResult, reference: CandidateResult, greedy_ms: floa
     head += f"), expected {chosen.speedup:.2f}x greedy (greedy step {greedy_ms:.0f} ms)"
     if chosen.speedup >= CLEAR_GAIN:
         return head
-    cost = (f"the best round costs {chosen.round_ms:.0f} ms for {chosen.tau:.2f} tokens, "
-            f"{chosen.round_ms / chosen.tau:.0f} ms a token against {greedy_ms:.0f} ms a greedy step")
+    cost = f"the best round costs {_cost_line(chosen, greedy_ms)}"
     if chosen.speedup > 1.0:
         return (f"{head}: under {CLEAR_GAIN:g}x, so timing noise can put the decoded speed either side of greedy's: "
                 f"{cost}")
@@ -328,34 +430,44 @@ def probe_decode_settings(
     budgets: Sequence[int] = DEFAULT_BUDGETS,
     vocab_sizes: Sequence[int] = DEFAULT_VOCAB_SIZES,
     copy_tails: Sequence[int] = DEFAULT_COPY_TAILS,
+    copy_leads: Sequence[int] = DEFAULT_COPY_LEADS,
     probe_prompts: int = 4,
     answer_tokens: int = 64,
-    timed_tokens: int = 16,
+    timed_prompts: int = 2,
+    timed_tokens: int = 32,
     verifier: str = "tev",
     copy_ngrams: Sequence[int] = (3, 2),
     copy_match: int = 1,
-    timer: Callable[[DecodeSetting | None], float] | None = None,
+    greedy_fallback: bool = True,
+    timer: Callable | None = None,
 ) -> AutoChoice:
     """Measure every candidate setting on this host and pick the fastest (see the module docstring).
 
     ``prompts``: templated held-out prompts; the first ``probe_prompts`` are answered greedily
-    (``answer_tokens`` each) for tau, the first is decoded ``timed_tokens`` tokens per candidate
-    for the round cost. ``token_counts``: the drafter's ``draft_vocab.json`` record
-    (:func:`drafter_token_counts`); without it no draft vocabulary is tried. ``max_budget`` is the
-    recipe's budget (the largest probed, and the reference the reason compares with).
-    ``timer(setting)`` returns a round's ms, ``timer(None)`` a greedy step's
-    (default :class:`HostTimer`). Deterministic given the timer's values.
+    (``answer_tokens`` each: pass the length the decoder will decode, as tau changes along an
+    answer) for tau, and the first ``timed_prompts``, followed by the first half of their answer
+    (the mean context of such a decode), are decoded ``timed_tokens`` tokens per candidate for
+    the round cost. ``token_counts``: the drafter's ``draft_vocab.json``
+    record (:func:`drafter_token_counts`); without it no draft vocabulary is tried. ``max_budget``
+    is the recipe's budget (the largest probed, and the reference the reason compares with).
+    ``greedy_fallback``: when no candidate is expected at least :data:`CLEAR_GAIN` times faster
+    than greedy decoding, choose :data:`GREEDY` (decode without the drafter): a smaller expected
+    gain is within the probe's timing noise, and decodes as often below greedy's speed as above.
+    ``timer(setting)`` returns a round's ms, or ``(drafted ms, copy-led ms)`` with None for a kind
+    it did not see; ``timer(None)`` a greedy step's ms (default :class:`HostTimer`).
+    Deterministic given the timer's values.
     """
     from exittrain.decoding.speculative import autoregressive_generate
 
     if not prompts:
         raise ValueError("the decode probe needs at least one held-out prompt")
     for key, value in (("probe_prompts", probe_prompts), ("answer_tokens", answer_tokens),
-                       ("timed_tokens", timed_tokens)):
+                       ("timed_prompts", timed_prompts), ("timed_tokens", timed_tokens)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
     settings = candidate_settings(max_budget, target.vocab_size, has_token_counts=token_counts is not None,
-                                  budgets=budgets, vocab_sizes=vocab_sizes, copy_tails=copy_tails)
+                                  budgets=budgets, vocab_sizes=vocab_sizes, copy_tails=copy_tails,
+                                  copy_leads=copy_leads)
     reference_setting = DecodeSetting(max_budget)
     vocabs = {s: (None if s == 0 else draft_vocabulary(token_counts, s, target.vocab_size, target.eos_token_ids))
               for s in {c.draft_vocab for c in settings}}
@@ -367,23 +479,36 @@ def probe_decode_settings(
     per_row = [candidate_block_lengths(target, drafter, [row], settings, vocabs, copy_ngrams=copy_ngrams,
                                        copy_match=copy_match) for row in rows]
     scored = {s: along_the_rounds([r[s] for r in per_row]) for s in settings}
-    timer = timer or HostTimer(target, drafter, probe[0], vocabs, timed_tokens, verifier)
-    round_ms = {s: timer(s) for s in settings}
-    greedy_ms = timer(None)  # after the rounds: a load that drifts during the probe weighs on both sides
+    # timed from the middle of each answer: the mean context of the decode the choice is for
+    timed = [ids_T[: n + (ids_T.shape[0] - n) // 2].tolist() for ids_T, n in rows[:timed_prompts]]
+    timer = timer or HostTimer(target, drafter, timed, vocabs, timed_tokens, verifier)
+    costs: dict[DecodeSetting, tuple[float, float]] = {}
+    for s in sorted(settings, key=lambda c: c.copy_lead > 0):  # drafting twins first: copy-led ones may need them
+        twin = costs[DecodeSetting(s.budget, s.draft_vocab, s.copy_tail)][0] if s.copy_lead else None
+        costs[s] = _round_costs(timer(s), twin)
+    greedy_ms = float(timer(None))  # after the rounds: a load that drifts during the probe weighs on both sides
     results = []
     for s in settings:
-        lengths, nodes = scored[s]
+        lengths, nodes, drafted = scored[s]
         if not lengths:
             raise ValueError("the probe prompts' greedy answers are empty (EOS at once): pass other prompts")
+        led = len(drafted) - sum(drafted)
+        drafted_ms, led_ms = costs[s]
+        round_ms = (sum(drafted) * drafted_ms + led * led_ms) / len(lengths)
         tau = sum(lengths) / len(lengths)
-        results.append(CandidateResult(s, tau, sum(nodes) / len(nodes), round_ms[s], tau * greedy_ms / round_ms[s]))
+        results.append(CandidateResult(s, tau, sum(nodes) / len(nodes), round_ms, tau * greedy_ms / round_ms,
+                                       led / len(lengths)))
     # the most tokens a second; ties go to the cheaper round, then to the earlier (smaller) setting
-    chosen = max(results, key=lambda c: (round(c.speedup, 9), -c.round_ms))
+    best_draft = max(results, key=lambda c: (round(c.speedup, 9), -c.round_ms))
+    chosen = best_draft
+    if greedy_fallback and best_draft.speedup < CLEAR_GAIN:
+        chosen = CandidateResult(GREEDY, 1.0, 0.0, greedy_ms, 1.0)
+        results.append(chosen)
     reference = next(c for c in results if c.setting == reference_setting)
-    reason = _reason(chosen, reference, greedy_ms)
+    reason = _reason(chosen, reference, greedy_ms, best_draft)
     seconds = time.perf_counter() - started
     log.info("decode probe: %d settings on %d prompts in %.0f s", len(settings), len(probe), seconds)
-    return AutoChoice(chosen, reference, tuple(results), greedy_ms, reason, vocabs[chosen.setting.draft_vocab],
+    return AutoChoice(chosen, reference, tuple(results), greedy_ms, reason, vocabs.get(chosen.setting.draft_vocab),
                       seconds)
 
 
@@ -393,17 +518,22 @@ def auto_decoder(target, drafter, prompts, *, max_budget: int = 16, verifier: st
     drafter decode fastest (``decode: auto``).
 
     :func:`probe_decode_settings` measures the candidate budgets (up to ``max_budget``, the
-    recipe's), draft vocabularies and copy tails on a few of ``prompts`` (templated held-out
-    prompts) and picks the most tokens a second; ``probe`` passes its other settings.
+    recipe's), draft vocabularies, copy tails and copy-led rounds on a few of ``prompts``
+    (templated held-out prompts) and picks the most tokens a second; ``probe`` passes its other
+    settings. When no setting is expected to beat greedy decoding, the decoder is a
+    :class:`~exittrain.decoding.speculative.GreedyDecoder` (no drafter at all).
     ``token_counts`` (default: the drafter folder's ``draft_vocab.json``, when it was loaded from
     one) lets the probe try a draft vocabulary. The returned decoder's ``auto_choice`` holds the
     verdict and its one-line ``reason``.
     """
-    from exittrain.decoding.speculative import SpeculativeDecoder
+    from exittrain.decoding.speculative import GreedyDecoder, SpeculativeDecoder
 
     counts = token_counts if token_counts is not None else drafter_token_counts(drafter)
     choice = probe_decode_settings(target, drafter, prompts, max_budget=max_budget, token_counts=counts,
                                    verifier=verifier, **probe)
-    decoder = SpeculativeDecoder(target, drafter, verifier=verifier, **choice.decoder_kwargs())
+    if choice.setting == GREEDY:
+        decoder = GreedyDecoder(target)
+    else:
+        decoder = SpeculativeDecoder(target, drafter, verifier=verifier, **choice.decoder_kwargs())
     decoder.auto_choice = choice
     return decoder

@@ -24,11 +24,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from exittrain.core import VERIFIERS, build_tree, check_ngrams
-from exittrain.core.copy_tail import copy_chain, graft_chain
+from exittrain.core.copy_tail import copy_chain, copy_only_tree, graft_chain
 from exittrain.core.verify import sample_categorical, warp_probs
 from exittrain.decoding.drafter_context import drafter_context
 
-__all__ = ["RoundStats", "GenerationResult", "SpeculativeDecoder", "autoregressive_generate", "ROUND_PARTS"]
+__all__ = ["RoundStats", "GenerationResult", "GreedyDecoder", "SpeculativeDecoder", "autoregressive_generate",
+           "ROUND_PARTS"]
 
 ROUND_PARTS = ("draft", "tree", "target", "verify", "commit")
 
@@ -36,12 +37,14 @@ ROUND_PARTS = ("draft", "tree", "target", "verify", "commit")
 @dataclass
 class RoundStats:
     """One round: tokens it yielded (accepted + bonus, before any EOS/max cut), stage times (s),
-    and the draft nodes the target verified (the budget plus any copy tail; 0 where no tree)."""
+    the draft nodes the target verified (the budget plus any copy tail; 0 where no tree), and
+    whether the drafter drafted it (False: a copy-led round, the copy chain alone)."""
 
     block_length: int
     accept_length: int
     times: dict[str, float]
     tree_nodes: int = 0
+    drafted: bool = True
 
 
 @dataclass
@@ -151,6 +154,14 @@ class SpeculativeDecoder:
     many chain tokens the tree must already hold for the graft to happen (0: graft beside the
     tree too). The tree stays independent of the target's scores, so every verifier stays exact.
 
+    ``copy_lead`` (default 0, off) makes a round copy-led when the root's last ``copy_lead``
+    tokens occurred earlier in the committed text: the drafter is skipped, and the target verifies
+    the tokens that followed that occurrence, up to ``K + copy_tail`` of them, as one chain
+    (:func:`~exittrain.core.copy_tail.copy_only_tree`), as prompt-lookup decoding does but
+    further. Other rounds draft as usual. A copy-led round costs one target forward, where a
+    drafted round adds the drafter's pass; the decision depends on the committed text only, so
+    decoding stays exact. The drafter's context still receives every committed position.
+
     ``draft_vocab`` (default None: every token) is a draft vocabulary, (S,) token ids
     (:func:`exittrain.decoding.draft_vocab.draft_vocabulary`): the drafter's LM head scores only
     those, which on a CPU saves most of the drafter's time; the verifiers still see the whole
@@ -168,6 +179,7 @@ class SpeculativeDecoder:
         copy_match: int = 1,
         copy_ngrams: tuple[int, ...] = (3, 2),
         draft_vocab: torch.Tensor | None = None,
+        copy_lead: int = 0,
     ):
         if verifier not in VERIFIERS:
             raise ValueError(f"verifier must be one of {sorted(VERIFIERS)}, got {verifier!r}")
@@ -177,16 +189,28 @@ class SpeculativeDecoder:
             raise ValueError("drafter is required; create one with new_drafter(target) or load_drafter(path, target)")
         if not drafter.has_target:
             drafter.attach_target(target)
-        for key, value in (("copy_tail", copy_tail), ("copy_match", copy_match)):
+        for key, value in (("copy_tail", copy_tail), ("copy_match", copy_match), ("copy_lead", copy_lead)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{key} must be an integer >= 0 (0 turns the copy tail off), got {value!r}")
         self.target, self.drafter, self.budget, self.verifier = target, drafter, budget, verifier
         self.drafter_cache = bool(drafter_cache)
-        self.copy_tail, self.copy_match = copy_tail, copy_match
+        self.copy_tail, self.copy_match, self.copy_lead = copy_tail, copy_match, copy_lead
         self.copy_ngrams = check_ngrams(copy_ngrams, key="copy_ngrams")
         self.draft_vocab = _check_vocab(draft_vocab, target.vocab_size, budget)
         self.layers = list(drafter.config.target_layer_ids)
         self.auto_choice = None  # set by auto_settings.auto_decoder: what the probe measured and why it chose this
+
+    @property
+    def lead_length(self) -> int:
+        """The most tokens a copy-led round verifies: the drafter's K plus the copy tail."""
+        return int(self.drafter.config.num_draft_tokens) + self.copy_tail
+
+    def _lead_tree(self, context, root_1: torch.Tensor):
+        """The copy-led round's tree, or None when the root's last ``copy_lead`` tokens have no
+        earlier occurrence (the round drafts then)."""
+        ids_T = torch.cat([context.ids[0], root_1.reshape(1)])
+        chain = copy_chain(ids_T, [self.copy_lead], self.lead_length)
+        return copy_only_tree(chain, root_1.device) if chain else None
 
     def _tree(self, logq_1KV: torch.Tensor, context, root_1: torch.Tensor):
         """The round's draft tree: best-first, ``budget`` nodes from the drafter's log-probabilities
@@ -218,7 +242,7 @@ class SpeculativeDecoder:
         seed: int | None = None,
     ) -> GenerationResult:
         """Decode up to ``max_new_tokens`` new tokens; stops after an EOS token (which is kept)."""
-        tree_rows = self.budget + self.copy_tail + 1
+        tree_rows = max(self.budget + self.copy_tail, self.lead_length if self.copy_lead else 0) + 1
         ids, generator, eos = _prepare(self.target, input_ids, max_new_tokens, temperature, seed, tree_rows)
         device = self.target.device
 
@@ -233,9 +257,12 @@ class SpeculativeDecoder:
         result = GenerationResult(tokens)
         while True:
             clock = _Clock(device)
-            logq_1KV = torch.log_softmax(context.draft(root).float(), dim=-1)
-            clock.lap("draft")
-            tree = self._tree(logq_1KV, context, root)
+            tree = self._lead_tree(context, root) if self.copy_lead else None
+            drafted = tree is None
+            if drafted:
+                logq_1KV = torch.log_softmax(context.draft(root).float(), dim=-1)
+                clock.lap("draft")
+                tree = self._tree(logq_1KV, context, root)
             clock.lap("tree")
             C = cache.get_seq_length()
             out = self.target.tree_forward(cache, root, tree, layers=self.layers)
@@ -256,7 +283,7 @@ class SpeculativeDecoder:
                 root = verdict.bonus
                 clock.lap("draft")
             clock.lap("commit")
-            result.rounds.append(RoundStats(n_accept + 1, n_accept, clock.times, tree.budget))
+            result.rounds.append(RoundStats(n_accept + 1, n_accept, clock.times, tree.budget, drafted))
             if done:
                 break
         result.seconds = time.perf_counter() - start
@@ -299,3 +326,21 @@ def autoregressive_generate(
         result.rounds[-1].times = clock.times
     result.seconds = time.perf_counter() - start
     return result
+
+
+class GreedyDecoder:
+    """Decoding without a drafter, behind :class:`SpeculativeDecoder`'s ``generate``: what
+    ``decode: auto`` falls back to when no drafting setting is expected to beat greedy decoding
+    on this host (:mod:`exittrain.decoding.auto_settings`). ``generate`` is
+    :func:`autoregressive_generate`; ``budget``, ``copy_tail`` and ``copy_lead`` read 0."""
+
+    budget = copy_tail = copy_lead = 0
+    draft_vocab = None
+
+    def __init__(self, target):
+        self.target = target
+        self.auto_choice = None
+
+    def generate(self, input_ids, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None) -> GenerationResult:
+        return autoregressive_generate(self.target, input_ids, max_new_tokens, temperature, top_k, top_p, seed)

@@ -40,11 +40,13 @@ log = logging.getLogger("exittrain")
 DECODE_MODES = ("fixed", "auto")  # eval.decode
 
 
-def _auto_decoder(target, drafter, prompts, budgets, verifier: str, token_counts: dict | None, label: str):
+def _auto_decoder(target, drafter, prompts, budgets, verifier: str, token_counts: dict | None, label: str,
+                  answer_tokens: int):
     """The decoder at the setting this host decodes fastest (``decode="auto"``): probed once on
-    ``prompts``, up to the recipe's largest budget, its choice logged with the reason."""
+    ``prompts`` (answers of ``answer_tokens``, the decode's length), up to the recipe's largest
+    budget, its choice logged with the reason."""
     decoder = auto_decoder(target, drafter, prompts, max_budget=max(budgets), verifier=verifier,
-                                      token_counts=token_counts)
+                           token_counts=token_counts, answer_tokens=answer_tokens)
     log.info("eval %s: %s", label or "-", decoder.auto_choice.reason)
     return decoder
 
@@ -102,7 +104,8 @@ def evaluate_prompts(
     - ``matches_target`` (T = 0 with ``baseline``): every decode of the row equals greedy's;
     - ``decode``: ``"fixed"`` or ``"auto"``.
     With ``"auto"`` also: ``auto_setting`` (e.g. ``"B=4, draft vocab 4096, copy tail 10"``),
-    ``auto_budget``, ``auto_draft_vocab``, ``auto_copy_tail``, ``auto_tau`` (tau of the speed
+    ``auto_budget`` (0: auto decodes greedily, without the drafter), ``auto_draft_vocab``,
+    ``auto_copy_tail``, ``auto_copy_lead``, ``auto_tau`` (tau of the speed
     decode), ``auto_block_lengths``, ``auto_expected_speedup`` (the probe's estimate),
     ``auto_reason``; and the budget's own speed as ``fixed_new_tokens``, ``fixed_seconds``,
     ``fixed_tokens_per_s`` and ``fixed_speedup``.
@@ -115,7 +118,8 @@ def evaluate_prompts(
     if decode not in DECODE_MODES:
         raise ValueError(f"decode={decode!r} (eval.decode): use fixed (the budgets as given) or auto (probe this "
                          "host's fastest setting for the speed columns)")
-    auto = _auto_decoder(target, drafter, prompts, budgets, verifier, token_counts, label) if decode == "auto" else None
+    auto = (_auto_decoder(target, drafter, prompts, budgets, verifier, token_counts, label, max_new_tokens)
+            if decode == "auto" else None)
     auto_results: dict = {}  # (temperature, prompt index) -> the auto decode
     rows: list[dict] = []
     jobs = [(b, t, i) for t in temperatures for b in budgets for i in range(len(prompts))]
@@ -154,6 +158,7 @@ def evaluate_prompts(
             row.update(_speed_keys(fast))
             row.update(auto_setting=choice.setting.label, auto_budget=choice.setting.budget,
                        auto_draft_vocab=choice.setting.draft_vocab, auto_copy_tail=choice.setting.copy_tail,
+                       auto_copy_lead=choice.setting.copy_lead,
                        auto_tau=fast.mean_block_length, auto_block_lengths=[r.block_length for r in fast.rounds],
                        auto_expected_speedup=choice.chosen.speedup, auto_reason=choice.reason)
         if baseline:

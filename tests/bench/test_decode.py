@@ -61,7 +61,19 @@ def test_markdown_has_one_table_per_set_with_the_baselines_our_rows_and_the_prob
                   "stage_ms_per_round": stage, "copy_tail": 0, "nodes_per_round": 8.0},
                  {"budget": 4, "drafter_cache": True, "head_layout": "auto", "tau": 3.5, "tokens_per_s": 19.0,
                   "vs_greedy": 1.9, "vs_prompt_lookup": 1.27, "equals_greedy": 2, "ms_per_round": 11.0,
-                  "stage_ms_per_round": stage, "copy_tail": 8, "draft_vocab": 4096, "nodes_per_round": 6.5}],
+                  "stage_ms_per_round": stage, "copy_tail": 8, "draft_vocab": 4096, "nodes_per_round": 6.5},
+                 {"budget": 2, "drafter_cache": True, "head_layout": "auto", "tau": 4.5, "tokens_per_s": 21.0,
+                  "vs_greedy": 2.1, "vs_prompt_lookup": 1.4, "equals_greedy": 2, "ms_per_round": 12.0,
+                  "stage_ms_per_round": stage, "copy_tail": 10, "copy_lead": 4, "nodes_per_round": 12.0}],
+    }
+    dialogue = {
+        "name": "dialogue", "prompts": 2,
+        "greedy": {"tokens_per_s": 10.0},
+        "prompt_lookup": {"tokens_per_s": 8.0, "vs_greedy": 0.8, "equals_greedy": 2},
+        "rows": [{"budget": 0, "drafter_cache": True, "head_layout": "auto", "tau": 1.0, "tokens_per_s": 10.1,
+                  "vs_greedy": 1.01, "vs_prompt_lookup": 1.26, "equals_greedy": 2, "ms_per_round": 100.0,
+                  "stage_ms_per_round": stage, "copy_tail": 0, "nodes_per_round": 0.0, "auto": True}],
+        "auto": {"reason": "decode auto -> greedy, no drafter: no setting beats greedy on this host"},
     }
     restating = {
         "name": "restating", "prompts": 2,
@@ -76,7 +88,7 @@ def test_markdown_has_one_table_per_set_with_the_baselines_our_rows_and_the_prob
     result = {
         "host": {"cpu_model": "Some CPU", "cpu_capability": "AVX2", "threads": 2, "torch": "2.13.0"},
         "skip": 8, "new_tokens": 16, "drafter": "d", "context_window": 512, "lookup_tokens": 10,
-        "round_positions": 4, "sets": [code, restating],
+        "round_positions": 4, "sets": [code, restating, dialogue],
         "drafter_round": [{"context": 100, "full_ms": 20.0, "cached_ms": 5.0, "speedup": 4.0}],
         "head_layout": [{"rows": 7, "weight": [100, 8], "dtype": "float32", "threads": 2, "layout": "W @ x.T",
                          "linear_ms": 35.0, "transposed_ms": 9.0}],
@@ -94,8 +106,10 @@ def test_markdown_has_one_table_per_set_with_the_baselines_our_rows_and_the_prob
     assert tail in md
     assert "| ours auto: B=4, draft vocab 4096, copy tail 10 | 4.00 | 9.5 | 15.7 | 1.57x | 0.95x | 2/2 |" in md
     assert "Probe: decode auto -> B=4, draft vocab 4096, copy tail 10 (round 9 ms, tau 4.00)." in md
+    assert "| ours B=2, drafter cache on, head auto, copy tail 10, copy lead 4 | 4.50 | 12.0 | 21.0 |" in md
+    assert "| ours auto: greedy, no drafter | 1.00 | 0.0 | 10.1 | 1.01x | 1.26x | 2/2 |" in md
     assert "| 100 | 20.0 | 5.0 | 4.0x |" in md
-    assert "| 7 | 35.0 | 9.0 | W @ x.T |" in md
+    assert "| 7 | 100 x 8 | 35.0 | 9.0 | W @ x.T |" in md  # one line per row count and head (vocabulary)
 
 
 def test_a_set_is_measured_with_every_output_checked_against_greedy(target, monkeypatch):
@@ -104,7 +118,7 @@ def test_a_set_is_measured_with_every_output_checked_against_greedy(target, monk
     monkeypatch.setattr(target, "eos_token_ids", [])
     drafter = new_drafter(target, block_size=4, num_layers=1, hidden_size=32, seed=0, copy_ngrams=[2, 1]).eval()
     prompts = [PROMPT, PROMPT[3:] + PROMPT]
-    fixed = bench_decode._fixed_decoders(target, drafter, None, [4], [True], ["auto"], [0], [0])
+    fixed = bench_decode._fixed_decoders(target, drafter, None, [4], [True], ["auto"], [0], [0], [0, 2])
     auto = auto_decoder(target, drafter, prompts, max_budget=4, answer_tokens=8, copy_tails=(0, 10),
                                    timer=lambda s: 1.0 if s is None else 1.0 + s.budget / 4)
     measured = bench_decode._measure_set(
@@ -113,7 +127,8 @@ def test_a_set_is_measured_with_every_output_checked_against_greedy(target, monk
         new_tokens=12, lookup_tokens=10, name="code")
     assert measured["name"] == "code" and measured["prompts"] == 2
     assert measured["prompt_lookup"]["equals_greedy"] == 2
-    assert [r["auto"] for r in measured["rows"]] == [False, True]
+    assert [r["auto"] for r in measured["rows"]] == [False, False, True]
+    assert [r["copy_lead"] for r in measured["rows"][:2]] == [0, 2]
     assert all(r["equals_greedy"] == 2 and r["tau"] >= 1 and r["vs_greedy"] > 0 for r in measured["rows"])
 
 

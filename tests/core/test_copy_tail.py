@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exittrain.core import build_tree, exit_law, exit_law_reference, ngram_lookup_reference, verify_tev
-from exittrain.core.copy_tail import copy_chain, graft_chain
+from exittrain.core import build_tree, exit_law, exit_law_reference, ngram_lookup_reference, verify_greedy, verify_tev
+from exittrain.core.copy_tail import copy_chain, copy_only_tree, graft_chain
 from tests.core.helpers import random_logprobs
 
 
@@ -108,3 +108,17 @@ def test_graft_needs_one_tree():
         graft_chain(tree, [1, 2], max_new=2)
     with pytest.raises(ValueError, match="max_new"):
         graft_chain(tree.index(slice(0, 1)), [1, 2], max_new=-1)
+
+
+def test_the_copy_only_tree_is_the_chain_and_verifiers_follow_it():
+    tree = copy_only_tree([4, 1, 7])
+    check_tree(tree)
+    assert tree.tokens.tolist() == [[4, 1, 7]] and tree.parents.tolist() == [[0, 1, 2]]
+    assert tree.depths.tolist() == [[1, 2, 3]] and tree.max_depth == 3 and bool(tree.valid.all())
+    # the target agrees with the first two tokens only: a greedy verifier accepts 2, then its own token
+    logits = torch.full((1, 4, 9), -5.0)
+    logits[0, 0, 4] = logits[0, 1, 1] = logits[0, 2, 3] = 5.0
+    verdict = verify_greedy(tree, logits)
+    assert int(verdict.accept_length[0]) == 2 and int(verdict.bonus[0]) == 3
+    with pytest.raises(ValueError, match="at least one chain token"):
+        copy_only_tree([])

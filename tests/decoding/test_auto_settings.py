@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exittrain.decoding import SpeculativeDecoder, auto_decoder, autoregressive_generate
+from exittrain.decoding import GreedyDecoder, SpeculativeDecoder, auto_decoder, autoregressive_generate
 from exittrain.decoding import auto_settings as auto
 from exittrain.decoding.auto_settings import DecodeSetting
 from exittrain.decoding.draft_vocab import count_answer_tokens, draft_vocabulary, save_token_counts
@@ -36,15 +36,21 @@ def drafter(target):
 
 
 def test_candidates_are_capped_by_the_recipe_budget_and_need_token_counts_for_a_vocabulary():
-    got = auto.candidate_settings(8, 64, has_token_counts=False, budgets=(2, 4, 16), copy_tails=(0, 10))
+    got = auto.candidate_settings(8, 64, has_token_counts=False, budgets=(2, 4, 16), copy_tails=(0, 10),
+                                  copy_leads=(0,))
     assert got == [DecodeSetting(b, 0, t) for b in (2, 4, 8) for t in (0, 10)]  # 16 dropped, the recipe's 8 added
     got = auto.candidate_settings(4, 64, has_token_counts=True, budgets=(2, 4), vocab_sizes=(0, 3, 16, 64),
-                                  copy_tails=(0,))
+                                  copy_tails=(0,))  # no tail: no copy lead either
     # 64 is the whole vocabulary (no saving), 3 is smaller than budget 4
     assert got == [DecodeSetting(2, 0), DecodeSetting(2, 3), DecodeSetting(2, 16), DecodeSetting(4, 0),
                    DecodeSetting(4, 16)]
     assert DecodeSetting(4, 4096, 10).label == "B=4, draft vocab 4096, copy tail 10"
     assert DecodeSetting(16).label == "B=16"
+    assert DecodeSetting(2, 0, 10, 4).label == "B=2, copy tail 10, copy lead 4"
+    assert auto.GREEDY.label == "greedy, no drafter"
+    # a copy lead only beside a tail, and always with its drafting twin
+    got = auto.candidate_settings(2, 64, has_token_counts=False, budgets=(2,), copy_tails=(0, 10), copy_leads=(4,))
+    assert got == [DecodeSetting(2), DecodeSetting(2, 0, 10), DecodeSetting(2, 0, 10, 4)]
     with pytest.raises(ValueError, match="max_budget"):
         auto.candidate_settings(0, 64, has_token_counts=False)
     with pytest.raises(ValueError, match="copy_tails"):
@@ -57,8 +63,8 @@ def test_the_prompt_lookup_length_is_a_copy_tail_candidate():
     assert auto.PROMPT_LOOKUP_TOKENS == 10 and auto.PROMPT_LOOKUP_TOKENS in auto.DEFAULT_COPY_TAILS
 
 
-@pytest.mark.parametrize("setting", [DecodeSetting(4), DecodeSetting(3, 0, 5), DecodeSetting(4, 16, 5)],
-                         ids=["plain", "copy-tail", "vocab+tail"])
+@pytest.mark.parametrize("setting", [DecodeSetting(4), DecodeSetting(3, 0, 5), DecodeSetting(4, 16, 5),
+                                     DecodeSetting(2, 0, 3, 2)], ids=["plain", "copy-tail", "vocab+tail", "copy-lead"])
 def test_the_block_length_estimate_equals_each_round_of_a_real_decode(target, drafter, setting):
     """The reference twin: a greedy decode at the setting visits some anchors of the greedy answer;
     the estimate from one drafter pass over the whole answer must give, at each of them, the
@@ -66,24 +72,27 @@ def test_the_block_length_estimate_equals_each_round_of_a_real_decode(target, dr
     vocab = None if setting.draft_vocab == 0 else draft_vocabulary(COUNTS, setting.draft_vocab, target.vocab_size)
     answer = autoregressive_generate(target, REPEATING, 30).tokens
     row = (torch.tensor(REPEATING + answer), len(REPEATING))
-    lengths, nodes = auto.candidate_block_lengths(target, drafter, [row], [setting], {setting.draft_vocab: vocab})[
-        setting]
-    assert len(lengths) == len(answer) and len(nodes) == len(answer)
+    lengths, nodes, drafted = auto.candidate_block_lengths(target, drafter, [row], [setting],
+                                                           {setting.draft_vocab: vocab})[setting]
+    assert len(lengths) == len(answer) and len(nodes) == len(answer) and len(drafted) == len(answer)
     decoder = SpeculativeDecoder(target, drafter, budget=setting.budget, verifier="greedy",
-                                 copy_tail=setting.copy_tail, draft_vocab=vocab)
+                                 copy_tail=setting.copy_tail, copy_lead=setting.copy_lead, draft_vocab=vocab)
     result = decoder.generate(REPEATING, 30)
     assert result.tokens == answer
     anchor = 0  # index into the anchors: position len(REPEATING) - 1 + anchor
     for r in result.rounds[:-1]:
-        assert r.block_length == lengths[anchor] and r.tree_nodes == nodes[anchor]
+        assert (r.block_length, r.tree_nodes, r.drafted) == (lengths[anchor], nodes[anchor], drafted[anchor])
         anchor += r.block_length
     # the probe's tau walks the same rounds: its blocks are the decoding's, round for round
-    walked, walked_nodes = auto.along_the_rounds([(lengths, nodes)])
+    walked, walked_nodes, walked_drafted = auto.along_the_rounds([(lengths, nodes, drafted)])
     n = len(result.rounds) - 1
     assert walked[:n] == [r.block_length for r in result.rounds[:-1]] and len(walked) >= n
     assert walked_nodes[:n] == [r.tree_nodes for r in result.rounds[:-1]]
-    if setting.copy_tail:
+    assert walked_drafted[:n] == [r.drafted for r in result.rounds[:-1]]
+    if setting.copy_tail and not setting.copy_lead:
         assert max(nodes) > setting.budget  # the graft happened somewhere, so the tail was exercised
+    if setting.copy_lead:  # both kinds of round occurred, so both paths were compared
+        assert not all(r.drafted for r in result.rounds) and any(r.drafted for r in result.rounds)
 
 
 def test_round_starts_walk_one_block_at_a_time():
@@ -133,14 +142,69 @@ def test_the_choice_maximises_tau_per_round_cost_from_scripted_timings(target, d
     assert figures(again) == figures(choice) and choice.seconds > 0
 
 
-def test_when_no_setting_beats_greedy_the_reason_says_why(target, drafter):
+def test_when_no_setting_beats_greedy_auto_decodes_greedily_and_says_why(target, drafter):
     timer, _ = scripted_timer(lambda s: 100.0 + s.budget, greedy_ms=5.0)
     choice = auto.probe_decode_settings(target, drafter, PROMPTS[:1], max_budget=4, answer_tokens=8, timer=timer,
                                         copy_tails=(0,))
-    assert not choice.beats_greedy and choice.chosen.speedup < 1
-    assert "no setting beats greedy on this host" in choice.reason
-    assert f"{choice.chosen.round_ms:.0f} ms for {choice.chosen.tau:.2f} tokens" in choice.reason
+    assert choice.setting == auto.GREEDY and not choice.beats_greedy and choice.chosen.speedup == 1.0
+    best = max((c for c in choice.candidates if c.setting != auto.GREEDY), key=lambda c: c.speedup)
+    assert best.speedup < 1 and choice.candidates[-1] is choice.chosen
+    assert choice.reason.startswith("decode auto -> greedy, no drafter: no setting is expected to beat greedy on "
+                                    "this host by the 1.05x that timing noise allows")
+    assert f"the best, {best.setting.label}, expected {best.speedup:.2f}x" in choice.reason
+    assert f"{best.round_ms:.0f} ms for {best.tau:.2f} tokens" in choice.reason
     assert "against 5 ms a greedy step" in choice.reason
+    # the decoder auto builds then has no drafter, and decodes what greedy decoding does
+    decoder = auto_decoder(target, drafter, PROMPTS[:1], max_budget=4, answer_tokens=8, copy_tails=(0,),
+                           timer=scripted_timer(lambda s: 100.0 + s.budget, greedy_ms=5.0)[0])
+    assert isinstance(decoder, GreedyDecoder) and decoder.auto_choice.setting == auto.GREEDY
+    assert decoder.generate(REPEATING, 12).tokens == autoregressive_generate(target, REPEATING, 12).tokens
+    # without the fallback, the least slow candidate is chosen and the reason says it is slower
+    kept = auto.probe_decode_settings(target, drafter, PROMPTS[:1], max_budget=4, answer_tokens=8, copy_tails=(0,),
+                                      timer=scripted_timer(lambda s: 100.0 + s.budget, greedy_ms=5.0)[0],
+                                      greedy_fallback=False)
+    assert kept.setting == best.setting and not kept.beats_greedy
+    assert "no setting beats greedy on this host" in kept.reason
+    assert f"{kept.chosen.round_ms:.0f} ms for {kept.chosen.tau:.2f} tokens" in kept.reason
+
+
+def test_an_expected_gain_within_timing_noise_decodes_greedily(target, drafter):
+    """1.02x expected is under CLEAR_GAIN: auto falls back to greedy decoding; 1.08x is not."""
+    def probe(greedy_ms):
+        return auto.probe_decode_settings(target, drafter, PROMPTS[:1], max_budget=4, answer_tokens=8,
+                                          copy_tails=(0,), timer=scripted_timer(lambda s: 100.0, greedy_ms)[0])
+
+    best_tau = max(c.tau for c in probe(50.0).candidates)  # every round costs 100 ms: the best has the top tau
+    assert probe(1.02 * 100.0 / best_tau).setting == auto.GREEDY
+    clear = probe(1.08 * 100.0 / best_tau)
+    assert clear.setting != auto.GREEDY and clear.chosen.speedup == pytest.approx(1.08)
+
+
+def test_copy_led_rounds_weigh_their_own_cost(target, drafter):
+    """A copy-led setting's round cost is its drafted and copy-led rounds' costs, weighed by how
+    often the probe's walk met each; a kind the timed decodes missed costs what the twin's round does."""
+    lead = DecodeSetting(2, 0, 3, 2)
+
+    def timer(setting):
+        if setting is None:
+            return 9.0
+        return (40.0, 10.0) if setting.copy_lead else 30.0
+
+    choice = auto.probe_decode_settings(target, drafter, PROMPTS, max_budget=2, budgets=(2,), copy_tails=(0, 3),
+                                        copy_leads=(2,), answer_tokens=16, timer=timer)
+    led = next(c for c in choice.candidates if c.setting == lead)
+    assert 0 < led.copy_led < 1  # the repeating prompts give both kinds of round
+    assert led.round_ms == pytest.approx((1 - led.copy_led) * 40.0 + led.copy_led * 10.0)
+    assert led.speedup == pytest.approx(led.tau * 9.0 / led.round_ms)
+    assert all(c.copy_led == 0 and c.round_ms == 30.0 for c in choice.candidates
+               if not c.setting.copy_lead and c.setting != auto.GREEDY)
+
+    def no_led_round(setting):
+        return 9.0 if setting is None else ((None, None) if setting.copy_lead else 30.0)
+
+    again = auto.probe_decode_settings(target, drafter, PROMPTS, max_budget=2, budgets=(2,), copy_tails=(0, 3),
+                                       copy_leads=(2,), answer_tokens=16, timer=no_led_round)
+    assert next(c for c in again.candidates if c.setting == lead).round_ms == pytest.approx(30.0)
 
 
 def test_a_gain_within_timing_noise_says_so():
@@ -189,7 +253,9 @@ def test_evaluate_prompts_auto_rows_carry_the_quality_and_the_speed_setting(targ
     for row, plain in zip(rows, fixed):
         assert row["decode"] == "auto" and plain["decode"] == "fixed" and "auto_setting" not in plain
         assert row["tau"] == plain["tau"] and row["block_lengths"] == plain["block_lengths"]  # quality at B=4
-        assert row["auto_setting"].startswith(f"B={row['auto_budget']}") and row["auto_budget"] <= 4
+        setting = DecodeSetting(row["auto_budget"], row["auto_draft_vocab"], row["auto_copy_tail"],
+                                row["auto_copy_lead"])
+        assert row["auto_setting"] == setting.label and row["auto_budget"] <= 4  # 0: greedy, no drafter
         assert row["auto_tau"] == sum(row["auto_block_lengths"]) / len(row["auto_block_lengths"])
         assert row["matches_target"] is True and row["new_tokens"] == row["fixed_new_tokens"] == 12
         assert row["speedup"] == pytest.approx(row["tokens_per_s"] / row["ar_tokens_per_s"])

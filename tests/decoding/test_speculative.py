@@ -106,6 +106,28 @@ def test_copy_tail_reaches_past_the_drafter_horizon(no_eos, target, drafter, mon
     assert len(result.rounds) == 3  # 11 tokens a round: 11 + 11 + 8
 
 
+@pytest.mark.parametrize("verifier", ["tev", "greedy"])
+def test_copy_led_rounds_output_equals_target_greedy(no_eos, target, drafter, verifier):
+    """Rounds where the root's last 2 tokens occurred before verify the copy alone (no drafter);
+    the others draft. Both kinds occur, and the tokens are greedy's."""
+    expected = hf_greedy(target, REPEATING, 30)
+    decoder = SpeculativeDecoder(target, drafter, budget=3, verifier=verifier, copy_tail=2, copy_lead=2)
+    result = decoder.generate(REPEATING, max_new_tokens=30, seed=0)
+    assert result.tokens == expected
+    led = [r for r in result.rounds if not r.drafted]
+    assert led and len(led) < len(result.rounds), "one kind of round never ran: the test proves nothing"
+    K = drafter.config.num_draft_tokens
+    assert all(1 <= r.tree_nodes <= K + 2 for r in led)
+    assert all(3 <= r.tree_nodes <= 3 + 2 for r in result.rounds if r.drafted)  # the tree, and the tail's graft
+    # the first round's root closes (5, 17), seen before: copy-led, and the copy is K + tail long
+    assert not result.rounds[0].drafted and result.rounds[0].tree_nodes == K + 2
+
+
+def test_copy_led_rounds_keep_the_sampling_law(no_eos, target, drafter):
+    """At T > 0 a copy-led round is verified as any tree: the 3-token law holds (chi-square)."""
+    test_sampling_law_over_three_tokens(no_eos, target, drafter, 400, REPEATING, {"copy_lead": 2})
+
+
 def exact_three_token_law(target, prompt, temperature):
     """P(y1, y2, y3 | prompt) of the warped target, by enumeration over a small vocabulary."""
     from exittrain.core import warp_probs
@@ -167,6 +189,8 @@ def test_bad_arguments(target, drafter):
         SpeculativeDecoder(target, drafter, budget=0)
     with pytest.raises(ValueError, match="copy_tail"):
         SpeculativeDecoder(target, drafter, copy_tail=-1)
+    with pytest.raises(ValueError, match="copy_lead"):
+        SpeculativeDecoder(target, drafter, copy_lead=-2)
     with pytest.raises(ValueError, match="copy_match"):
         SpeculativeDecoder(target, drafter, copy_match=1.5)
     with pytest.raises(ValueError, match="copy_ngrams"):
