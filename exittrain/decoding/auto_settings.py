@@ -25,11 +25,11 @@ What :func:`probe_decode_settings` measures, on a few held-out prompts:
   first answer position, then one block further each time), so it is the decoded tau at T = 0.
   The mean over every position is higher (one code drafter: 3.97 at B = 16 on the probe prompts,
   where fit's table decoded 2.67), and choosing by it promised speedups decoding did not deliver.
-- **the cost of a round** of every candidate: the mean round time of short real decodes of a
-  few probe prompts (draft, tree, target forward of the tree's rows, verify, commit: what a
-  round pays), drafted and copy-led rounds apart, weighed by how often the walk above met each;
-  and of a greedy step (one target forward of one token), the mean step of greedy decodes of
-  the same prompts (:class:`HostTimer`).
+- **the cost of a round** of every candidate (:mod:`exittrain.decoding.round_cost`): the mean
+  round time of short real decodes of a few probe prompts (draft, tree, target forward of the
+  tree's rows, verify, commit: what a round pays), drafted and copy-led rounds apart, weighed by
+  how often the walk above met each; and of a greedy step (one target forward of one token),
+  the mean step of greedy decodes of the same prompts (:class:`HostTimer`).
 - **the choice**: the candidate of highest ``tau / round`` (tokens per second); its expected
   speed against greedy is ``tau * greedy step / round``. When none is expected to be
   :data:`CLEAR_GAIN` times faster than greedy decoding, the choice is :data:`GREEDY`, decoding
@@ -45,7 +45,6 @@ sides (greedy decoding pays it too). ``timer`` is injectable so that tests scrip
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,6 +56,7 @@ from exittrain.core import build_tree, check_ngrams, followed_depth
 from exittrain.core.copy_tail import copy_chain, graft_chain
 from exittrain.core.tree import DraftTree
 from exittrain.decoding.draft_vocab import draft_vocabulary, load_token_counts
+from exittrain.decoding.round_cost import HostTimer, round_costs
 
 __all__ = [
     "AutoChoice",
@@ -65,7 +65,7 @@ __all__ = [
     "CandidateResult",
     "DecodeSetting",
     "GREEDY",
-    "HostTimer",
+    "HostTimer",  # re-exported from round_cost: the real timer of the probe
     "PROMPT_LOOKUP_TOKENS",
     "round_starts",
     "candidate_block_lengths",
@@ -136,7 +136,8 @@ class AutoChoice:
     """The probe's verdict: the chosen setting's result, the recipe's own setting's result
     (``reference``: B = the recipe budget, no draft vocabulary, no copy tail), every candidate,
     the greedy step in ms, and a one-line ``reason``. ``beats_greedy`` is False when no
-    candidate is expected to be faster than greedy decoding (the best is still returned).
+    candidate is expected to be faster than greedy decoding (then the choice is :data:`GREEDY`,
+    or with ``greedy_fallback=False`` the least slow candidate).
     ``vocab_ids`` is the chosen draft vocabulary, ready for ``SpeculativeDecoder(draft_vocab=)``;
     ``seconds`` the probe's own wall time. ``chosen`` is :data:`GREEDY` (speedup 1) when the
     probe falls back to greedy decoding; ``candidates`` holds it then too."""
@@ -322,68 +323,6 @@ def along_the_rounds(rows: Sequence[tuple[list, ...]]) -> tuple[list, ...]:
     return walked or ([], [])
 
 
-# ------------------------------------------------------------------------------------------------
-# the cost of a round, measured on this host
-
-
-class HostTimer:
-    """The real timer. ``timer(setting)`` decodes each of ``prompts`` for ``tokens`` tokens at that
-    setting and returns ``(ms of a drafted round, ms of a copy-led round)``, each the mean over
-    every such round of the decodes but their first (None for a kind that did not occur);
-    ``timer(None)`` returns the mean ms of a greedy decode's step over the same prompts.
-
-    The mean, not the median: tokens per second is total tokens over total time, so a slow round
-    counts at its cost. What would bias it is one-off work, so each setting first decodes a few
-    tokens untimed (the LM head's layout choice for new row counts,
-    :mod:`exittrain.models.row_matmul`, is timed then), and each decode's first round is left out.
-    Several prompts, a few dozen tokens, and contexts that reach into the answers put the rounds
-    at the contexts decoding sees: timed on one prompt's first 16 tokens, rounds came out 20%
-    cheaper than in the decode they predicted (a round over 600 tokens of context costs 13-34 ms
-    more than over 150, on a 2-core EPYC).
-    """
-
-    WARM_UP_TOKENS = 4
-
-    def __init__(self, target, drafter, prompts: Sequence[Sequence[int]], vocabs: dict[int, torch.Tensor | None],
-                 tokens: int, verifier: str = "tev"):
-        self.target, self.drafter, self.prompts = target, drafter, [list(p) for p in prompts]
-        self.vocabs, self.tokens, self.verifier = vocabs, tokens, verifier
-
-    def __call__(self, setting: DecodeSetting | None):
-        from exittrain.decoding.speculative import SpeculativeDecoder, autoregressive_generate
-
-        if setting is None:
-            steps = [r.times for p in self.prompts for r in autoregressive_generate(self.target, p, self.tokens).rounds
-                     if "target" in r.times]  # the last token needs no forward
-            if not steps:
-                raise ValueError(f"the probe prompts gave no greedy step in {self.tokens} tokens: raise timed_tokens")
-            return 1e3 * statistics.fmean(sum(t.values()) for t in steps)
-        decoder = SpeculativeDecoder(self.target, self.drafter, budget=setting.budget, verifier=self.verifier,
-                                     copy_tail=setting.copy_tail, copy_lead=setting.copy_lead,
-                                     draft_vocab=self.vocabs[setting.draft_vocab])
-        decoder.generate(self.prompts[0], self.WARM_UP_TOKENS)
-        rounds = [r for p in self.prompts for r in decoder.generate(p, self.tokens).rounds[1:]]
-        if not rounds:
-            raise ValueError(f"the probe prompts gave no timed round in {self.tokens} tokens: raise timed_tokens")
-
-        def mean_ms(drafted: bool) -> float | None:
-            times = [sum(r.times.values()) for r in rounds if r.drafted == drafted]
-            return 1e3 * statistics.fmean(times) if times else None
-
-        return mean_ms(True), mean_ms(False)
-
-
-def _round_costs(timed, twin) -> tuple[float, float]:
-    """``(drafted ms, copy-led ms)`` from a timer's answer: one number is every round's cost; a
-    pair leaves None where the timed decodes had no such round, filled from ``twin``, the drafting
-    setting's round ms (a copy-led round skips its draft, so it costs at most that, roughly)."""
-    if isinstance(timed, (int, float)):
-        return float(timed), float(timed)
-    drafted, led = timed
-    drafted = twin if drafted is None else drafted
-    return drafted, drafted if led is None else led
-
-
 CLEAR_GAIN = 1.05  # an expected speedup under this is within a probe's timing noise of greedy's speed
 
 
@@ -447,7 +386,7 @@ def probe_decode_settings(
     (``answer_tokens`` each: pass the length the decoder will decode, as tau changes along an
     answer) for tau, and the first ``timed_prompts``, followed by the first half of their answer
     (the mean context of such a decode), are decoded ``timed_tokens`` tokens per candidate for
-    the round cost. ``token_counts``: the drafter's ``draft_vocab.json``
+    the round cost (at most ``answer_tokens`` of them). ``token_counts``: the drafter's ``draft_vocab.json``
     record (:func:`drafter_token_counts`); without it no draft vocabulary is tried. ``max_budget``
     is the recipe's budget (the largest probed, and the reference the reason compares with).
     ``greedy_fallback``: when no candidate is expected at least :data:`CLEAR_GAIN` times faster
@@ -481,11 +420,12 @@ def probe_decode_settings(
     scored = {s: along_the_rounds([r[s] for r in per_row]) for s in settings}
     # timed from the middle of each answer: the mean context of the decode the choice is for
     timed = [ids_T[: n + (ids_T.shape[0] - n) // 2].tolist() for ids_T, n in rows[:timed_prompts]]
-    timer = timer or HostTimer(target, drafter, timed, vocabs, timed_tokens, verifier)
+    # a short decode is not timed longer than it is long: the probe costs at most a few such decodes
+    timer = timer or HostTimer(target, drafter, timed, vocabs, min(timed_tokens, answer_tokens), verifier)
     costs: dict[DecodeSetting, tuple[float, float]] = {}
     for s in sorted(settings, key=lambda c: c.copy_lead > 0):  # drafting twins first: copy-led ones may need them
         twin = costs[DecodeSetting(s.budget, s.draft_vocab, s.copy_tail)][0] if s.copy_lead else None
-        costs[s] = _round_costs(timer(s), twin)
+        costs[s] = round_costs(timer(s), twin)
     greedy_ms = float(timer(None))  # after the rounds: a load that drifts during the probe weighs on both sides
     results = []
     for s in settings:
