@@ -104,16 +104,22 @@ class TargetDecoding:
         return TreeForwardOutput(logits.to(device), self._features(captured, layers))
 
     @torch.no_grad()
-    def commit(self, cache, context_len: int, accepted_node_columns: Sequence[int] | torch.Tensor):
+    def commit(self, cache, context_len: int, accepted_node_columns: Sequence[int] | torch.Tensor,
+               reference: bool = False):
         """Compact the cache after :meth:`tree_forward` to context + root + accepted path.
 
         ``context_len`` is C (cache length before the tree forward); ``accepted_node_columns``
         are the accepted nodes' row indices in the root-included layout (1..B, the convention of
         ``DraftTree.parents``: node j sits in tree column j-1), in path order from the root,
-        possibly empty. Gathers positions ``[0, C) + [C] + [C + j for j in accepted]`` along the
-        sequence dimension of every layer, in place; the cache then equals the cache of the
-        plain sequence context + root + accepted tokens. One row (batch size 1) only. Returns
-        the cache.
+        possibly empty. Keeps positions ``[0, C) + [C] + [C + j for j in accepted]`` along the
+        sequence dimension of every layer; the cache then equals the cache of the plain sequence
+        context + root + accepted tokens. One row (batch size 1) only. Returns the cache.
+
+        The fast path touches the tree's rows only: the accepted rows move to C + 1 .. C + n and
+        the cache is cut after them (a view; the next forward's append copies it anyway), so a
+        round's commit does not grow with the context. ``reference=True`` is its slow twin,
+        which gathers every kept position into a new tensor (45 ms a round at 1500 tokens of
+        context on a 2-core EPYC, against about 1 ms at 150).
         """
         from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
@@ -134,7 +140,16 @@ class TargetDecoding:
                 continue
             if layer.keys.shape[0] != 1:
                 raise ValueError(f"commit takes a cache of one row, got batch {layer.keys.shape[0]}")
-            index = keep.to(layer.keys.device)
-            layer.keys = layer.keys.index_select(-2, index)
-            layer.values = layer.values.index_select(-2, index)
+            if reference:
+                index = keep.to(layer.keys.device)
+                layer.keys = layer.keys.index_select(-2, index)
+                layer.values = layer.values.index_select(-2, index)
+                continue
+            n = cols.numel()
+            if n:  # gathered first (a copy), so a source row is never overwritten before it is read
+                source = (context_len + cols).to(layer.keys.device)
+                layer.keys[..., context_len + 1 : context_len + 1 + n, :] = layer.keys.index_select(-2, source)
+                layer.values[..., context_len + 1 : context_len + 1 + n, :] = layer.values.index_select(-2, source)
+            layer.keys = layer.keys[..., : context_len + 1 + n, :]
+            layer.values = layer.values[..., : context_len + 1 + n, :]
         return cache

@@ -56,8 +56,9 @@ def test_tree_forward_padding_nodes_are_harmless(target):
     torch.testing.assert_close(b[:, :7], a, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("reference", [False, True], ids=["fast", "reference"])
 @pytest.mark.parametrize("leaf_choice", ["deepest", "root_only"])
-def test_commit_equals_fresh_prefill(target, leaf_choice):
+def test_commit_equals_fresh_prefill(target, leaf_choice, reference):
     context = random_context(5, 8)
     root = 9
     tree = random_trees(1, k=4, budget=10, seed=6)
@@ -69,7 +70,7 @@ def test_commit_equals_fresh_prefill(target, leaf_choice):
         assert len(accepted) >= 3
     else:
         accepted = []
-    target.commit(pre.cache, context_len=8, accepted_node_columns=accepted)
+    target.commit(pre.cache, context_len=8, accepted_node_columns=accepted, reference=reference)
     sequence = context + [root] + [int(tree.tokens[0, j - 1]) for j in accepted]
     assert pre.cache.get_seq_length() == len(sequence)
 
@@ -80,6 +81,23 @@ def test_commit_equals_fresh_prefill(target, leaf_choice):
     # and the next round scores like a plain forward of the accepted sequence
     nxt = target.tree_forward(pre.cache, 11, random_trees(1, k=2, budget=3, seed=7))
     torch.testing.assert_close(nxt.logits[0, 0], last_logits(target, sequence + [11]), atol=ATOL, rtol=0)
+
+
+def test_fast_commit_equals_its_reference_twin_round_after_round(target):
+    """Three rounds of tree forward and commit, the fast path beside the full gather: the caches
+    hold the same keys and values after each (exactly: both copy the same numbers)."""
+    context = random_context(2, 9)
+    caches = [target.prefill(torch.tensor([context])).cache for _ in range(2)]
+    for round_ in range(3):
+        tree = random_trees(1, k=4, budget=8, seed=10 + round_)
+        leaf = int(tree.depths[0].argmax()) + 1
+        accepted = path_rows(tree, 0, leaf)
+        for cache, reference in zip(caches, (False, True)):
+            C = cache.get_seq_length()
+            target.tree_forward(cache, 5 + round_, tree)
+            target.commit(cache, C, accepted, reference=reference)
+        for fast, slow in zip(caches[0].layers, caches[1].layers, strict=True):
+            assert torch.equal(fast.keys, slow.keys) and torch.equal(fast.values, slow.values)
 
 
 def test_commit_rejects_bad_columns(target):
