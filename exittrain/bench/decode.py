@@ -255,7 +255,7 @@ def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int,
         sets: list[str] = ("code",), caches: list[bool] = (True,), lookup_tokens: int = 10,
         contexts: list[int] | None = None, round_positions: int = 4, head_layouts: list[str] = ("auto",),
         copy_tails: list[int] = (0,), vocab_sizes: list[int] = (0,), decode: list[str] = ("fixed",),
-        probe_prompts: int = 4, copy_leads: list[int] = (0,)) -> dict:
+        probe_prompts: int = 8, copy_leads: list[int] = (0,)) -> dict:
     from exittrain.models import load_drafter, load_target, new_drafter
 
     unknown = [name for name in sets if name not in SETS]
@@ -367,7 +367,7 @@ def main(argv=None) -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[16])
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--skip", type=int, default=16, help="evaluation prompts to leave out first (fit decodes them)")
-    parser.add_argument("--probe-prompts", type=int, default=4,
+    parser.add_argument("--probe-prompts", type=int, default=8,
                         help="prompts of each set, after the measured ones, that the auto probe measures on")
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--cache", nargs="+", choices=["on", "off"], default=["on"],

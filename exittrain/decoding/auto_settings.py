@@ -370,7 +370,7 @@ def probe_decode_settings(
     vocab_sizes: Sequence[int] = DEFAULT_VOCAB_SIZES,
     copy_tails: Sequence[int] = DEFAULT_COPY_TAILS,
     copy_leads: Sequence[int] = DEFAULT_COPY_LEADS,
-    probe_prompts: int = 4,
+    probe_prompts: int = 8,
     answer_tokens: int = 64,
     timed_prompts: int = 2,
     timed_tokens: int = 32,
@@ -382,7 +382,9 @@ def probe_decode_settings(
 ) -> AutoChoice:
     """Measure every candidate setting on this host and pick the fastest (see the module docstring).
 
-    ``prompts``: templated held-out prompts; the first ``probe_prompts`` are answered greedily
+    ``prompts``: templated held-out prompts; the first ``probe_prompts`` (8: tau varies from
+    prompt to prompt far more than a round's cost does, and scoring a prompt costs one answer and
+    one drafter pass, where timing costs a decode per candidate) are answered greedily
     (``answer_tokens`` each: pass the length the decoder will decode, as tau changes along an
     answer) for tau, and the first ``timed_prompts``, followed by the first half of their answer
     (the mean context of such a decode), are decoded ``timed_tokens`` tokens per candidate for
