@@ -18,8 +18,6 @@ if TYPE_CHECKING:
 __all__ = ["HostTimer", "round_costs"]
 
 
-
-
 class HostTimer:
     """The real timer. ``timer(setting)`` decodes each of ``prompts`` for ``tokens`` tokens at that
     setting and returns ``(ms of a drafted round, ms of a copy-led round)``, each the mean over

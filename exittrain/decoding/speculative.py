@@ -191,7 +191,7 @@ class SpeculativeDecoder:
             drafter.attach_target(target)
         for key, value in (("copy_tail", copy_tail), ("copy_match", copy_match), ("copy_lead", copy_lead)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{key} must be an integer >= 0 (0 turns the copy tail off), got {value!r}")
+                raise ValueError(f"{key} must be an integer >= 0 (0 turns it off), got {value!r}")
         self.target, self.drafter, self.budget, self.verifier = target, drafter, budget, verifier
         self.drafter_cache = bool(drafter_cache)
         self.copy_tail, self.copy_match, self.copy_lead = copy_tail, copy_match, copy_lead
