@@ -8,12 +8,8 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from exittrain.decoding.auto_settings import DecodeSetting
 
 __all__ = ["HostTimer", "round_costs"]
 
@@ -41,7 +37,7 @@ class HostTimer:
         self.target, self.drafter, self.prompts = target, drafter, [list(p) for p in prompts]
         self.vocabs, self.tokens, self.verifier = vocabs, tokens, verifier
 
-    def __call__(self, setting: DecodeSetting | None):
+    def __call__(self, setting):  # an auto_settings.DecodeSetting, or None (not imported: auto_settings imports this)
         from exittrain.decoding.speculative import SpeculativeDecoder, autoregressive_generate
 
         if setting is None:
