@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from exittrain.core import build_tree, check_ngrams, followed_depth
-from exittrain.core.copy_tail import copy_chain, graft_chain
+from exittrain.core.copy_tail import copy_chain, copy_only_tree, graft_chain
 from exittrain.core.tree import DraftTree
 from exittrain.decoding.draft_vocab import draft_vocabulary, load_token_counts
 from exittrain.decoding.round_cost import HostTimer, round_costs
@@ -229,16 +229,6 @@ def _continuations(ids_T: torch.Tensor, anchors_A: torch.Tensor, depth: int) -> 
     return torch.where(src_AD < T, ids_T[src_AD.clamp(max=T - 1)], torch.full_like(src_AD, -1))
 
 
-def _common_prefix(chain: Sequence[int], labels_D: torch.Tensor) -> int:
-    """How many leading tokens of ``chain`` the continuation ``labels_D`` (D,) holds."""
-    n = 0
-    for token, label in zip(chain, labels_D.tolist()):
-        if token != label:
-            break
-        n += 1
-    return n
-
-
 @torch.no_grad()
 def candidate_block_lengths(
     target, drafter, rows: Sequence[tuple[torch.Tensor, int]], settings: Sequence[DecodeSetting],
@@ -280,9 +270,15 @@ def candidate_block_lengths(
                 for setting in (s for s in settings if s.draft_vocab == size and s.budget == budget):
                     lengths, nodes, drafted = out[setting]
                     chains = lead_chains.get((setting.copy_lead, setting.copy_tail)) if setting.copy_lead else None
+                    if chains is None and (setting.copy_tail == 0 or not copy_ngrams):  # every anchor at once
+                        lengths += plain_A.tolist()
+                        nodes += [budget] * len(anchors_A)
+                        drafted += [True] * len(anchors_A)
+                        continue
                     for n, a in enumerate(anchors_A.tolist()):  # the decoder's round at anchor a, one at a time
-                        if chains is not None and chains[n]:  # copy-led: the chain alone
-                            lengths.append(1 + _common_prefix(chains[n], labels_AD[n]))
+                        if chains is not None and chains[n]:  # copy-led: the chain alone, as the decoder builds it
+                            lead_tree = copy_only_tree(chains[n], ids_T.device)
+                            lengths.append(1 + int(followed_depth(lead_tree, labels_AD[n : n + 1])[0]))
                             nodes.append(len(chains[n]))
                             drafted.append(False)
                             continue
