@@ -8,6 +8,7 @@
 - :mod:`.ngram_copy` the drafter's n-gram copy branch: context lookup and mixture
 - :mod:`.anchors`  where the training blocks start: seeded anchor sampling
 - :mod:`.tree_metrics` subsets of a batch of trees and the means of their exit law
+- :mod:`.resample` the prompt bootstrap of a pooled ratio (tau, a speedup)
 """
 
 from .anchors import anchor_generator, sample_anchors, sample_anchors_reference
@@ -25,6 +26,7 @@ from .losses import (
     sampled_block_cross_entropy_reference,
 )
 from .ngram_copy import check_ngrams, mix_copy, mix_copy_reference, ngram_lookup, ngram_lookup_reference
+from .resample import resampled_ratios, resampled_ratios_reference
 from .tree import DraftTree, build_tree, build_tree_reference, followed_depth, followed_depth_reference
 from .tree_metrics import select_trees, tree_metrics, tree_metrics_reference
 from .verify import (
@@ -39,6 +41,8 @@ from .verify import (
 )
 
 __all__ = [
+    "resampled_ratios",
+    "resampled_ratios_reference",
     "DraftTree",
     "build_tree",
     "build_tree_reference",

@@ -23,12 +23,12 @@ Definitions used in every table:
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
 from exittrain import progress as progress_log
+from exittrain.core import resampled_ratios
 from exittrain.decoding import SpeculativeDecoder, auto_decoder, autoregressive_generate, oracle_generate
 
 __all__ = [
@@ -188,14 +188,8 @@ def evaluate_prompts(
 
 def bootstrap_ci(per_prompt: list[list[int]], resamples: int = 1000, seed: int = 0) -> tuple[float, float]:
     """95% interval of the pooled per-round mean, resampling prompts with replacement."""
-    rng = random.Random(seed)
-    n = len(per_prompt)
-    stats = []
-    for _ in range(resamples):
-        pick = [per_prompt[rng.randrange(n)] for _ in range(n)]
-        rounds = sum(len(p) for p in pick)
-        stats.append(sum(sum(p) for p in pick) / rounds if rounds else 0.0)
-    stats.sort()
+    stats = sorted(resampled_ratios([sum(p) for p in per_prompt], [len(p) for p in per_prompt], draws=resamples,
+                                    seed=seed).tolist())
     return stats[int(0.025 * resamples)], stats[min(resamples - 1, int(0.975 * resamples))]
 
 

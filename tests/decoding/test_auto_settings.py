@@ -126,7 +126,9 @@ def test_the_choice_maximises_tau_per_round_cost_from_scripted_timings(target, d
         assert c.round_ms == cost(c.setting) and c.speedup == pytest.approx(c.tau * 9.0 / cost(c.setting))
     assert choice.reference.setting == DecodeSetting(8)
     assert choice.reason.startswith(f"decode auto -> {best.setting.label} (round {cost(best.setting):.0f} ms")
-    assert f"expected {best.speedup:.2f}x greedy (greedy step 9 ms)" in choice.reason
+    assert (f"expected {best.speedup:.2f}x greedy, {best.speedup_low:.2f}x at the 10% bound over prompt resamples "
+            "(greedy step 9 ms)") in choice.reason
+    assert best.speedup_low >= 1.0
     if best.setting != DecodeSetting(8):
         assert f"B=8: {cost(DecodeSetting(8)):.0f} ms, {choice.reference.tau:.2f}" in choice.reason
     assert choice.decoder_kwargs()["budget"] == best.setting.budget
@@ -178,6 +180,58 @@ def test_an_expected_gain_within_timing_noise_decodes_greedily(target, drafter):
     assert probe(1.02 * 100.0 / best_tau).setting == auto.GREEDY
     clear = probe(1.08 * 100.0 / best_tau)
     assert clear.setting != auto.GREEDY and clear.chosen.speedup == pytest.approx(1.08)
+
+
+def test_the_speedup_bound_is_the_point_estimate_on_alike_prompts_and_the_worst_prompt_at_the_tail():
+    """speedup_bound on (tokens, drafted rounds, copy-led rounds) per prompt: alike prompts leave
+    nothing to resample; at a tiny quantile the bound is the worst prompt's own speed (a draw of it
+    alone, 3 prompts: 1 in 27 of the draws); a prompt that copies at length pulls the point
+    estimate above the bound; seeded, so the same rows give the same bound."""
+    alike = [(12, 4, 0)] * 5
+    assert auto.speedup_bound(alike, 10.0, 20.0, 5.0) == pytest.approx(12 * 10.0 / (4 * 20.0))
+    rows = [(8, 4, 0), (12, 4, 2), (30, 2, 6)]  # the last one restates its prompt: copy-led rounds
+    speeds = [t * 10.0 / (d * 20.0 + n * 5.0) for t, d, n in rows]
+    assert auto.speedup_bound(rows, 10.0, 20.0, 5.0, quantile=1e-4, draws=20000) == pytest.approx(min(speeds))
+    point = sum(t for t, _, _ in rows) * 10.0 / sum(d * 20.0 + n * 5.0 for _, d, n in rows)
+    low = auto.speedup_bound(rows, 10.0, 20.0, 5.0)
+    assert min(speeds) < low < point and low == auto.speedup_bound(rows, 10.0, 20.0, 5.0)
+    for bad in ({"quantile": 0.0}, {"quantile": 1.0}):
+        with pytest.raises(ValueError, match="quantile"):
+            auto.speedup_bound(rows, 10.0, 20.0, 5.0, **bad)
+    with pytest.raises(ValueError, match="at least one unit"):
+        auto.speedup_bound([], 10.0, 20.0, 5.0)
+
+
+def test_a_setting_fast_on_few_prompts_is_passed_over_and_without_another_auto_decodes_greedily(
+        target, drafter, monkeypatch):
+    """The choice needs the bound >= 1 as well as the point estimate's clear gain: the fastest
+    setting by the point estimate is passed over when its bound is under 1 (scripted here through
+    speedup_bound, keyed on each setting's own round cost), and with no setting left the probe
+    falls back to greedy decoding, naming the bound."""
+    def cost(s: DecodeSetting) -> float:  # distinct round costs, so the scripted bound knows the setting
+        return 10.0 + s.budget + (0.5 if s.copy_tail else 0.0)
+
+    def probe():
+        return auto.probe_decode_settings(target, drafter, PROMPTS, max_budget=4, copy_tails=(0, 5), answer_tokens=16,
+                                          timer=scripted_timer(cost, 30.0)[0])
+
+    free = probe()
+    best = free.chosen
+    assert best.speedup >= auto.CLEAR_GAIN and best.speedup_low >= 1.0  # 30 ms greedy steps: every setting is clear
+    real_bound = auto.speedup_bound
+    monkeypatch.setattr(auto, "speedup_bound", lambda rows, g, d, l: 0.9 if d == best.round_ms
+                        else real_bound(rows, g, d, l))
+    passed = probe()
+    runner_up = max((c for c in free.candidates if c.setting != best.setting), key=lambda c: c.speedup)
+    assert passed.setting == runner_up.setting
+    assert (f"passed over: {best.setting.label}, expected {best.speedup:.2f}x but 0.90x at the 10% bound"
+            in passed.reason)
+    monkeypatch.setattr(auto, "speedup_bound", lambda rows, g, d, l: 0.9)
+    none_left = probe()
+    assert none_left.setting == auto.GREEDY and not none_left.beats_greedy
+    assert none_left.reason.startswith("decode auto -> greedy, no drafter: no setting is expected to beat greedy on "
+                                       f"most prompts: the best, {best.setting.label}, expected {best.speedup:.2f}x, "
+                                       "0.90x at the 10% bound over prompt resamples")
 
 
 def test_copy_led_rounds_weigh_their_own_cost(target, drafter):

@@ -1,0 +1,51 @@
+"""The prompt bootstrap: a ratio of sums over units (prompts) resampled with replacement.
+
+Every figure of a decode that is pooled over prompts is such a ratio: tau is tokens over rounds,
+a speedup is tokens times a greedy step over the rounds' cost. The prompts are the unit that
+varies (one prompt restates its question, the next does not), so they are what is resampled,
+with their rounds kept together. Seeded: the same inputs give the same draws.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["resampled_ratios", "resampled_ratios_reference"]
+
+
+def _picks(units: int, draws: int, seed: int) -> torch.Tensor:
+    """(N, P) unit indices, each draw ``units`` picks with replacement."""
+    if units < 1:
+        raise ValueError("the bootstrap needs at least one unit (prompt) to resample")
+    if draws < 1:
+        raise ValueError(f"draws must be >= 1, got {draws!r}")
+    return torch.randint(units, (draws, units), generator=torch.Generator().manual_seed(seed))
+
+
+def resampled_ratios(numerator: Sequence[float], denominator: Sequence[float], *, draws: int = 2000,
+                     seed: int = 0) -> torch.Tensor:
+    """(N,) float64: ``sum numerator / sum denominator`` over ``draws`` resamples of the units.
+
+    ``numerator[p]`` and ``denominator[p]`` are unit p's totals (for tau: its tokens and its
+    rounds). A draw whose denominator sums to 0 gives 0 (no rounds: nothing decoded).
+    """
+    if len(numerator) != len(denominator):
+        raise ValueError(f"numerator and denominator need one value per unit, got {len(numerator)} and "
+                         f"{len(denominator)}")
+    pick_NP = _picks(len(numerator), draws, seed)
+    num_N = torch.tensor(numerator, dtype=torch.float64)[pick_NP].sum(1)
+    den_N = torch.tensor(denominator, dtype=torch.float64)[pick_NP].sum(1)
+    return torch.where(den_N != 0, num_N / den_N.where(den_N != 0, torch.ones_like(den_N)), torch.zeros_like(num_N))
+
+
+def resampled_ratios_reference(numerator: Sequence[float], denominator: Sequence[float], *, draws: int = 2000,
+                               seed: int = 0) -> torch.Tensor:
+    """The slow twin of :func:`resampled_ratios`: the same draws, summed one pick at a time."""
+    out = []
+    for picks in _picks(len(numerator), draws, seed).tolist():
+        num = sum(float(numerator[p]) for p in picks)
+        den = sum(float(denominator[p]) for p in picks)
+        out.append(num / den if den else 0.0)
+    return torch.tensor(out, dtype=torch.float64)
