@@ -50,13 +50,13 @@ from exittrain.heldout.serving_track import (
     chain_rows,
     check_servable,
     check_serve_config,
-    default_vllm_python,
     summarize_chain,
     target_folder,
     vllm_enabled,
     vllm_track,
 )
 from exittrain.heldout.tree_example import tree_example
+from exittrain.serve.interpreter import default_vllm_python
 from exittrain.lit import full_drafter, save_drafter
 from exittrain.lit.checkpoint_io import AtomicCheckpointIO
 from exittrain.lit.run_logging import close_logger, global_rank, log_table, make_logger, seed_everything

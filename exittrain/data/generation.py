@@ -87,8 +87,9 @@ class GenerationConfig:
         server_url: with ``backend="vllm"``, the base URL of a running vLLM server (e.g.
             ``http://host:8000``); None starts the offline engine. Not part of the key (where the
             engine runs does not change the answers; its version does).
-        engine_python: the interpreter of the environment vLLM is installed in (``make
-            vllm-setup`` builds ``.venv-vllm``). Not part of the key.
+        engine_python: the interpreter of the environment vLLM is installed in; None:
+            :func:`exittrain.serve.interpreter.default_vllm_python` (``$EXITTRAIN_VLLM_PYTHON``,
+            else the checkout's ``.venv-vllm``, which ``make vllm-setup`` builds). Not part of the key.
         engine_version: the answering engine's version, filled in when the run resolves the
             backend (:func:`exittrain.data.vllm_backend.resolve_engine`); part of the key.
         shard: ``"I/N"``: this process answers only shard I (0-based) of N of the batches, under
@@ -109,7 +110,7 @@ class GenerationConfig:
     share_prefix: bool = True
     backend: str = "hf"
     server_url: str | None = None
-    engine_python: str = ".venv-vllm/bin/python"
+    engine_python: str | None = None
     engine_version: str | None = None
     shard: str | None = None
 

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from exittrain.data.generation import GENERATION_DTYPES, Answer, GenerationConfig, split_response
+from exittrain.serve.interpreter import default_vllm_python
 
 # Shapes: r = response length, k = top log-probabilities kept per response position.
 
@@ -74,9 +75,10 @@ def _version_tag(version: str) -> str:
 def _engine_python(gen: GenerationConfig) -> str:
     """``gen.engine_python`` as an absolute path (not resolved: a venv's python is a symlink whose
     target would lose the venv); ValueError with the fix when there is no such interpreter."""
-    python = os.path.abspath(gen.engine_python)
+    python = os.path.abspath(gen.engine_python or default_vllm_python())
     if not os.path.isfile(python) or not os.access(python, os.X_OK):
-        raise ValueError(f"data.generation.engine_python={gen.engine_python!r}: no such interpreter; {SETUP_HINT}")
+        raise ValueError(f"data.generation.engine_python={gen.engine_python!r} ({python}): no such interpreter; "
+                         f"{SETUP_HINT}")
     return python
 
 

@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "VLLM_MODES", "attach_chain", "chain_rows", "check_servable", "check_serve_config",
-    "default_vllm_python",
     "summarize_chain", "target_folder", "vllm_enabled", "vllm_track",
 ]
 
@@ -84,13 +83,6 @@ def check_servable(drafter_config) -> None:
     if problems:
         raise ValueError("+serve=dflash trains a drafter the DFlash format cannot hold: "
                          + "; ".join(f"drafter.{k}: {why}" for k, why in problems.items()))
-
-
-def default_vllm_python() -> str:
-    """The vLLM interpreter: ``$EXITTRAIN_VLLM_PYTHON``, else the checkout's ``.venv-vllm/bin/python``
-    (``make vllm-setup``), found from this file so that Hydra's run directory does not matter."""
-    env = os.environ.get("EXITTRAIN_VLLM_PYTHON")
-    return env or str(Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python")
 
 
 def vllm_enabled(mode, vllm_python: str | os.PathLike) -> bool:

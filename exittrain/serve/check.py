@@ -41,6 +41,8 @@ import sys
 import time
 from pathlib import Path
 
+from exittrain.serve.interpreter import default_vllm_python
+
 __all__ = ["WORKER", "check_args", "main", "parse_args", "run", "run_vllm", "run_worker"]
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -51,7 +53,8 @@ _SETUP = "make vllm-setup"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="interpreter of the vLLM venv")
+    parser.add_argument("--vllm-python", default=default_vllm_python(),
+                        help="interpreter of the vLLM venv (default: $EXITTRAIN_VLLM_PYTHON, else .venv-vllm/bin/python)")
     parser.add_argument("--drafter", default=None, help="DFlash-format drafter folder (default: random weights)")
     parser.add_argument("--num-speculative-tokens", type=int, default=None, help="K (default: block_size - 1)")
     parser.add_argument(

@@ -212,6 +212,12 @@ def test_resolve_engine_errors_name_the_fix(tmp_path):
     if sys.modules.get("vllm") is None:
         with pytest.raises(ValueError, match="has no vLLM installed"):
             resolve_engine(GenerationConfig(backend="vllm", engine_python=sys.executable))
+    # no engine_python: the one default every vLLM caller uses, $EXITTRAIN_VLLM_PYTHON first
+    missing = tmp_path / "env" / "python"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EXITTRAIN_VLLM_PYTHON", str(missing))
+        with pytest.raises(ValueError, match=rf"engine_python=None \({missing}\): no such interpreter"):
+            resolve_engine(GenerationConfig(backend="vllm"))
     with pytest.raises(ValueError, match="http://HOST:PORT"):
         resolve_engine(_gen("localhost:8000"))
     with pytest.raises(ValueError, match="backend=vllm"):
