@@ -56,13 +56,13 @@ from exittrain.heldout.serving_track import (
     vllm_track,
 )
 from exittrain.heldout.tree_example import tree_example
-from exittrain.serve.interpreter import default_vllm_python
 from exittrain.lit import full_drafter, save_drafter
 from exittrain.lit.checkpoint_io import AtomicCheckpointIO
 from exittrain.lit.run_logging import close_logger, global_rank, log_table, make_logger, seed_everything
 from exittrain.lit.train_steps import scalar_metrics, train_steps
 from exittrain.models.dflash_format import load_dflash
 from exittrain.run_dir import STAGE_LABELS, RunDir, write_json_atomic
+from exittrain.serve.interpreter import default_vllm_python
 from exittrain.settings import check_fit_config
 
 __all__ = ["fit", "FitRun", "setup_run", "train_stage", "evaluate_held_out", "finish_run"]
@@ -268,7 +268,8 @@ def finish_run(run: FitRun) -> dict:
                   f"its logs are in {out.path / 'vllm'}")
     run.summary["primary_drafter"] = primary_drafter(run, exported, drafter_dir, served_label)
     budget = max(run.settings["budgets"])
-    out.write_tree_example(tree_example(run.target, run.full, run.eval_prompts[0], budget=budget))
+    out.write_tree_example(tree_example(run.target, run.full, run.eval_prompts[0], budget=budget,
+                                        shape=run.cfg.tree.get("shape", "ddtree")))  # what the run trained on
     run.timings["total_s"] = time.perf_counter() - run.started
     run.summary["timings"] = run.timings
     run.summary["drafter"] = str(drafter_dir)

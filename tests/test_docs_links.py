@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from exittrain.report import results_page
+from exittrain.report import results_markdown, results_page
 
 ROOT = Path(__file__).resolve().parents[1]
 _FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
@@ -158,7 +158,7 @@ def test_the_checker_sees_broken_links(tmp_path):
 
 def test_results_page_is_what_results_gives():
     page = (ROOT / "RESULTS.md").read_text(encoding="utf-8")
-    fresh = results_page.render_page(results_page.load_results(ROOT / "results"),
-                                     results_page.load_page(ROOT / "results"))
+    fresh = results_markdown.render_page(results_page.load_results(ROOT / "results"),
+                                         results_page.load_page(ROOT / "results"))
     assert page == fresh, "RESULTS.md is stale: run `python -m exittrain report --results` and commit it"
     assert "BENCHMARKS.md" not in (ROOT / "README.md").read_text(encoding="utf-8")

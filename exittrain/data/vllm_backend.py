@@ -12,8 +12,9 @@ Face ``generate`` (:func:`exittrain.data.generation.generate_batch`). Two engine
 
 Each answer follows :func:`~exittrain.data.generation.split_response`: the response runs up to
 and including the first EOS (``eos_ids``, also vLLM's stop tokens) and ``finished`` is True iff it
-ends with one. Greedy, or ``gen``'s sampling (``temperature``, ``top_p``) with the seed
-``gen.seed + batch_index``, so a resumed batch draws the same. With ``top_logprobs`` k > 0,
+ends with one (both engines read their outputs with :mod:`exittrain.data.vllm_outputs`). Greedy,
+or ``gen``'s sampling (``temperature``, ``top_p``) with the seed ``gen.seed + batch_index``, so a
+resumed batch draws the same. With ``top_logprobs`` k > 0,
 ``top_ids`` / ``top_logprobs`` (r, k) are the k most likely next tokens and their log-probabilities
 at each response position, sorted descending, from the raw distribution before any sampling warp
 (vLLM's default ``logprobs_mode="raw_logprobs"``). vLLM adds the sampled token to its top k as an
@@ -46,9 +47,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from exittrain.data.generation import GENERATION_DTYPES, Answer, GenerationConfig, split_response
+from exittrain.data.generation import GENERATION_DTYPES, Answer, GenerationConfig
+from exittrain.data.vllm_outputs import cut_short, make_answer
 from exittrain.serve.interpreter import default_vllm_python
 
 # Shapes: r = response length, k = top log-probabilities kept per response position.
@@ -114,56 +114,6 @@ def resolve_engine(gen: GenerationConfig, *, retries: int = 4, backoff_s: float 
             f"{proc.stderr.strip()[-300:]}); {SETUP_HINT}"
         )
     return dataclasses.replace(gen, engine_version=_version_tag(version))
-
-
-# ----------------------------------------------------------------------------------------------
-# vLLM's log-probabilities -> soft labels
-# ----------------------------------------------------------------------------------------------
-
-
-def top_k_rows(positions: Sequence[Sequence[tuple[int, float]]], k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's per-position entries -> ``(top_ids (r, k) int32, top_logprobs (r, k) float32)``, sorted descending.
-
-    vLLM returns, at each generated position, its top k plus the sampled token (an extra entry when
-    the sampled token is not among the k; the two coincide in greedy decoding). Keeping the k largest
-    drops that extra entry; ties keep vLLM's order. A position with fewer than k entries means the
-    engine was asked for fewer: RuntimeError.
-    """
-    ids_rk = torch.zeros(len(positions), k, dtype=torch.int32)
-    logp_rk = torch.zeros(len(positions), k, dtype=torch.float32)
-    for j, entries in enumerate(positions):
-        unique = dict(entries)  # the sampled token may be listed twice (as sampled and as top-k)
-        if len(unique) < k:
-            raise RuntimeError(f"vLLM returned {len(unique)} log-probabilities at response position {j}, fewer "
-                               f"than the {k} requested")
-        best = sorted(unique.items(), key=lambda item: -item[1])[:k]
-        ids_rk[j] = torch.tensor([t for t, _ in best], dtype=torch.int32)
-        logp_rk[j] = torch.tensor([lp for _, lp in best], dtype=torch.float32)
-    return ids_rk, logp_rk
-
-
-def make_answer(
-    token_ids: Sequence[int], positions: Sequence[Sequence[tuple[int, float]]] | None, k: int, eos_ids: Sequence[int]
-) -> Answer:
-    """One engine output as an :class:`Answer`: the response up to and including the first EOS and,
-    with k > 0, the soft labels of those r positions (``positions``: vLLM's entries per generated token)."""
-    response, finished = split_response(list(token_ids), eos_ids)
-    if k <= 0:
-        return Answer(response, finished)
-    if positions is None or len(positions) < len(response):
-        got = "none" if positions is None else len(positions)
-        raise RuntimeError(f"vLLM returned log-probabilities for {got} of {len(response)} response tokens")
-    top_ids, top_logprobs = top_k_rows(positions[: len(response)], k)
-    return Answer(response, finished, None, top_ids, top_logprobs)
-
-
-def cut_short(finish_reason: str | None, n_tokens: int, max_tokens: int) -> str | None:
-    """Why an output that stopped for length before ``max_tokens`` is no answer (the engine's
-    ``max_model_len`` cut it), or None for a whole answer."""
-    if finish_reason == "length" and n_tokens < max_tokens:
-        return (f"the engine stopped the answer at {n_tokens} of max_tokens={max_tokens} tokens: prompt plus "
-                "answer exceed its max_model_len (a server's --max-model-len)")
-    return None
 
 
 def _sampling(gen: GenerationConfig, batch_index: int) -> dict[str, Any]:
@@ -521,6 +471,6 @@ def open_answerer(gen: GenerationConfig, *, target_name: str, tokenizer: Any, mo
 
 
 __all__ = [
-    "Answerer", "OfflineAnswerer", "ServerAnswerer", "ServerRejected", "cut_short", "kv_cache_bytes", "make_answer",
-    "open_answerer", "resolve_engine", "top_k_rows", "vllm_dtype",
+    "Answerer", "OfflineAnswerer", "ServerAnswerer", "ServerRejected", "kv_cache_bytes", "open_answerer",
+    "resolve_engine", "vllm_dtype",
 ]

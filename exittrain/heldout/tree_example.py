@@ -3,8 +3,9 @@
 :func:`tree_example` runs the first round of speculative decoding on one prompt exactly as
 :class:`~exittrain.decoding.SpeculativeDecoder` does (prefill ``prompt[:-1]`` with the drafter's
 feature layers, draft from the root ``prompt[-1]``, :func:`~exittrain.core.build_tree` on the
-drafter's log-softmax, one :meth:`TargetModel.tree_forward`), then records the exit law of that
-tree (docs/algorithm.md section 4) and the path a verifier accepts.
+drafter's log-softmax (or its greedy chain, ``shape="chain"``), one
+:meth:`TargetModel.tree_forward`), then records the exit law of that tree (docs/algorithm.md
+section 4) and the path a verifier accepts.
 
 Two temperatures, on purpose:
 
@@ -42,7 +43,7 @@ from collections.abc import Sequence
 
 import torch
 
-from exittrain.core import build_tree, exit_law, verify_greedy, verify_tev, warp_probs
+from exittrain.core import exit_law, shaped_tree, verify_greedy, verify_tev, warp_probs
 
 __all__ = ["tree_example", "printable_token", "FORMAT"]
 
@@ -89,11 +90,15 @@ def tree_example(
     *,
     law_temperature: float | None = None,
     seed: int = 0,
+    shape: str = "ddtree",
 ) -> dict:
     """Draft, build and score one tree for ``prompt_ids`` and return its exit law (module docstring).
 
     ``prompt_ids``: at least 2 token ids (context + root; apply the chat template first).
-    ``budget``: tree nodes (root excluded). Raises ValueError on a bad prompt, budget or temperature.
+    ``budget``: tree nodes (root excluded). ``shape``: ``ddtree`` (the decoder's best-first tree) or
+    ``chain`` (the drafter's greedy chain of ``min(budget, K)`` nodes, what a serving engine
+    verifies: ``tree.shape`` of a ``+serve=dflash`` run). Raises ValueError on a bad prompt,
+    budget, temperature or shape.
     The drafter is run in eval mode and put back into its previous mode afterwards.
     """
     ids = [int(t) for t in prompt_ids]
@@ -121,7 +126,7 @@ def tree_example(
         logits_1KV = drafter(pre.features, root_1, context_ids=ids_1T[:, :-1])
     finally:
         drafter.train(was_training)
-    tree = build_tree(torch.log_softmax(logits_1KV.float(), dim=-1), budget)
+    tree = shaped_tree(torch.log_softmax(logits_1KV.float(), dim=-1), budget, shape)
     out = target.tree_forward(pre.cache, root_1, tree)
     logits = out.logits.float()
     law = exit_law(tree, warp_probs(logits, law_temperature))

@@ -1,8 +1,9 @@
 """`python -m exittrain report --results`: RESULTS.md, generated from the result JSONs under ``results/``.
 
 The page is a pure function of the files in ``results/`` (nothing is read from the clock or the
-host that renders it), so a test can regenerate it and compare byte for byte. Its header takes the
-commit and the date of the newest result.
+host that renders it; :mod:`exittrain.report.results_markdown` renders it), so a test can
+regenerate it and compare byte for byte. Its header takes the commit and the date of the newest
+result.
 
 Files read, in ``ROOT/results/`` (``--root``, default the current folder, a checkout):
 
@@ -47,11 +48,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from exittrain.report.experiment_page import check_experiment, experiment_lines, read_experiment, summarize_experiment
+from exittrain.report.experiment_page import check_experiment, read_experiment, summarize_experiment
+from exittrain.report.results_markdown import render_page
 
 __all__ = [
-    "SCHEMA", "load_results", "load_page", "render_page", "write_page", "summarize_fit_run",
-    "summarize_ablation", "host_info", "main",
+    "SCHEMA", "load_results", "load_page", "write_page", "summarize_fit_run", "summarize_ablation", "host_info", "main",
 ]
 
 log = logging.getLogger(__name__)
@@ -64,26 +65,6 @@ _LOG_DATE = re.compile(r"^\[(\d{4}-\d{2}-\d{2}) ", re.M)
 _LOG_CAPABILITY = re.compile(r"CPU capability (\w+)")
 _HOST_KEYS = ("cpu_model", "cpu_capability", "gpu", "torch", "shared")
 _ROW_KEYS = ("label", "budget", "temperature", "prompts", "tau", "ci95", "tokens_per_s", "ar_tokens_per_s", "speedup")
-_LABELS = {"warm_start": "warm start (block CE)", "exittrain": "after ExitTrain", "served": "DFlash export"}
-_FIT_LEGEND = (
-    "tau: tokens per decoding round on the held-out evaluation prompts, with its bootstrap interval over "
-    "prompts. Held-out tau: the warm start on the validation rows at every anchor, greedy (the block a "
-    "T = 0 verifier accepts, `val/greedy_block_length`) and analytic (the expected block length under the "
-    "target's law, `val/analytic_block_length`). Speedup: tokens/s over the target decoding alone."
-)
-_SERVING_LEGEND = (
-    "Chain tau (K): the same prompts decoded with the drafter's greedy chain of K tokens, the draft vLLM and "
-    "SGLang verify. vLLM tau: vLLM's mean acceptance length of the DFlash export on those prompts (MISMATCH: "
-    "vLLM's greedy outputs with speculation differed from those without)."
-)
-# the stages of a fit run's wall time, in the order they run (metrics.json "timings")
-_STAGES = (
-    ("regeneration_and_setup_s", "regeneration + setup"),
-    ("pretrain_s", "pretrain"),
-    ("eval_warm_start_s", "eval of the warm start"),
-    ("exittrain_s", "ExitTrain"),
-    ("eval_exittrain_s", "eval after ExitTrain"),
-)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,160 +168,7 @@ def load_page(results_dir: str | Path) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# rendering
-
-
-def _f(x: float | None, fmt: str = "{:.2f}") -> str:
-    return "-" if x is None else fmt.format(x)
-
-
-def _json_link(res: dict) -> str:
-    return f"[{res['name']}](results/{res['name']}.json)"
-
-
-def _cmd_link(res: dict) -> str:
-    return f"[command](#{res['name']})"
-
-
-def _host_text(host: dict) -> str:
-    where = host["gpu"] or f"{host['cpu_model']}, `{host['cpu_capability']}`"
-    if host.get("emulation"):
-        where += f" (emulated: {host['emulation']})"
-    return where + (", shared machine" if host["shared"] else "")
-
-
-def _serving_cells(row: dict) -> str:
-    """The serving track's cells of a fit row: the greedy chain's tau at K, and vLLM's acceptance length
-    of the DFlash export (``MISMATCH`` when speculation changed vLLM's greedy outputs)."""
-    chain = f"{row['chain_tau']:.2f} ({row.get('chain_K', '-')})" if row.get("chain_tau") is not None else "-"
-    vllm = "-"
-    if row.get("vllm_tau") is not None:
-        ci = row.get("vllm_ci95")
-        vllm = f"{row['vllm_tau']:.2f}" + ("" if ci is None else f" ({ci[0]:.2f}-{ci[1]:.2f})")
-        vllm += "" if row.get("vllm_matches_plain", True) else " MISMATCH"
-    return f" {chain} | {vllm} |"
-
-
-def _fit_rows(results: list[dict]) -> list[str]:
-    # the serving-track columns appear once a result has them (results written before them stay as they were)
-    serving = any("chain_tau" in row for res in results for row in res["tables"])
-    lines = [
-        "| result | host | drafter | B | T | prompts x tokens | tau (95% CI) | "
-        + ("chain tau (K) | vLLM tau | " if serving else "")
-        + "held-out tau: greedy / analytic | tokens/s (target alone) | speedup | run wall time |",
-        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if serving else ""),
-    ]
-    for res in results:
-        held = res["heldout"]
-        for row in res["tables"]:
-            heldout = "-"
-            if held is not None and row["label"] == "warm_start":
-                heldout = f"{_f(held.get('greedy_tau'))} / {_f(held.get('analytic_tau'))}"
-            lo, hi = row["ci95"]
-            lines.append(
-                f"| {_json_link(res)} ({_cmd_link(res)}) | {_host_text(res['host'])} "
-                f"| {_LABELS.get(row['label'], row['label'])} | {row['budget']} | {row['temperature']:g} "
-                f"| {row['prompts']} x {row.get('new_tokens') or '-'} | {row['tau']:.2f} ({lo:.2f}-{hi:.2f}) |"
-                + (_serving_cells(row) if serving else "")
-                + f" {heldout} | {row['tokens_per_s']:.1f} ({row['ar_tokens_per_s']:.1f}) | {row['speedup']:.2f}x "
-                f"| {res['wall_s']['total_s'] / 60:.1f} min |"
-            )
-    return lines
-
-
-def _wall_rows(results: list[dict]) -> list[str]:
-    head = " | ".join(name for _, name in _STAGES)
-    lines = [f"| result | {head} | total | peak RSS |", "|---|" + "---|" * (len(_STAGES) + 2)]
-    for res in results:
-        cells = " | ".join(_f(res["wall_s"].get(key), "{:.0f} s") for key, _ in _STAGES)
-        rss = _f(res.get("peak_rss_gb"), "{:.1f} GB")
-        lines.append(f"| {_json_link(res)} ({_cmd_link(res)}) | {cells} | {res['wall_s']['total_s'] / 60:.1f} min "
-                     f"| {rss} |")
-    return lines
-
-
-def _see(ref: str, names: set[str]) -> str:
-    return f"[{ref}](results/{ref}.json)" if ref in names else f"[{Path(ref).name}]({ref})"
-
-
-def _ablation_lines(results: list[dict], page: dict) -> list[str]:
-    abl = [r for r in results if r["kind"] == "ablation"]
-    spec = page["ablation"]
-    if not abl:
-        return [f"{spec['verdict']} History: [{Path(spec['notebook']).name}]({spec['notebook']}).", "",
-                f"Command: `{spec['command']}`"]
-    lines = []
-    for res in abl:
-        sm = res["summary"]
-        best = sm["best_weight_type"]
-        ratio = sm["overall_tau_vs_control"][best]
-        met = "met" if sm["goal_met"] else "not met"
-        lines += [
-            f"- {res['date']}, {_json_link(res)} ({_cmd_link(res)}): best ExitTrain arm **{best}**, decoded tau "
-            f"{ratio:.3f}x the block-CE control (mean over domains, budgets and temperatures); goal "
-            f"{res['goal']:.2f}x: **{met}**.",
-        ]
-    return lines
-
-
-def render_page(results: list[dict], page: dict) -> str:
-    """The Markdown of RESULTS.md: a pure function of the results and the page text."""
-    names = {r["name"] for r in results}
-    lines = ["# Results", "",
-             "Generated by `python -m exittrain report --results` from the JSON files in [results/](results/); "
-             "do not edit it by hand. Each figure's row links to its JSON and to its exact command. The "
-             "history of every measurement, including those no JSON was kept for, is the "
-             "[notebook](docs/notebook/README.md).", ""]
-    if results:
-        newest = results[-1]
-        torches = sorted({r["host"]["torch"] for r in results})
-        lines += ["| | |", "|---|---|",
-                  f"| commit | `{newest['commit']}` (newest result: {_json_link(newest)}) |",
-                  f"| date | {newest['date']} |",
-                  f"| hosts | {'; '.join(sorted({_host_text(r['host']) for r in results}))} |",
-                  f"| torch | {', '.join(torches)} |", ""]
-        lines += ["## Hosts", "", "| result | CPU | `get_cpu_capability()` | GPU | torch | shared machine |",
-                  "|---|---|---|---|---|---|"]
-        for res in results:
-            h = res["host"]
-            cap = f"`{h['cpu_capability']}`" + (" (emulated)" if h.get("emulation") else "")
-            lines.append(f"| {_json_link(res)} | {h['cpu_model']} | {cap} | {h['gpu'] or '-'} "
-                         f"| {h['torch']} | {'yes' if h['shared'] else 'no'} |")
-        lines.append("")
-    fits = [r for r in results if r["kind"] == "fit"]
-    recipes = list(page["recipes"]) + sorted({r["recipe"] for r in fits} - set(page["recipes"]))
-    for recipe in recipes:
-        mine = [r for r in fits if r["recipe"] == recipe]
-        lines += [f"## Recipe `{recipe}`", ""]
-        if not mine:
-            note = page["not_measured"].get(recipe)
-            lines += ["Not measured at the current defaults: no result in `results/`."
-                      + (f" Earlier runs: [{Path(note).name}]({note})." if note else ""), ""]
-            continue
-        serving = any("chain_tau" in row for res in mine for row in res["tables"])
-        legend = _FIT_LEGEND + (" " + _SERVING_LEGEND if serving else "")
-        lines += _fit_rows(mine) + ["", legend, "", "Wall time by stage:", ""] + _wall_rows(mine) + [""]
-        for res in mine:
-            for note in res.get("notes", []):
-                lines.append(f"- {_json_link(res)}: {note}")
-        lines.append("")
-    lines += ["## The ablation: ExitTrain against the block-CE control", ""] + _ablation_lines(results, page) + [""]
-    experiments = [r for r in results if r["kind"] == "experiment"]
-    if experiments:
-        lines += ["## Does exit-guided training help? ExitTrain arms against matched controls", ""]
-        for res in experiments:
-            lines += experiment_lines(res, _json_link(res), _cmd_link(res))
-    lines += ["## Known negatives", ""]
-    for neg in page["negatives"]:
-        refs = ", ".join(_see(ref, names) for ref in neg["see"])
-        lines.append(f"- {neg['text']}" + (f" ({refs})" if refs else ""))
-    lines += ["", "## Notebook", ""]
-    lines += [f"- [{e['title']}]({e['path']})" for e in page["notebook"]]
-    lines += ["", "## Commands", ""]
-    for res in results:
-        lines += [f"### {res['name']}", "", f"{res['date']}, commit `{res['commit']}`:", "", "```bash",
-                  res["command"], "```", ""]
-    return "\n".join(lines).rstrip("\n") + "\n"
+# writing the page
 
 
 def write_page(root: str | Path = ".", check: bool = False) -> str:

@@ -54,7 +54,7 @@ _SETUP = "make vllm-setup"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-python", default=default_vllm_python(),
-                        help="interpreter of the vLLM venv (default: $EXITTRAIN_VLLM_PYTHON, else .venv-vllm/bin/python)")
+                        help="the vLLM interpreter (default: $EXITTRAIN_VLLM_PYTHON, else .venv-vllm/bin/python)")
     parser.add_argument("--drafter", default=None, help="DFlash-format drafter folder (default: random weights)")
     parser.add_argument("--num-speculative-tokens", type=int, default=None, help="K (default: block_size - 1)")
     parser.add_argument(

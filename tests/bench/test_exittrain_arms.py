@@ -13,37 +13,38 @@ import pytest
 import torch
 
 from exittrain.bench import exittrain_arms as bx
+from exittrain.bench.exittrain_grid import ARMS, Arm
 
 
 def test_every_exittrain_arm_has_its_matched_control_in_the_grid():
-    names = [a.name for a in bx.ARMS]
+    names = [a.name for a in ARMS]
     assert len(set(names)) == len(names)
-    for arm in bx.ARMS:
+    for arm in ARMS:
         if arm.stage == "exittrain":
             assert arm.control in names, f"{arm.name} has no matched control"
-            control = next(a for a in bx.ARMS if a.name == arm.control)
+            control = next(a for a in ARMS if a.name == arm.control)
             assert (control.labels, control.rows) == (arm.labels, arm.rows)
             assert arm.module_args()["lambda_exit"] == arm.lambda_exit > 0
         else:
             assert "lambda_exit" not in arm.module_args()
-    hard = bx.Arm("hard", lambda_exit=0.1)
+    hard = Arm("hard", lambda_exit=0.1)
     assert hard.module_args()["soft_label_weight"] == 0.0 and hard.name == "exittrain-hard-flow-l0.1-fresh"
-    assert bx.Arm(budget_train=32, lambda_exit=1.0).name.endswith("-B32-fresh")
+    assert Arm(budget_train=32, lambda_exit=1.0).name.endswith("-B32-fresh")
 
 
 def test_the_chain_arm_trains_on_its_shape_against_the_same_control():
-    chain = next(a for a in bx.ARMS if a.tree_shape == "chain")
+    chain = next(a for a in ARMS if a.tree_shape == "chain")
     assert chain.name == "exittrain-soft-flow-l1-chain-fresh"
     assert chain.control == "control-soft-fresh"
     # the shape is passed whatever tree.shape says, for both shapes; the chain keeps budget_train (min(B, K) nodes)
     assert chain.module_args()["tree_shape"] == "chain" and chain.module_args()["budget"] == 16
-    tree = bx.Arm("soft", lambda_exit=1.0)
+    tree = Arm("soft", lambda_exit=1.0)
     assert tree.name == "exittrain-soft-flow-l1-fresh" and tree.module_args()["tree_shape"] == "ddtree"
-    assert bx.Arm().module_args()["tree_shape"] == "ddtree"  # the control: passed, unused (no node loss)
+    assert Arm().module_args()["tree_shape"] == "ddtree"  # the control: passed, unused (no node loss)
     # the chain's size is K, not the budget: no -B suffix at any budget
-    assert bx.Arm(lambda_exit=1.0, budget_train=32, tree_shape="chain").name == "exittrain-soft-flow-l1-chain-fresh"
+    assert Arm(lambda_exit=1.0, budget_train=32, tree_shape="chain").name == "exittrain-soft-flow-l1-chain-fresh"
     with pytest.raises(ValueError, match="ddtree"):
-        bx.Arm(lambda_exit=1.0, tree_shape="tree")
+        Arm(lambda_exit=1.0, tree_shape="tree")
 
 
 def _measured(shift: float, noise: float, prompts: int = 12, anchors: int = 20) -> dict:

@@ -24,14 +24,8 @@ import pytest
 import torch
 
 from exittrain.data.generation import GenerationConfig
-from exittrain.data.vllm_backend import (
-    OfflineAnswerer,
-    ServerAnswerer,
-    make_answer,
-    open_answerer,
-    resolve_engine,
-    top_k_rows,
-)
+from exittrain.data.vllm_backend import OfflineAnswerer, ServerAnswerer, open_answerer, resolve_engine
+from exittrain.data.vllm_outputs import make_answer, top_k_rows
 
 VOCAB, EOS = 50, 7
 

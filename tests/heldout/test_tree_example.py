@@ -74,6 +74,29 @@ def test_tree_example_sampled_and_exact_greedy_law(pair):
     assert exact["exit_mass"][exact["exit_row"]] == pytest.approx(1.0)
 
 
+def test_tree_example_of_a_chain_is_the_greedy_chain_a_serving_engine_verifies(pair):
+    """``shape="chain"`` (a ``+serve=dflash`` run's tree.shape): K nodes, each the child of the one
+    before, each the drafter's argmax at its depth, the same as the DDTree example's first path."""
+    target, drafter = pair
+    K = drafter.config.num_draft_tokens
+    chain = tree_example(target, drafter, PROMPT, budget=16, shape="chain")
+    check_law(chain, K)
+    assert chain["num_nodes"] == K and chain["parents"] == list(range(K)) and chain["depths"] == list(range(1, K + 1))
+    tree = tree_example(target, drafter, PROMPT, budget=16)
+    # DDTree's best-first tree holds a prefix of the argmax chain: at each depth its first child
+    # (best-first: the highest-scored) is the chain's token, until the tree is wider than deep
+    node, held = 0, 0
+    for depth in range(1, K + 1):
+        child = next((j for j, (p, d) in enumerate(zip(tree["parents"], tree["depths"]), 1) if p == node), None)
+        if child is None:
+            break
+        assert tree["tokens"][child - 1] == chain["tokens"][depth - 1]
+        node, held = child, depth
+    assert held >= 1
+    with pytest.raises(ValueError, match="tree.shape"):
+        tree_example(target, drafter, PROMPT, budget=4, shape="star")
+
+
 def test_tree_example_bad_input(pair, tmp_path):
     target, drafter = pair
     with pytest.raises(ValueError, match="at least 2"):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from exittrain.report import results_page
+from exittrain.report import results_markdown, results_page
 from exittrain.report import run_report as report
 from tests.report.helpers import make_fit_run, write_json
 
@@ -65,7 +65,7 @@ def test_page_shows_every_row_linked_to_its_json_and_command(tmp_path):
     run, _ = fake_run(tmp_path)
     res = results_page.summarize_fit_run(run, name="fit-a", command="python -m exittrain fit +recipe=code",
                                          commit="abc1234", host=HOST)
-    text = results_page.render_page([res], results_page.load_page(make_root(tmp_path, [res]) / "results"))
+    text = results_markdown.render_page([res], results_page.load_page(make_root(tmp_path, [res]) / "results"))
     rows = [line for line in text.splitlines() if line.startswith("| [fit-a](results/fit-a.json) ([command](#fit-a))")
             and ("| warm start (block CE) |" in line or "| after ExitTrain |" in line)]
     assert len(rows) == len(res["tables"])
@@ -84,7 +84,7 @@ def test_fit_rows_show_the_serving_track_when_a_run_has_it(tmp_path):
     older results keeps its columns as they were."""
     run, metrics = fake_run(tmp_path)
     plain = results_page.summarize_fit_run(run, name="fit-a", command="c", commit="abc1234", host=HOST)
-    old_text = results_page.render_page([plain], results_page.load_page(make_root(tmp_path, [plain]) / "results"))
+    old_text = results_markdown.render_page([plain], results_page.load_page(make_root(tmp_path, [plain]) / "results"))
     assert "chain tau (K)" not in old_text and "vLLM tau" not in old_text
     for label, tau in (("warm_start", 1.6), ("exittrain", 2.1)):
         for row in metrics["tables"][label]:
@@ -94,7 +94,7 @@ def test_fit_rows_show_the_serving_track_when_a_run_has_it(tmp_path):
     write_json(run / "metrics.json", metrics)
     res = results_page.summarize_fit_run(run, name="fit-b", command="c", commit="abc1234", host=HOST)
     assert [r["label"] for r in res["tables"]][-1] == "served" and res["tables"][-1]["vllm_tau"] == 2.05
-    text = results_page.render_page([res], results_page.load_page(make_root(tmp_path, [res]) / "results"))
+    text = results_markdown.render_page([res], results_page.load_page(make_root(tmp_path, [res]) / "results"))
     header = next(line for line in text.splitlines() if line.startswith("| result | host | drafter"))
     assert "| chain tau (K) | vLLM tau |" in header
     assert "| 1.60 (7) | - |" in text and "| 2.10 (7) | - |" in text
@@ -104,7 +104,7 @@ def test_fit_rows_show_the_serving_track_when_a_run_has_it(tmp_path):
     write_json(run / "metrics.json", metrics)
     res = results_page.summarize_fit_run(run, name="fit-c", command="c", commit="abc1234", host=HOST)
     assert "vllm_per_prompt" not in res["tables"][-1]  # the page keeps the summary, not the counts
-    text = results_page.render_page([res], results_page.load_page(make_root(tmp_path, [res]) / "results"))
+    text = results_markdown.render_page([res], results_page.load_page(make_root(tmp_path, [res]) / "results"))
     assert "| 2.10 (7) | 2.05 (1.90-2.20) MISMATCH |" in text
 
 
@@ -112,7 +112,7 @@ def test_an_emulated_capability_is_named_as_such(tmp_path):
     run, _ = fake_run(tmp_path)
     host = HOST | {"emulation": "ATEN_CPU_CAPABILITY=avx2 on an AVX512 CPU"}
     res = results_page.summarize_fit_run(run, name="fit-a", command="c", commit="abc1234", host=host)
-    text = results_page.render_page([res], PAGE)
+    text = results_markdown.render_page([res], PAGE)
     assert "| hosts | Test CPU, `AVX2` (emulated: ATEN_CPU_CAPABILITY=avx2 on an AVX512 CPU) |" in text
     assert "| [fit-a](results/fit-a.json) | Test CPU | `AVX2` (emulated) |" in text
 
@@ -136,7 +136,7 @@ def test_check_fails_on_a_stale_page_and_the_report_hook_writes_it(tmp_path, cap
     with pytest.raises(SystemExit, match="is not what results/ gives"):
         report.main(["--results", "--root", str(root), "--check"])
     report.main(["--results", "--root", str(root)])
-    assert (root / "RESULTS.md").read_text() == results_page.render_page([res], PAGE)
+    assert (root / "RESULTS.md").read_text() == results_markdown.render_page([res], PAGE)
     report.main(["--results", "--root", str(root), "--check"])
     res2 = copy.deepcopy(res)
     res2["tables"][0]["tau"] += 0.5
@@ -163,7 +163,7 @@ def test_an_ablation_result_gives_the_verdict_line(tmp_path):
         "analytic_vs_control": {"exittrain-flow": 1.001}, "best_weight_type": "exittrain-flow", "goal_met": False}})
     res = results_page.summarize_ablation(abl, name="ablation-code", command="python -m exittrain bench ablation",
                                           commit="abc1234", host=HOST, date="2026-12-01")
-    text = results_page.render_page([res], PAGE)
+    text = results_markdown.render_page([res], PAGE)
     assert ("- 2026-12-01, [ablation-code](results/ablation-code.json) ([command](#ablation-code)): best ExitTrain "
             "arm **exittrain-flow**, decoded tau 1.021x the block-CE control") in text
     assert "goal 1.13x: **not met**" in text and "No ablation result yet." not in text
@@ -189,7 +189,7 @@ def test_an_experiment_result_shows_its_verdict_and_paired_table(tmp_path):
     res = results_page.summarize_experiment_json(
         _experiment_json(tmp_path, []), name="exittrain-code", command="python -m exittrain bench exittrain",
         commit="abc1234", host=HOST, date="2026-12-01")
-    text = results_page.render_page([res], PAGE)
+    text = results_markdown.render_page([res], PAGE)
     assert "## Does exit-guided training help?" in text
     assert "- no ExitTrain setting's paired interval against its matched control excludes 0" in text
     assert "| exittrain-soft-flow-l1-fresh | - | 3.520; +0.012 (-0.004 to +0.031); +0.020 (+0.010 to +0.030) |" in text
@@ -197,7 +197,7 @@ def test_an_experiment_result_shows_its_verdict_and_paired_table(tmp_path):
     found = results_page.summarize_experiment_json(
         _experiment_json(tmp_path, ["exittrain-x beats control-x"]), name="e", command="c", commit="a", host=HOST,
         date="2026-12-01")
-    assert "- exittrain-x beats control-x" in results_page.render_page([found], PAGE)
+    assert "- exittrain-x beats control-x" in results_markdown.render_page([found], PAGE)
     # the run's own CPU capability (an emulation changes it), not the summarising machine's; notes kept
     data = json.loads(_experiment_json(tmp_path, []).read_text())
     write_json(tmp_path / "emulated.json", {**data, "host": {**HOST, "cpu_capability": "AVX2"}})
@@ -205,7 +205,7 @@ def test_an_experiment_result_shows_its_verdict_and_paired_table(tmp_path):
         tmp_path / "emulated.json", name="e", command="c", commit="a", host={**HOST, "emulation": "ATEN..."},
         date="2026-12-01", notes=["Measured at one commit."])
     assert emulated["host"]["cpu_capability"] == "AVX2" and emulated["notes"] == ["Measured at one commit."]
-    page = results_page.render_page([emulated], PAGE)
+    page = results_markdown.render_page([emulated], PAGE)
     assert "| `AVX2` (emulated) |" in page and "- Measured at one commit." in page
     write_json(tmp_path / "not_it.json", {"rows": []})
     with pytest.raises(ValueError, match="not a bench exittrain output"):
@@ -230,7 +230,7 @@ def test_an_experiment_on_the_chain_shows_the_chain_and_vllms_acceptance(tmp_pat
     write_json(tmp_path / "chain.json", data)
     res = results_page.summarize_experiment_json(tmp_path / "chain.json", name="e", command="c", commit="a",
                                                  host=HOST, date="2026-12-01")
-    text = results_page.render_page([res], PAGE)
+    text = results_markdown.render_page([res], PAGE)
     assert "The greedy chain of K = 7 (what vLLM and SGLang verify):" in text and "B = 7:" not in text
     assert "| exittrain-soft-flow-l1-chain-fresh | 2.310; +0.050 (+0.010 to +0.090); - | - |" in text
     assert "vLLM 0.32.0's own acceptance length" in text
