@@ -119,7 +119,11 @@ def test_the_choice_maximises_tau_per_round_cost_from_scripted_timings(target, d
     timer, calls = scripted_timer(cost, greedy_ms=9.0)
     choice = auto.probe_decode_settings(target, drafter, PROMPTS, max_budget=8, token_counts=COUNTS,
                                         vocab_sizes=(0, 16), copy_tails=(0, 5), answer_tokens=16, timer=timer)
-    assert calls[-1] is None and len(calls) == len(choice.candidates) + 1  # every candidate, then greedy
+    # every candidate, greedy, the finalists again, greedy again
+    assert calls[-1] is None and len(calls) == len(choice.candidates) + auto.FINALISTS + 2
+    assert calls[len(choice.candidates)] is None
+    assert {c.setting for c in choice.candidates if c.first_round_ms is not None} == set(
+        calls[len(choice.candidates) + 1 : -1])
     best = max(choice.candidates, key=lambda c: c.tau / cost(c.setting))
     assert choice.setting == best.setting
     for c in choice.candidates:
@@ -180,6 +184,34 @@ def test_an_expected_gain_within_timing_noise_decodes_greedily(target, drafter):
     assert probe(1.02 * 100.0 / best_tau).setting == auto.GREEDY
     clear = probe(1.08 * 100.0 / best_tau)
     assert clear.setting != auto.GREEDY and clear.chosen.speedup == pytest.approx(1.08)
+
+
+def test_the_fastest_first_timing_is_timed_again_and_a_flattering_one_loses(target, drafter):
+    """The winner's curse: one lucky first timing (B=2 at 1 ms, 60 ms when timed again) makes B=2
+    a finalist; timed again it is slow, and the choice goes to the finalist fastest on its second
+    timing.
+    The greedy step is the mean of its two timings."""
+    seen = []
+
+    def timer(setting):
+        if setting is None:
+            seen.append(None)
+            return 29.0 if seen.count(None) == 1 else 31.0
+        lucky = setting == DecodeSetting(2) and setting not in seen
+        seen.append(setting)
+        return 1.0 if lucky else (60.0 if setting == DecodeSetting(2) else 10.0 + setting.budget)
+
+    choice = auto.probe_decode_settings(target, drafter, PROMPTS, max_budget=8, copy_tails=(0, 5), answer_tokens=16,
+                                        timer=timer)
+    assert len(choice.candidates) > auto.FINALISTS
+    flattered = next(c for c in choice.candidates if c.setting == DecodeSetting(2))
+    assert flattered.first_round_ms == 1.0 and flattered.round_ms == 60.0  # its figures are the second timing's
+    assert choice.greedy_ms == 30.0
+    assert choice.setting != DecodeSetting(2)
+    finals = [c for c in choice.candidates if c.first_round_ms is not None]
+    assert len(finals) == auto.FINALISTS
+    assert choice.chosen == max(finals, key=lambda c: c.speedup)
+    assert choice.to_dict()["candidates"][0]["first_round_ms"] == flattered.first_round_ms
 
 
 def test_the_speedup_bound_is_the_point_estimate_on_alike_prompts_and_the_worst_prompt_at_the_tail():
