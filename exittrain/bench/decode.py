@@ -23,8 +23,10 @@ Side by side in one run, on the same held-out prompts and the same fp32 target, 
   probes fastest on this host for each prompt set (budgets up to the largest of ``--budgets``, a
   draft vocabulary when the drafter folder has token counts, a copy tail of prompt lookup's
   length, copy-led rounds, or greedy decoding without the drafter when nothing beats it),
-  probed on ``--probe-prompts`` prompts of the set that follow the measured ones, so the choice
-  is not tuned on the prompts it is timed on. The probe's reason is printed with the table.
+  probed on ``--probe-prompts`` other prompts of the set, taken in turn with the measured ones
+  from the same stretch of the set (:func:`interleaved_split`: the measured prompts are then
+  ``--skip``, ``--skip`` + 2, ...), so the choice is not tuned on the prompts it is timed on but
+  on the same kind of text. The probe's reason is printed with the table.
 
 The prompt sets (``--sets``), each reported in its own table: ``code``, ``dialogue``, ``math``,
 the domain's evaluation prompts of ``bench heldout`` (HumanEval, MT-Bench, gsm_symbolic with the
@@ -126,6 +128,23 @@ def heldout_prompts(target, domain: str, n: int, skip: int) -> list[list[int]]:
     if not prompts:
         raise ValueError(f"--skip {skip} leaves no {domain} evaluation prompt; lower --skip")
     return prompts
+
+
+def interleaved_split(items: list, first: int, second: int) -> tuple[list, list]:
+    """Two disjoint lists taken in turn from the head of ``items``: ``first[0], second[0],
+    first[1], ...``; once one holds its count the other takes the next items.
+
+    Why: ``--decode auto`` probes on ``second`` and is measured on ``first``. A set in the order it
+    ships (MT-Bench by category, HumanEval by task) changes from one stretch to the next, so a
+    probe on the prompts after the measured ones chose for other text (one dialogue drafter: tau
+    1.82 on those, 1.41 on the measured ones). Taken in turn, both come from the same stretch.
+    """
+    if first < 0 or second < 0 or first + second > len(items):
+        raise ValueError(f"cannot take {first} + {second} items from {len(items)}: fewer prompts, or a lower --skip")
+    a, b = [], []
+    for item in items[: first + second]:
+        (a if len(a) < first and (len(a) <= len(b) or len(b) >= second) else b).append(item)
+    return a, b
 
 
 def hf_generate(target, prompt: list[int], new_tokens: int, **extra) -> tuple[list[int], float]:
@@ -267,17 +286,21 @@ def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int,
                              copy_leads) if "fixed" in decode else [])
     measured = []
     for name in sets:
-        prompts = set_prompts(target, name, n_prompts, skip)
         decoders = list(fixed)
         choice = None
-        if "auto" in decode:  # probed on the prompts after the measured ones: not tuned on what it is timed on
-            meta, decoder = _auto_decoder(target, drafter, drafter_path,
-                                          set_prompts(target, name, probe_prompts, skip + n_prompts), max(budgets),
-                                          new_tokens)
+        if "auto" in decode:  # probed on other prompts of the same stretch: not tuned on what it is timed on
+            stretch = set_prompts(target, name, n_prompts + probe_prompts, skip)
+            (prompts, probe), (indices, _) = interleaved_split(stretch, n_prompts, probe_prompts), interleaved_split(
+                list(range(skip, skip + len(stretch))), n_prompts, probe_prompts)
+            meta, decoder = _auto_decoder(target, drafter, drafter_path, probe, max(budgets), new_tokens)
             decoders.append((meta, decoder))
             choice = decoder.auto_choice
             print(f"{name}: {choice.reason}")
+        else:
+            prompts = set_prompts(target, name, n_prompts, skip)
+            indices = list(range(skip, skip + len(prompts)))
         result = _measure_set(target, prompts, decoders, new_tokens, lookup_tokens, name)
+        result["prompt_indices"] = indices
         if choice is not None:
             result["auto"] = choice.to_dict()
         measured.append(result)
@@ -301,7 +324,10 @@ def _row_label(r: dict) -> str:
 def set_table(result: dict, measured: dict) -> list[str]:
     """One prompt set's lines: a heading, the methods' table, and the auto probe's reason."""
     g, pl, n = measured["greedy"], measured["prompt_lookup"], measured["prompts"]
-    heading = f"### {measured['name']}: {n} held-out prompts (from #{result['skip']}) x {result['new_tokens']} tokens"
+    indices = measured.get("prompt_indices") or list(range(result["skip"], result["skip"] + n))
+    where = (f"#{indices[0]}-#{indices[-1]}" if indices == list(range(indices[0], indices[0] + n))
+             else "#" + ", #".join(map(str, indices)))
+    heading = f"### {measured['name']}: {n} held-out prompts ({where}) x {result['new_tokens']} tokens"
     lines = [heading, ""]
     dash = ["-"] * len(ROUND_PARTS)
     rows = [
@@ -368,7 +394,7 @@ def main(argv=None) -> None:
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--skip", type=int, default=16, help="evaluation prompts to leave out first (fit decodes them)")
     parser.add_argument("--probe-prompts", type=int, default=8,
-                        help="prompts of each set, after the measured ones, that the auto probe measures on")
+                        help="prompts of each set, taken in turn with the measured ones, that the auto probe measures on")
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--cache", nargs="+", choices=["on", "off"], default=["on"],
                         help="decode with the drafter cache on, off (the full re-read), or both")

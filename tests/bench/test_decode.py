@@ -84,6 +84,7 @@ def test_markdown_has_one_table_per_set_with_the_baselines_our_rows_and_the_prob
                   "stage_ms_per_round": stage, "copy_tail": 10, "draft_vocab": 4096, "nodes_per_round": 9.5,
                   "auto": True}],
         "auto": {"reason": "decode auto -> B=4, draft vocab 4096, copy tail 10 (round 9 ms, tau 4.00)"},
+        "prompt_indices": [8, 10],  # auto's run: measured in turn with the probe's prompts
     }
     result = {
         "host": {"cpu_model": "Some CPU", "cpu_capability": "AVX2", "threads": 2, "torch": "2.13.0"},
@@ -95,8 +96,8 @@ def test_markdown_has_one_table_per_set_with_the_baselines_our_rows_and_the_prob
     }
     md = bench_decode.to_markdown(result)
     assert "Some CPU, capability AVX2, 2 threads" in md
-    assert "### code: 2 held-out prompts (from #8) x 16 tokens" in md
-    assert "### restating: 2 held-out prompts (from #8) x 16 tokens" in md
+    assert "### code: 2 held-out prompts (#8-#9) x 16 tokens" in md  # an older result: no indices, a stretch
+    assert "### restating: 2 held-out prompts (#8, #10) x 16 tokens" in md
     assert md.index("### code") < md.index("| HF prompt lookup (10) | - | - | 15.0 | 1.50x | 1.00x | 2/2 |")
     assert md.index("### restating") < md.index("| HF prompt lookup (10) | - | - | 16.6 | 1.66x | 1.00x | 2/2 |")
     ours = ("| ours B=8, drafter cache on, head auto | 3.00 | 8.0 | 18.0 | 1.80x | 1.20x | 2/2 | 10.0 | 0.0 | 1.0 "
@@ -130,6 +131,18 @@ def test_a_set_is_measured_with_every_output_checked_against_greedy(target, monk
     assert [r["auto"] for r in measured["rows"]] == [False, False, True]
     assert [r["copy_lead"] for r in measured["rows"][:2]] == [0, 2]
     assert all(r["equals_greedy"] == 2 and r["tau"] >= 1 and r["vs_greedy"] > 0 for r in measured["rows"])
+
+
+def test_the_probe_prompts_are_taken_in_turn_with_the_measured_ones():
+    assert bench_decode.interleaved_split(list(range(10)), 4, 4) == ([0, 2, 4, 6], [1, 3, 5, 7])
+    assert bench_decode.interleaved_split(list(range(10)), 5, 2) == ([0, 2, 4, 5, 6], [1, 3])
+    assert bench_decode.interleaved_split(list(range(10)), 2, 5) == ([0, 2], [1, 3, 4, 5, 6])
+    assert bench_decode.interleaved_split([7], 1, 0) == ([7], [])
+    for first, second in ((1, 1), (2, 3)):
+        a, b = bench_decode.interleaved_split(list(range(5)), first, second)
+        assert len(a) == first and len(b) == second and not set(a) & set(b)
+    with pytest.raises(ValueError, match="lower --skip"):
+        bench_decode.interleaved_split([1, 2], 2, 1)
 
 
 def test_the_restating_set_wraps_each_humaneval_prompt_in_the_request():
