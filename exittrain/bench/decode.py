@@ -290,8 +290,8 @@ def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int,
         choice = None
         if "auto" in decode:  # probed on other prompts of the same stretch: not tuned on what it is timed on
             stretch = set_prompts(target, name, n_prompts + probe_prompts, skip)
-            (prompts, probe), (indices, _) = interleaved_split(stretch, n_prompts, probe_prompts), interleaved_split(
-                list(range(skip, skip + len(stretch))), n_prompts, probe_prompts)
+            prompts, probe = interleaved_split(stretch, n_prompts, probe_prompts)
+            indices, _ = interleaved_split(list(range(skip, skip + len(stretch))), n_prompts, probe_prompts)
             meta, decoder = _auto_decoder(target, drafter, drafter_path, probe, max(budgets), new_tokens)
             decoders.append((meta, decoder))
             choice = decoder.auto_choice
@@ -394,7 +394,7 @@ def main(argv=None) -> None:
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--skip", type=int, default=16, help="evaluation prompts to leave out first (fit decodes them)")
     parser.add_argument("--probe-prompts", type=int, default=8,
-                        help="prompts of each set, taken in turn with the measured ones, that the auto probe measures on")
+                        help="prompts of each set, taken in turn with the measured ones, for the auto probe")
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--cache", nargs="+", choices=["on", "off"], default=["on"],
                         help="decode with the drafter cache on, off (the full re-read), or both")

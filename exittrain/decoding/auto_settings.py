@@ -482,8 +482,8 @@ def probe_decode_settings(
         round_ms = (sum(drafted) * cost[0] + led * cost[1]) / len(lengths)
         tau = sum(lengths) / len(lengths)
         per_prompt = [(sum(p[0]), sum(p[2]), len(p[2]) - sum(p[2])) for p in walked[s] if p[0]]
-        return CandidateResult(s, tau, sum(nodes) / len(nodes), round_ms, tau * greedy_ms / round_ms, led / len(lengths),
-                               speedup_bound(per_prompt, greedy_ms, *cost), first_ms)
+        return CandidateResult(s, tau, sum(nodes) / len(nodes), round_ms, tau * greedy_ms / round_ms,
+                               led / len(lengths), speedup_bound(per_prompt, greedy_ms, *cost), first_ms)
 
     def fastest(candidates):  # the most tokens a second; ties go to the cheaper round, then the earlier setting
         return max(candidates, key=lambda c: (round(c.speedup, 9), -c.round_ms), default=None)
