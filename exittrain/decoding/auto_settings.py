@@ -498,7 +498,9 @@ def probe_decode_settings(
     for s in finalists:
         twin = costs[DecodeSetting(s.budget, s.draft_vocab, s.copy_tail)][0] if s.copy_lead else None
         again[s] = round_costs(timer(s), twin)
-    greedy_ms = (greedy_ms + float(timer(None))) / 2  # no selection among greedy timings: both count
+    # no selection among greedy timings: both count (``measured`` reads greedy_ms when called, so the
+    # figures below use the mean; the ranking above did not depend on it)
+    greedy_ms = (greedy_ms + float(timer(None))) / 2
     results = [measured(s, again[s], first[s].round_ms) if s in again else measured(s, costs[s]) for s in settings]
     final = [c for c in results if c.setting in again]
     best_draft = chosen = fastest(final)
