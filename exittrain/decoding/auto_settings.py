@@ -360,9 +360,13 @@ def probe_decode_settings(
     # a short decode is not timed longer than it is long: the probe costs at most a few such decodes
     timer = timer or HostTimer(target, drafter, timed, vocabs, min(timed_tokens, answer_tokens), verifier)
     costs: dict[DecodeSetting, tuple[float, float]] = {}
-    for s in sorted(settings, key=lambda c: c.copy_lead > 0):  # drafting twins first: copy-led ones may need them
+
+    def timed_costs(s: DecodeSetting) -> tuple[float, float]:  # a copy-led setting's missing kind: its twin's
         twin = costs[DecodeSetting(s.budget, s.draft_vocab, s.copy_tail)][0] if s.copy_lead else None
-        costs[s] = round_costs(timer(s), twin)
+        return round_costs(timer(s), twin)
+
+    for s in sorted(settings, key=lambda c: c.copy_lead > 0):  # drafting twins first: copy-led ones may need them
+        costs[s] = timed_costs(s)
     greedy_ms = float(timer(None))  # after the rounds: a load that drifts during the probe weighs on both sides
 
     def measured(s: DecodeSetting, cost: tuple[float, float], first_ms: float | None = None) -> CandidateResult:
@@ -385,10 +389,7 @@ def probe_decode_settings(
     # are timed again, with greedy steps after them, and compared on the second timings alone,
     # which their selection did not pick.
     finalists = sorted(settings, key=lambda c: (-round(first[c].speedup, 9), first[c].round_ms))[:FINALISTS]
-    again = {}
-    for s in finalists:
-        twin = costs[DecodeSetting(s.budget, s.draft_vocab, s.copy_tail)][0] if s.copy_lead else None
-        again[s] = round_costs(timer(s), twin)
+    again = {s: timed_costs(s) for s in finalists}
     # no selection among greedy timings: both count (``measured`` reads greedy_ms when called, so the
     # figures below use the mean; the ranking above did not depend on it)
     greedy_ms = (greedy_ms + float(timer(None))) / 2
