@@ -2,7 +2,7 @@
 
 ``python -m exittrain bench decode --drafter PATH [--sets code dialogue math restating] [--decode auto fixed]
 [--budgets 16] [--prompts 10] [--skip 16] [--new-tokens 96] [--cache on off] [--head-layout auto linear]
-[--copy-tail 0 8] [--copy-lead 0 4] [--draft-vocab 0 4096] [--contexts 100 600]``
+[--copy-tail 0 8] [--copy-chains latest both] [--copy-lead 0 4] [--draft-vocab 0 4096] [--contexts 100 600]``
 
 Side by side in one run, on the same held-out prompts and the same fp32 target, at temperature 0:
 
@@ -14,9 +14,10 @@ Side by side in one run, on the same held-out prompts and the same fp32 target, 
   re-read, the reference twin), with the LM head in the layout timed fastest on this host and/or
   plain ``F.linear`` (``--head-layout auto linear``; :mod:`exittrain.models.row_matmul`;
   ``linear`` is the reference twin), and with each ``--copy-tail`` length
-  (:mod:`exittrain.core.copy_tail`; 0 is off), each ``--copy-lead`` n-gram length (copy-led
-  rounds: where the root's last n tokens occurred before, the round verifies the copy alone,
-  without the drafter; 0 is off) and each ``--draft-vocab`` size
+  (:mod:`exittrain.core.copy_tail`; 0 is off) with the chain of the latest n-gram match grafted,
+  or the earliest match's as well (``--copy-chains latest both``), each
+  ``--copy-lead`` n-gram length (copy-led rounds: where the root's last n tokens occurred
+  before, the round verifies the copy alone, without the drafter; 0 is off) and each ``--draft-vocab`` size
   (:mod:`exittrain.decoding.draft_vocab`, read from the drafter folder's ``draft_vocab.json``; 0
   is the whole vocabulary);
 - with ``--decode auto``, our decoder at the setting :mod:`exittrain.decoding.auto_settings`
@@ -202,15 +203,16 @@ def _head_layout(layout: str):
 
 
 def _fixed_decoders(target, drafter, drafter_path, budgets, caches, head_layouts, copy_tails, vocab_sizes,
-                    copy_leads=(0,)) -> list:
-    """``(row settings, decoder)`` for every combination of the fixed grid."""
+                    copy_leads=(0,), copy_earliest=(False,)) -> list:
+    """``(row settings, decoder)`` for every combination of the fixed grid (the copy chains vary
+    only where there is a copy tail)."""
     vocabs = {n: load_draft_vocabulary(drafter_path, n, target) for n in vocab_sizes}
     return [({"budget": b, "drafter_cache": c, "head_layout": h, "copy_tail": t, "draft_vocab": n, "copy_lead": m,
-              "auto": False},
+              "copy_earliest": e, "auto": False},
              SpeculativeDecoder(target, drafter, budget=b, verifier="tev", drafter_cache=c, copy_tail=t,
-                                draft_vocab=vocabs[n], copy_lead=m))
+                                draft_vocab=vocabs[n], copy_lead=m, copy_earliest=e))
             for b in budgets for c in caches for h in head_layouts for t in copy_tails for n in vocab_sizes
-            for m in copy_leads]
+            for m in copy_leads for e in (copy_earliest if t else copy_earliest[:1])]
 
 
 def _auto_decoder(target, drafter, drafter_path, probe_prompts, max_budget: int,
@@ -274,7 +276,7 @@ def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int,
         sets: list[str] = ("code",), caches: list[bool] = (True,), lookup_tokens: int = 10,
         contexts: list[int] | None = None, round_positions: int = 4, head_layouts: list[str] = ("auto",),
         copy_tails: list[int] = (0,), vocab_sizes: list[int] = (0,), decode: list[str] = ("fixed",),
-        probe_prompts: int = 8, copy_leads: list[int] = (0,)) -> dict:
+        probe_prompts: int = 8, copy_leads: list[int] = (0,), copy_earliest: list[bool] = (False,)) -> dict:
     from exittrain.models import load_drafter, load_target, new_drafter
 
     unknown = [name for name in sets if name not in SETS]
@@ -283,7 +285,7 @@ def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int,
     target = load_target(None)
     drafter = (load_drafter(drafter_path, target) if drafter_path else new_drafter(target, seed=0)).eval()
     fixed = (_fixed_decoders(target, drafter, drafter_path, budgets, caches, head_layouts, copy_tails, vocab_sizes,
-                             copy_leads) if "fixed" in decode else [])
+                             copy_leads, copy_earliest) if "fixed" in decode else [])
     measured = []
     for name in sets:
         decoders = list(fixed)
@@ -317,6 +319,7 @@ def _row_label(r: dict) -> str:
         return f"ours auto: {setting.label}"
     return (f"ours B={r['budget']}, drafter cache {'on' if r['drafter_cache'] else 'off'}, "
             f"head {r.get('head_layout', 'linear')}" + (f", copy tail {r['copy_tail']}" if r.get("copy_tail") else "")
+            + (", both copy chains" if r.get("copy_tail") and r.get("copy_earliest") else "")
             + (f", draft vocab {r['draft_vocab']}" if r.get("draft_vocab") else "")
             + (f", copy lead {r['copy_lead']}" if r.get("copy_lead") else ""))
 
@@ -402,6 +405,9 @@ def main(argv=None) -> None:
                         help="the LM head in the layout timed fastest here (auto), plain F.linear, or both")
     parser.add_argument("--copy-tail", type=int, nargs="+", default=[0],
                         help="copy tail lengths to decode with (0: off; SpeculativeDecoder(copy_tail=))")
+    parser.add_argument("--copy-chains", nargs="+", choices=["latest", "both"], default=["latest"],
+                        help="the copy tail's chains: the latest n-gram match's (latest), or the earliest match's "
+                             "as well (both; SpeculativeDecoder(copy_earliest=True))")
     parser.add_argument("--copy-lead", type=int, nargs="+", default=[0],
                         help="copy-led rounds on n-gram matches of these lengths (0: off; "
                              "SpeculativeDecoder(copy_lead=))")
@@ -419,7 +425,8 @@ def main(argv=None) -> None:
                  lookup_tokens=args.lookup_tokens, contexts=args.contexts, round_positions=args.round_positions,
                  head_layouts=list(dict.fromkeys(args.head_layout)), copy_tails=list(dict.fromkeys(args.copy_tail)),
                  vocab_sizes=list(dict.fromkeys(args.draft_vocab)), decode=list(dict.fromkeys(args.decode)),
-                 probe_prompts=args.probe_prompts, copy_leads=list(dict.fromkeys(args.copy_lead)))
+                 probe_prompts=args.probe_prompts, copy_leads=list(dict.fromkeys(args.copy_lead)),
+                 copy_earliest=[c == "both" for c in dict.fromkeys(args.copy_chains)])
     write_results(args.out, result, to_markdown(result))
 
 

@@ -13,6 +13,7 @@ from exittrain.host_memory import keep_freed_host_memory
 BENCHES = {
     "core": "exittrain.bench.core",
     "decode": "exittrain.bench.decode",
+    "copy": "exittrain.bench.copy_chains",
     "train": "exittrain.bench.train",
     "ablation": "exittrain.bench.ablation",
     "memory": "exittrain.bench.memory",

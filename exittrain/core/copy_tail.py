@@ -12,7 +12,17 @@ tokens after the deepest node that carries it are appended under that node as a 
 **Chain.** :func:`copy_chain` is the n-gram lookup of the drafter's copy branch
 (:func:`~exittrain.core.ngram_copy.ngram_lookup`) at the root, with a longer horizon: the tokens
 that followed the latest earlier occurrence of the root's last n tokens (n in ``ngrams``, first
-match wins), at most ``length`` of them, and only tokens already committed.
+match wins), at most ``length`` of them, and only tokens already committed. ``earliest=True``
+takes the earliest occurrence instead.
+
+**Two chains.** :func:`graft_copy_tail`, a round's copy tail, grafts the latest occurrence's
+chain and, with ``earliest``, then the earliest one's. Where a text restates its prompt, the
+earliest occurrence is mostly the source being restated, while the latest is often a short
+phrase the answer itself repeats; per answer position the earliest chain agrees with the
+target's greedy continuation for more tokens (``python -m exittrain bench copy``). In rounds,
+though, the drafter's tree and the latest chain already hold most of it: the decoded tau rose by
+1-3% only (docs/notebook/2026-12-03-two-copy-chains.md), so the decoder leaves it off by default.
+Where both chains agree, the second graft walks into the first and goes on from its end.
 
 **Exactness.** The grafted tree depends on the committed text only, never on the target's
 scores of this round, and siblings still carry distinct tokens (a chain token that some child
@@ -34,16 +44,17 @@ import torch
 from .ngram_copy import ngram_lookup
 from .tree import DraftTree
 
-__all__ = ["copy_chain", "copy_only_tree", "graft_chain"]
+__all__ = ["copy_chain", "copy_only_tree", "graft_chain", "graft_copy_tail"]
 
 
-def copy_chain(ids_T: torch.Tensor, ngrams: Sequence[int], length: int) -> list[int]:
-    """The copy chain at the last position of ``ids_T`` (T,) (the root): up to ``length`` tokens, [] if none."""
+def copy_chain(ids_T: torch.Tensor, ngrams: Sequence[int], length: int, *, earliest: bool = False) -> list[int]:
+    """The copy chain at the last position of ``ids_T`` (T,) (the root): up to ``length`` tokens, [] if none.
+    It follows the latest earlier occurrence of the root's n-gram, or the earliest with ``earliest``."""
     if length < 1 or ids_T.numel() < 2:
         return []
     ids_1T = ids_T.reshape(1, -1)
     anchor_11 = torch.tensor([[ids_1T.shape[1] - 1]], device=ids_1T.device)
-    chain_11L, _ = ngram_lookup(ids_1T, anchor_11, ngrams, length)
+    chain_11L, _ = ngram_lookup(ids_1T, anchor_11, ngrams, length, earliest=earliest)
     chain = chain_11L[0, 0].tolist()
     # copies stop at the root (ngram_lookup's -1): keep the leading run of real tokens
     return chain[: chain.index(-1)] if -1 in chain else chain
@@ -106,3 +117,20 @@ def graft_chain(tree: DraftTree, chain: Sequence[int], max_new: int, min_match: 
         scores=None if tree.scores is None else cat(tree.scores, [float("-inf")] * E),
     )
     return grafted, E
+
+
+def graft_copy_tail(tree: DraftTree, ids_T: torch.Tensor, ngrams: Sequence[int], max_new: int, min_match: int,
+                    *, earliest: bool = False) -> tuple[DraftTree, int]:
+    """``(tree with the round's copy tail, nodes appended)``: the chain after the latest occurrence of
+    the root's n-gram (:func:`copy_chain` over ``ids_T``, the committed ids and the root), grafted by
+    :func:`graft_chain` with ``max_new`` and ``min_match``; then, with ``earliest``, the chain after
+    the earliest occurrence, grafted the same way (up to ``max_new`` more nodes; its walk runs
+    through the first graft too). Each chain is
+    looked up to the drafter tree's depth plus ``max_new``. The decoder and ``decode: auto``'s
+    probe both build their trees here, so the probe scores the trees the decoder verifies."""
+    length = tree.max_depth + max_new
+    added = 0
+    for first in (False, True) if earliest else (False,):
+        tree, n = graft_chain(tree, copy_chain(ids_T, ngrams, length, earliest=first), max_new, min_match)
+        added += n
+    return tree, added

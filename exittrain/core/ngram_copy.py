@@ -43,7 +43,7 @@ def check_ngrams(ngrams: Sequence[int], key: str = "copy_ngrams") -> list[int]:
 
 
 def ngram_lookup(
-    ids_LT: torch.Tensor, anchors_LA: torch.Tensor, ngrams: Sequence[int], horizon: int
+    ids_LT: torch.Tensor, anchors_LA: torch.Tensor, ngrams: Sequence[int], horizon: int, *, earliest: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The copy tokens of every anchor (see the module docstring).
 
@@ -51,6 +51,10 @@ def ngram_lookup(
     ``ngrams`` the n-gram lengths to try in order; ``horizon`` K. Returns ``(copy_ids (L, A, K)
     long, order (L, A) long)``: the copy tokens (-1 where none) and the index in ``ngrams`` of the
     n that matched (-1 where none). Memory O(L * A * T) per n.
+
+    ``earliest=True`` copies from the earliest matching end ``e`` instead of the latest: the
+    decode-time copy tail's second chain (:func:`exittrain.core.copy_tail.graft_copy_tail`). The
+    drafter's copy branch keeps the latest.
     """
     ngrams = check_ngrams(ngrams)
     if ids_LT.dim() != 2 or anchors_LA.dim() != 2 or anchors_LA.shape[0] != ids_LT.shape[0]:
@@ -77,7 +81,10 @@ def ngram_lookup(
             key_LA = torch.where(anchors - i >= 0, ids.gather(1, (anchors - i).clamp_min(0)), ids.new_full((), -1))
             match &= (shifted_LT.unsqueeze(1) == key_LA.unsqueeze(-1)) & (shifted_LT.unsqueeze(1) >= 0)
         found = match.any(-1) & (order < 0)  # (L, A): a match, and no longer n matched first
-        end = torch.where(match, positions.view(1, 1, T), positions.new_full((), -1)).amax(-1)  # (L, A) latest e
+        if earliest:  # (L, A) earliest e (T where none: masked by found below)
+            end = torch.where(match, positions.view(1, 1, T), positions.new_full((), T)).amin(-1)
+        else:  # (L, A) latest e
+            end = torch.where(match, positions.view(1, 1, T), positions.new_full((), -1)).amax(-1)
         src = end.unsqueeze(-1) + depth  # (L, A, K) positions e + k
         ok = found.unsqueeze(-1) & (src <= anchors.unsqueeze(-1))
         tokens = ids.gather(1, src.clamp(0, T - 1).reshape(L, A * horizon)).reshape(L, A, horizon)
@@ -88,9 +95,10 @@ def ngram_lookup(
 
 
 def ngram_lookup_reference(
-    ids_LT: torch.Tensor, anchors_LA: torch.Tensor, ngrams: Sequence[int], horizon: int
+    ids_LT: torch.Tensor, anchors_LA: torch.Tensor, ngrams: Sequence[int], horizon: int, *, earliest: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loop twin of :func:`ngram_lookup`: a backwards scan of plain lists per anchor."""
+    """Loop twin of :func:`ngram_lookup`: a scan of plain lists per anchor, backwards from the
+    anchor (forwards from the start with ``earliest``)."""
     L, A = anchors_LA.shape
     copy_ids = torch.full((L, A, horizon), -1, dtype=torch.long)
     order = torch.full((L, A), -1, dtype=torch.long)
@@ -102,7 +110,8 @@ def ngram_lookup_reference(
                 if a - n + 1 < 0 or any(x < 0 for x in seq[a - n + 1 : a + 1]):
                     continue
                 key = seq[a - n + 1 : a + 1]
-                end = next((e for e in range(a - 1, n - 2, -1) if seq[e - n + 1 : e + 1] == key), None)
+                ends = range(n - 1, a) if earliest else range(a - 1, n - 2, -1)
+                end = next((e for e in ends if seq[e - n + 1 : e + 1] == key), None)
                 if end is None:
                     continue
                 order[l, j] = index

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from exittrain.core import build_tree, check_ngrams, followed_depth
-from exittrain.core.copy_tail import copy_chain, copy_only_tree, graft_chain
+from exittrain.core.copy_tail import copy_chain, copy_only_tree, graft_copy_tail
 from exittrain.core.tree import DraftTree
 
 __all__ = ["along_the_rounds", "candidate_block_lengths", "round_starts"]
@@ -45,6 +45,7 @@ def _continuations(ids_T: torch.Tensor, anchors_A: torch.Tensor, depth: int) -> 
 def candidate_block_lengths(
     target, drafter, rows: Sequence[tuple[torch.Tensor, int]], settings: Sequence,
     vocabs: dict[int, torch.Tensor | None], *, copy_ngrams: Sequence[int] = (3, 2), copy_match: int = 1,
+    copy_earliest: bool = False,
 ) -> dict:
     """Per setting, ``(block lengths, draft nodes, drafted)`` at every anchor of ``rows`` at T = 0.
 
@@ -54,7 +55,7 @@ def candidate_block_lengths(
     the block a T = 0 verifier accepts is 1 + how deep the tree holds the greedy continuation.
     Where a setting's round would be copy-led (``copy_lead``: the root's last n tokens occurred
     before), the tree is the copy chain alone and ``drafted`` is False there.
-    ``copy_ngrams`` and ``copy_match`` are the decoder's copy-tail settings.
+    ``copy_ngrams``, ``copy_match`` and ``copy_earliest`` are the decoder's copy-tail settings.
     """
     copy_ngrams = check_ngrams(copy_ngrams, key="copy_ngrams")
     layers = list(drafter.config.target_layer_ids)
@@ -99,8 +100,8 @@ def candidate_block_lengths(
                             lengths.append(int(plain_A[n]))
                             nodes.append(budget)
                             continue
-                        chain = copy_chain(ids_T[: a + 1], copy_ngrams, trees.max_depth + setting.copy_tail)
-                        tree, added = graft_chain(_tree_at(trees, n), chain, setting.copy_tail, copy_match)
+                        tree, added = graft_copy_tail(_tree_at(trees, n), ids_T[: a + 1], copy_ngrams,
+                                                      setting.copy_tail, copy_match, earliest=copy_earliest)
                         lengths.append(1 + int(followed_depth(tree, labels_AD[n : n + 1])[0]))
                         nodes.append(budget + added)
     return out

@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from exittrain.core import build_tree, exit_law, exit_law_reference, ngram_lookup_reference, verify_greedy, verify_tev
-from exittrain.core.copy_tail import copy_chain, copy_only_tree, graft_chain
+from exittrain.core.copy_tail import copy_chain, copy_only_tree, graft_chain, graft_copy_tail
 from tests.core.helpers import random_logprobs
 
 
-def chain_twin(ids, ngrams, length):
+def chain_twin(ids, ngrams, length, earliest=False):
     """copy_chain through the loop twin of the lookup: the leading run of real copy tokens."""
-    out = ngram_lookup_reference(ids.view(1, -1), torch.tensor([[ids.numel() - 1]]), ngrams, length)[0][0, 0].tolist()
+    out = ngram_lookup_reference(ids.view(1, -1), torch.tensor([[ids.numel() - 1]]), ngrams, length,
+                                 earliest=earliest)[0][0, 0].tolist()
     return out[: out.index(-1)] if -1 in out else out
 
 
@@ -47,7 +48,32 @@ def test_chain_is_the_lookup_with_a_longer_horizon():
     for _ in range(30):
         ids = torch.randint(0, 4, (25,), generator=g)
         for ngrams in ([3, 2], [1], [2, 1]):
-            assert copy_chain(ids, ngrams, 9) == chain_twin(ids, ngrams, 9)
+            for earliest in (False, True):
+                assert copy_chain(ids, ngrams, 9, earliest=earliest) == chain_twin(ids, ngrams, 9, earliest)
+
+
+def test_the_copy_tail_grafts_the_latest_then_the_earliest_chain():
+    #                   0  1  2  3  4  5  6  7  8  9 10
+    ids = torch.tensor([5, 6, 7, 8, 9, 5, 6, 1, 2, 5, 6])
+    # root 6 after 5: the latest (5, 6) ended at 6 (chain 1, 2, 5, 6), the earliest at 1 (7, 8, 9, ...)
+    assert copy_chain(ids, [2], 4) == [1, 2, 5, 6] and copy_chain(ids, [2], 4, earliest=True) == [7, 8, 9, 5]
+    lp = torch.full((1, 2, 12), -30.0)
+    lp[0, :, 3] = 0.0  # the drafter's tree: token 3 at depth 1 and 2, no copy in it
+    tree = build_tree(lp, 2)
+    grafted, added = graft_copy_tail(tree, ids, [2], max_new=3, min_match=0, earliest=True)
+    assert added == 6 and grafted.budget == 8
+    check_tree(grafted)
+    assert grafted.tokens[0, 2:].tolist() == [1, 2, 5, 7, 8, 9]  # both chains beside the tree, under the root
+    assert grafted.parents[0, 2:].tolist() == [0, 3, 4, 0, 6, 7]
+    latest_only, n = graft_copy_tail(tree, ids, [2], max_new=3, min_match=0)  # the default: the latest chain
+    assert n == 3 and torch.equal(latest_only.tokens, graft_chain(tree, [1, 2, 5, 6], 3)[0].tokens)
+    # where both chains agree, the second graft walks into the first and goes on from its end
+    same = torch.tensor([5, 6, 7, 8, 5, 6, 7, 8, 5, 6])  # latest: 7, 8, 5, 6 (to the root); earliest: 7, 8, 5, 6, 7
+    both, n = graft_copy_tail(tree, same, [2], max_new=3, min_match=0, earliest=True)
+    check_tree(both)
+    assert n == 5 and both.tokens[0, 2:].tolist() == [7, 8, 5, 6, 7] and both.max_depth == 5
+    # with copy_match 1 the tree must hold the chain's first token: neither chain is grafted here
+    assert graft_copy_tail(tree, ids, [2], max_new=3, min_match=1, earliest=True) == (tree, 0)
 
 
 def test_graft_walks_the_tree_and_appends_under_the_deepest_node():

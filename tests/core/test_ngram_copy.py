@@ -34,7 +34,19 @@ def test_lookup_copies_what_followed_the_latest_match_and_stops_at_the_root():
     assert order.tolist() == [[-1, -1]] and copy.tolist() == [[[-1, -1], [-1, -1]]]  # nothing before
 
 
-def test_lookup_matches_its_loop_twin_with_padding():
+def test_earliest_lookup_copies_what_followed_the_first_match():
+    #                    0  1  2  3  4  5  6  7  8  9
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 1, 5, 6]])
+    # root x_9 = 6: (5, 6) ended at e = 1 first (and at 6 last): the copies are x_2 .. x_5
+    copy, order = ngram_lookup(ids, torch.tensor([[9]]), [3, 2], horizon=4, earliest=True)
+    assert order.tolist() == [[1]] and copy.tolist() == [[[7, 8, 9, 5]]]
+    # with one earlier occurrence, earliest and latest agree
+    assert torch.equal(ngram_lookup(ids, torch.tensor([[6]]), [2], 4, earliest=True)[0],
+                       ngram_lookup(ids, torch.tensor([[6]]), [2], 4)[0])
+
+
+@pytest.mark.parametrize("earliest", [False, True])
+def test_lookup_matches_its_loop_twin_with_padding(earliest):
     g = torch.Generator().manual_seed(0)
     for trial in range(40):
         L, T, A, K = 3, 30, 7, 5
@@ -43,21 +55,22 @@ def test_lookup_matches_its_loop_twin_with_padding():
         ids[1, 10] = -1
         anchors = torch.randint(0, T, (L, A), generator=g)
         for ngrams in ([3, 2], [1], [2, 1], [4]):
-            fast = ngram_lookup(ids, anchors, ngrams, K)
-            slow = ngram_lookup_reference(ids, anchors, ngrams, K)
+            fast = ngram_lookup(ids, anchors, ngrams, K, earliest=earliest)
+            slow = ngram_lookup_reference(ids, anchors, ngrams, K, earliest=earliest)
             assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1]), (trial, ngrams)
 
 
-def test_lookup_never_reads_past_the_root():
+@pytest.mark.parametrize("earliest", [False, True])
+def test_lookup_never_reads_past_the_root(earliest):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 3, (2, 40), generator=g)
     anchors = torch.tensor([[5, 17, 30], [8, 20, 33]])
-    base = ngram_lookup(ids, anchors, [2, 1], 6)
+    base = ngram_lookup(ids, anchors, [2, 1], 6, earliest=earliest)
     for l in range(2):  # noqa: E741
         for a in anchors[l].tolist():
             changed = ids.clone()
             changed[l, a + 1 :] = (changed[l, a + 1 :] + 1) % 3  # the labels and everything after
-            got = ngram_lookup(changed, anchors, [2, 1], 6)
+            got = ngram_lookup(changed, anchors, [2, 1], 6, earliest=earliest)
             row = anchors[l].tolist().index(a)
             assert torch.equal(got[0][l, row], base[0][l, row]) and got[1][l, row] == base[1][l, row]
 

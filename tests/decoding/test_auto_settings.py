@@ -64,9 +64,11 @@ def test_the_prompt_lookup_length_is_a_copy_tail_candidate():
     assert auto.PROMPT_LOOKUP_TOKENS == 10 and auto.PROMPT_LOOKUP_TOKENS in auto.DEFAULT_COPY_TAILS
 
 
-@pytest.mark.parametrize("setting", [DecodeSetting(4), DecodeSetting(3, 0, 5), DecodeSetting(4, 16, 5),
-                                     DecodeSetting(2, 0, 3, 2)], ids=["plain", "copy-tail", "vocab+tail", "copy-lead"])
-def test_the_block_length_estimate_equals_each_round_of_a_real_decode(target, drafter, setting):
+@pytest.mark.parametrize(("setting", "earliest"), [(DecodeSetting(4), False), (DecodeSetting(3, 0, 5), False),
+                                                   (DecodeSetting(4, 16, 5), False), (DecodeSetting(2, 0, 3, 2), False),
+                                                   (DecodeSetting(3, 0, 5), True)],
+                         ids=["plain", "copy-tail", "vocab+tail", "copy-lead", "two-chains"])
+def test_the_block_length_estimate_equals_each_round_of_a_real_decode(target, drafter, setting, earliest):
     """The reference twin: a greedy decode at the setting visits some anchors of the greedy answer;
     the estimate from one drafter pass over the whole answer must give, at each of them, the
     round's block length (the last round is left out: the answer ends there)."""
@@ -74,10 +76,12 @@ def test_the_block_length_estimate_equals_each_round_of_a_real_decode(target, dr
     answer = autoregressive_generate(target, REPEATING, 30).tokens
     row = (torch.tensor(REPEATING + answer), len(REPEATING))
     lengths, nodes, drafted = auto.candidate_block_lengths(target, drafter, [row], [setting],
-                                                           {setting.draft_vocab: vocab})[setting]
+                                                           {setting.draft_vocab: vocab},
+                                                           copy_earliest=earliest)[setting]
     assert len(lengths) == len(answer) and len(nodes) == len(answer) and len(drafted) == len(answer)
     decoder = SpeculativeDecoder(target, drafter, budget=setting.budget, verifier="greedy",
-                                 copy_tail=setting.copy_tail, copy_lead=setting.copy_lead, draft_vocab=vocab)
+                                 copy_tail=setting.copy_tail, copy_lead=setting.copy_lead, draft_vocab=vocab,
+                                 copy_earliest=earliest)
     result = decoder.generate(REPEATING, 30)
     assert result.tokens == answer
     anchor = 0  # index into the anchors: position len(REPEATING) - 1 + anchor
@@ -92,6 +96,8 @@ def test_the_block_length_estimate_equals_each_round_of_a_real_decode(target, dr
     assert walked_drafted[:n] == [r.drafted for r in result.rounds[:-1]]
     if setting.copy_tail and not setting.copy_lead:
         assert max(nodes) > setting.budget  # the graft happened somewhere, so the tail was exercised
+    if earliest:  # the second chain was grafted somewhere: more copy nodes than one chain holds
+        assert max(nodes) > setting.budget + setting.copy_tail
     if setting.copy_lead:  # both kinds of round occurred, so both paths were compared
         assert not all(r.drafted for r in result.rounds) and any(r.drafted for r in result.rounds)
 

@@ -73,14 +73,15 @@ REPEATING = [5, 17, 33, 2, 40, 41, 9, 12, 5, 17, 33, 2, 40, 41, 9, 5, 17]
 
 @pytest.mark.parametrize("verifier", ["tev", "predraw", "sequential", "greedy"])
 @pytest.mark.parametrize("copy_match", [0, 1])
-def test_copy_tail_output_equals_target_greedy(no_eos, target, drafter, verifier, copy_match):
+@pytest.mark.parametrize("earliest", [False, True], ids=["latest-chain", "two-chains"])
+def test_copy_tail_output_equals_target_greedy(no_eos, target, drafter, verifier, copy_match, earliest):
     expected = hf_greedy(target, REPEATING, 30)
     decoder = SpeculativeDecoder(target, drafter, budget=3, verifier=verifier, copy_tail=6, copy_match=copy_match,
-                                 copy_ngrams=(2, 1))
+                                 copy_ngrams=(2, 1), copy_earliest=earliest)
     result = decoder.generate(REPEATING, max_new_tokens=30, seed=0)
     assert result.tokens == expected
     assert any(r.tree_nodes > 3 for r in result.rounds), "the copy tail never grafted: the test proves nothing"
-    assert all(3 <= r.tree_nodes <= 3 + 6 for r in result.rounds)
+    assert all(3 <= r.tree_nodes <= 3 + 6 * (2 if earliest else 1) for r in result.rounds)
     assert all(1 <= r.block_length <= r.tree_nodes + 1 for r in result.rounds)
     if copy_match == 0:  # the first round's chain (33, 2, 40, 41, 9, 5, 17) is deeper than any 3-node tree
         assert result.rounds[0].tree_nodes > 3
@@ -89,15 +90,15 @@ def test_copy_tail_output_equals_target_greedy(no_eos, target, drafter, verifier
 def test_copy_tail_reaches_past_the_drafter_horizon(no_eos, target, drafter, monkeypatch):
     """A chain that is the target's own greedy text is accepted whole, past depth K, and the rows
     deeper than K are committed right: the rounds after it still decode greedy's tokens."""
-    import exittrain.decoding.speculative as speculative
+    import exittrain.core.copy_tail as copy_tail
 
     expected = hf_greedy(target, PROMPT, 30)
     text = PROMPT + expected
 
-    def greedy_chain(ids_T, ngrams, length):  # what greedy says next, from the root on
+    def greedy_chain(ids_T, ngrams, length, earliest=False):  # what greedy says next, from the root on
         return text[ids_T.numel() : ids_T.numel() + length]
 
-    monkeypatch.setattr(speculative, "copy_chain", greedy_chain)
+    monkeypatch.setattr(copy_tail, "copy_chain", greedy_chain)  # the chain the round's copy tail grafts
     decoder = SpeculativeDecoder(target, drafter, budget=2, copy_tail=10, copy_match=0)
     result = decoder.generate(PROMPT, max_new_tokens=30, seed=0)
     assert result.tokens == expected
