@@ -125,9 +125,9 @@ def graft_copy_tail(tree: DraftTree, ids_T: torch.Tensor, ngrams: Sequence[int],
     the root's n-gram (:func:`copy_chain` over ``ids_T``, the committed ids and the root), grafted by
     :func:`graft_chain` with ``max_new`` and ``min_match``; then, with ``earliest``, the chain after
     the earliest occurrence, grafted the same way (up to ``max_new`` more nodes; its walk runs
-    through the first graft too). Each chain is
-    looked up to the drafter tree's depth plus ``max_new``. The decoder and ``decode: auto``'s
-    probe both build their trees here, so the probe scores the trees the decoder verifies."""
+    through the first graft too). Each chain is looked up to the drafter tree's depth plus
+    ``max_new``, so no node lies deeper than that. The decoder and ``decode: auto``'s probe both
+    build their trees here, so the probe scores the trees the decoder verifies."""
     length = tree.max_depth + max_new
     added = 0
     for first in (False, True) if earliest else (False,):
