@@ -62,6 +62,9 @@ def test_markdown_has_one_table_per_set_with_the_baselines_our_rows_and_the_prob
                  {"budget": 4, "drafter_cache": True, "head_layout": "auto", "tau": 3.5, "tokens_per_s": 19.0,
                   "vs_greedy": 1.9, "vs_prompt_lookup": 1.27, "equals_greedy": 2, "ms_per_round": 11.0,
                   "stage_ms_per_round": stage, "copy_tail": 8, "draft_vocab": 4096, "nodes_per_round": 6.5},
+                 {"budget": 4, "drafter_cache": True, "head_layout": "auto", "tau": 3.6, "tokens_per_s": 19.0,
+                  "vs_greedy": 1.9, "vs_prompt_lookup": 1.27, "equals_greedy": 2, "ms_per_round": 11.0,
+                  "stage_ms_per_round": stage, "copy_tail": 8, "copy_earliest": True, "nodes_per_round": 7.5},
                  {"budget": 2, "drafter_cache": True, "head_layout": "auto", "tau": 4.5, "tokens_per_s": 21.0,
                   "vs_greedy": 2.1, "vs_prompt_lookup": 1.4, "equals_greedy": 2, "ms_per_round": 12.0,
                   "stage_ms_per_round": stage, "copy_tail": 10, "copy_lead": 4, "nodes_per_round": 12.0}],
@@ -105,6 +108,7 @@ def test_markdown_has_one_table_per_set_with_the_baselines_our_rows_and_the_prob
     assert ours in md
     tail = "| ours B=4, drafter cache on, head auto, copy tail 8, draft vocab 4096 | 3.50 | 6.5 | 19.0 | 1.90x |"
     assert tail in md
+    assert "| ours B=4, drafter cache on, head auto, copy tail 8, both copy chains | 3.60 | 7.5 |" in md
     assert "| ours auto: B=4, draft vocab 4096, copy tail 10 | 4.00 | 9.5 | 15.7 | 1.57x | 0.95x | 2/2 |" in md
     assert "Probe: decode auto -> B=4, draft vocab 4096, copy tail 10 (round 9 ms, tau 4.00)." in md
     assert "| ours B=2, drafter cache on, head auto, copy tail 10, copy lead 4 | 4.50 | 12.0 | 21.0 |" in md
@@ -131,6 +135,14 @@ def test_a_set_is_measured_with_every_output_checked_against_greedy(target, monk
     assert [r["auto"] for r in measured["rows"]] == [False, False, True]
     assert [r["copy_lead"] for r in measured["rows"][:2]] == [0, 2]
     assert all(r["equals_greedy"] == 2 and r["tau"] >= 1 and r["vs_greedy"] > 0 for r in measured["rows"])
+
+
+def test_the_fixed_grid_varies_the_copy_chains_only_with_a_copy_tail(target):
+    drafter = new_drafter(target, block_size=4, num_layers=1, hidden_size=32, seed=0).eval()
+    fixed = bench_decode._fixed_decoders(target, drafter, None, [2], [True], ["auto"], [0, 3], [0],
+                                         copy_earliest=[False, True])
+    assert [(m["copy_tail"], m["copy_earliest"]) for m, _ in fixed] == [(0, False), (3, False), (3, True)]
+    assert [d.copy_earliest for _, d in fixed] == [False, False, True]
 
 
 def test_the_probe_prompts_are_taken_in_turn_with_the_measured_ones():
