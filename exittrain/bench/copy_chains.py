@@ -53,10 +53,10 @@ def chain_scores(ids: list[int], n_prompt: int, length: int) -> dict[str, list[i
     ids_T = torch.tensor(ids, dtype=torch.long)
     scores = {rule: [] for rule in RULES}
     for a in range(n_prompt - 1, len(ids) - 1):
-        rest = ids[a + 1:]
-        latest = agreed(copy_chain(ids_T[: a + 1], COPY_NGRAMS, length), rest)
-        earliest = agreed(copy_chain(ids_T[: a + 1], COPY_NGRAMS, length, earliest=True), rest)
-        lookup = agreed(copy_chain(ids_T[: a + 1], LOOKUP_NGRAMS, min(length, LOOKUP_TOKENS), earliest=True), rest)
+        committed_T, rest = ids_T[: a + 1], ids[a + 1:]  # the root and what came before; what followed
+        latest = agreed(copy_chain(committed_T, COPY_NGRAMS, length), rest)
+        earliest = agreed(copy_chain(committed_T, COPY_NGRAMS, length, earliest=True), rest)
+        lookup = agreed(copy_chain(committed_T, LOOKUP_NGRAMS, min(length, LOOKUP_TOKENS), earliest=True), rest)
         for rule, value in zip(RULES, (latest, earliest, max(latest, earliest), lookup)):
             scores[rule].append(value)
     return scores
@@ -74,14 +74,12 @@ def summary(scores: dict[str, list[int]]) -> dict[str, dict[str, float]]:
 
 
 def run(sets: list[str], n_prompts: int, skip: int, new_tokens: int, length: int) -> dict:
-    from exittrain.bench.decode import SETS, host, set_prompts
+    from exittrain.bench.decode import check_sets, host, set_prompts
     from exittrain.decoding.speculative import autoregressive_generate
     from exittrain.models import load_target
     from exittrain.progress import Ticker
 
-    unknown = [name for name in sets if name not in SETS]
-    if unknown or not sets:
-        raise ValueError(f"--sets {list(sets)}: choose among {list(SETS)}")
+    check_sets(sets)
     target = load_target(None)
     measured = []
     for name in sets:

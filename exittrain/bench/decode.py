@@ -91,6 +91,12 @@ RESTATE_INSTRUCTION = (
 )
 
 
+def check_sets(sets) -> None:
+    """ValueError naming ``--sets`` unless it is a non-empty list of :data:`SETS`."""
+    if not sets or any(name not in SETS for name in sets):
+        raise ValueError(f"--sets {list(sets)}: choose among {list(SETS)}")
+
+
 def restating_request(text: str) -> str:
     """:data:`RESTATE_INSTRUCTION` around the code of an evaluation text: the fenced block when the
     text has one (the code domain's texts ask "Complete the following Python function" around it),
@@ -279,9 +285,7 @@ def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int,
         probe_prompts: int = 8, copy_leads: list[int] = (0,), copy_earliest: list[bool] = (False,)) -> dict:
     from exittrain.models import load_drafter, load_target, new_drafter
 
-    unknown = [name for name in sets if name not in SETS]
-    if unknown or not sets:
-        raise ValueError(f"--sets {list(sets)}: choose among {list(SETS)}")
+    check_sets(sets)
     target = load_target(None)
     drafter = (load_drafter(drafter_path, target) if drafter_path else new_drafter(target, seed=0)).eval()
     fixed = (_fixed_decoders(target, drafter, drafter_path, budgets, caches, head_layouts, copy_tails, vocab_sizes,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exittrain.bench.copy_chains import RULES, agreed, chain_scores, summary, to_markdown
+from exittrain.bench.copy_chains import RULES, agreed, chain_scores, run, summary, to_markdown
 from exittrain.core.copy_tail import copy_chain
 
 
@@ -53,3 +53,5 @@ def test_bad_input_names_the_fix():
         chain_scores([1, 2], 1, 0)
     with pytest.raises(ValueError, match="--new-tokens"):
         summary({"latest": []})
+    with pytest.raises(ValueError, match="--sets"):  # checked before the target loads
+        run(["poetry"], 1, 0, 4, 5)
