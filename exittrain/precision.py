@@ -163,13 +163,19 @@ def trainer_precision(value: str | int | None, accelerator: str | None = "cpu", 
     return choice
 
 
+def bf16_units() -> str:
+    """The CPU's bf16 and AMX flags, joined by "+" (empty where it has none): the flags that explain
+    a host's matrix-product speed, reported beside every figure."""
+    return "+".join(sorted(f for f in _cpu_flags() if "bf16" in f or f.startswith("amx")))
+
+
 def device_identity(device: str | torch.device) -> str:
     """What a timed decision on ``device`` depends on: the CUDA device's name, or the CPU's model,
     capability and bf16 flags; with torch's version."""
     device = torch.device(device)
     if device.type == "cuda":
         return f"cuda {torch.cuda.get_device_name(device)}; torch {torch.__version__}"
-    units = "+".join(sorted(f for f in _cpu_flags() if "bf16" in f or f.startswith("amx")))
+    units = bf16_units()
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "")  # an emulated AVX2 host keeps its flags but not its bf16 kernels
     return (f"{device.type} {cpu_model()}; {torch.backends.cpu.get_cpu_capability()} {units} {isa}; "
             f"torch {torch.__version__}")

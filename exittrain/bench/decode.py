@@ -70,16 +70,24 @@ from exittrain.tables import markdown_table
 
 
 def host() -> dict:
-    """The machine the figures come from: CPU model, torch's CPU capability, threads, torch version."""
-    from exittrain.precision import cpu_model
+    """The machine the figures come from: CPU model, its bf16 and AMX flags, torch's CPU capability,
+    threads, torch version."""
+    from exittrain.precision import bf16_units, cpu_model
 
     return {
         "cpu_model": cpu_model(),
+        "cpu_units": bf16_units() or "none",
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
+
+
+def host_line(h: dict) -> str:
+    """One line naming the host of a :func:`host` record (records written before ``cpu_units`` read "?")."""
+    return (f"{h['cpu_model']} (bf16/AMX flags: {h.get('cpu_units', '?')}), capability {h['cpu_capability']}, "
+            f"{h['threads']} threads, torch {h['torch']}")
 
 
 SETS = ("code", "dialogue", "math", "restating")
@@ -209,16 +217,16 @@ def _head_layout(layout: str):
 
 
 def _fixed_decoders(target, drafter, drafter_path, budgets, caches, head_layouts, copy_tails, vocab_sizes,
-                    copy_leads=(0,), copy_earliest=(False,)) -> list:
+                    copy_leads=(0,), copy_earliest=(False,), miss_steps=(0,)) -> list:
     """``(row settings, decoder)`` for every combination of the fixed grid (the copy chains vary
     only where there is a copy tail)."""
     vocabs = {n: load_draft_vocabulary(drafter_path, n, target) for n in vocab_sizes}
     return [({"budget": b, "drafter_cache": c, "head_layout": h, "copy_tail": t, "draft_vocab": n, "copy_lead": m,
-              "copy_earliest": e, "auto": False},
+              "copy_earliest": e, "miss_steps": st, "auto": False},
              SpeculativeDecoder(target, drafter, budget=b, verifier="tev", drafter_cache=c, copy_tail=t,
-                                draft_vocab=vocabs[n], copy_lead=m, copy_earliest=e))
+                                draft_vocab=vocabs[n], copy_lead=m, copy_earliest=e, miss_steps=st))
             for b in budgets for c in caches for h in head_layouts for t in copy_tails for n in vocab_sizes
-            for m in copy_leads for e in (copy_earliest if t else copy_earliest[:1])]
+            for m in copy_leads for e in (copy_earliest if t else copy_earliest[:1]) for st in miss_steps]
 
 
 def _auto_decoder(target, drafter, drafter_path, probe_prompts, max_budget: int,
@@ -230,7 +238,7 @@ def _auto_decoder(target, drafter, drafter_path, probe_prompts, max_budget: int,
                            answer_tokens=new_tokens)
     s = decoder.auto_choice.setting
     return ({"budget": s.budget, "drafter_cache": True, "head_layout": "auto", "copy_tail": s.copy_tail,
-             "draft_vocab": s.draft_vocab, "copy_lead": s.copy_lead, "auto": True}, decoder)
+             "draft_vocab": s.draft_vocab, "copy_lead": s.copy_lead, "miss_steps": s.miss_steps, "auto": True}, decoder)
 
 
 def _measure_set(target, prompts, decoders, new_tokens: int, lookup_tokens: int, name: str) -> dict:
@@ -282,14 +290,15 @@ def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int,
         sets: list[str] = ("code",), caches: list[bool] = (True,), lookup_tokens: int = 10,
         contexts: list[int] | None = None, round_positions: int = 4, head_layouts: list[str] = ("auto",),
         copy_tails: list[int] = (0,), vocab_sizes: list[int] = (0,), decode: list[str] = ("fixed",),
-        probe_prompts: int = 8, copy_leads: list[int] = (0,), copy_earliest: list[bool] = (False,)) -> dict:
+        probe_prompts: int = 8, copy_leads: list[int] = (0,), copy_earliest: list[bool] = (False,),
+        miss_steps: list[int] = (0,)) -> dict:
     from exittrain.models import load_drafter, load_target, new_drafter
 
     check_sets(sets)
     target = load_target(None)
     drafter = (load_drafter(drafter_path, target) if drafter_path else new_drafter(target, seed=0)).eval()
     fixed = (_fixed_decoders(target, drafter, drafter_path, budgets, caches, head_layouts, copy_tails, vocab_sizes,
-                             copy_leads, copy_earliest) if "fixed" in decode else [])
+                             copy_leads, copy_earliest, miss_steps) if "fixed" in decode else [])
     measured = []
     for name in sets:
         decoders = list(fixed)
@@ -319,13 +328,15 @@ def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int,
 
 def _row_label(r: dict) -> str:
     if r.get("auto"):
-        setting = DecodeSetting(r["budget"], r.get("draft_vocab", 0), r.get("copy_tail", 0), r.get("copy_lead", 0))
+        setting = DecodeSetting(r["budget"], r.get("draft_vocab", 0), r.get("copy_tail", 0), r.get("copy_lead", 0),
+                                r.get("miss_steps", 0))
         return f"ours auto: {setting.label}"
     return (f"ours B={r['budget']}, drafter cache {'on' if r['drafter_cache'] else 'off'}, "
             f"head {r.get('head_layout', 'linear')}" + (f", copy tail {r['copy_tail']}" if r.get("copy_tail") else "")
             + (", both copy chains" if r.get("copy_tail") and r.get("copy_earliest") else "")
             + (f", draft vocab {r['draft_vocab']}" if r.get("draft_vocab") else "")
-            + (f", copy lead {r['copy_lead']}" if r.get("copy_lead") else ""))
+            + (f", copy lead {r['copy_lead']}" if r.get("copy_lead") else "")
+            + (f", miss steps {r['miss_steps']}" if r.get("miss_steps") else ""))
 
 
 def set_table(result: dict, measured: dict) -> list[str]:
@@ -361,7 +372,7 @@ def set_table(result: dict, measured: dict) -> list[str]:
 def to_markdown(result: dict) -> str:
     h = result["host"]
     lines = [
-        f"Host: {h['cpu_model']}, capability {h['cpu_capability']}, {h['threads']} threads, torch {h['torch']}. "
+        f"Host: {host_line(h)}. "
         f"Target: the embedded SmolLM2-135M-Instruct in fp32. Drafter: {result['drafter']} (context window "
         f"{result['context_window']}). T = 0; methods take turns per prompt, so compare the ratios.",
     ]
@@ -395,8 +406,8 @@ def main(argv=None) -> None:
                              "prompts asking to repeat the code at length)")
     parser.add_argument("--decode", nargs="+", choices=["fixed", "auto"], default=["fixed"],
                         help="fixed: the grid of --budgets/--cache/--head-layout/--copy-tail/--copy-lead/"
-                             "--draft-vocab; auto: the setting the probe finds fastest here per set (budgets "
-                             "up to max(--budgets))")
+                             "--miss-steps/--draft-vocab; auto: the setting the probe finds fastest here per set "
+                             "(budgets up to max(--budgets))")
     parser.add_argument("--budgets", type=int, nargs="+", default=[16])
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--skip", type=int, default=16, help="evaluation prompts to leave out first (fit decodes them)")
@@ -415,6 +426,9 @@ def main(argv=None) -> None:
     parser.add_argument("--copy-lead", type=int, nargs="+", default=[0],
                         help="copy-led rounds on n-gram matches of these lengths (0: off; "
                              "SpeculativeDecoder(copy_lead=))")
+    parser.add_argument("--miss-steps", type=int, nargs="+", default=[0],
+                        help="steps of the root alone after a drafted round that accepted nothing, at most this "
+                             "many in a row (0: off; SpeculativeDecoder(miss_steps=))")
     parser.add_argument("--draft-vocab", type=int, nargs="+", default=[0],
                         help="draft vocabulary sizes (0: every token; else the drafter folder's draft_vocab.json)")
     parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of the baseline")
@@ -430,7 +444,8 @@ def main(argv=None) -> None:
                  head_layouts=list(dict.fromkeys(args.head_layout)), copy_tails=list(dict.fromkeys(args.copy_tail)),
                  vocab_sizes=list(dict.fromkeys(args.draft_vocab)), decode=list(dict.fromkeys(args.decode)),
                  probe_prompts=args.probe_prompts, copy_leads=list(dict.fromkeys(args.copy_lead)),
-                 copy_earliest=[c == "both" for c in dict.fromkeys(args.copy_chains)])
+                 copy_earliest=[c == "both" for c in dict.fromkeys(args.copy_chains)],
+                 miss_steps=list(dict.fromkeys(args.miss_steps)))
     write_results(args.out, result, to_markdown(result))
 
 

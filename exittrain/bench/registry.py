@@ -14,6 +14,7 @@ BENCHES = {
     "core": "exittrain.bench.core",
     "decode": "exittrain.bench.decode",
     "copy": "exittrain.bench.copy_chains",
+    "rows": "exittrain.bench.row_cost",
     "train": "exittrain.bench.train",
     "ablation": "exittrain.bench.ablation",
     "memory": "exittrain.bench.memory",

@@ -77,7 +77,7 @@ def check_node_probs(tree: DraftTree, probs: torch.Tensor, *, name: str = "probs
             f"{name} rows must sum to 1; row (tree {n}, row {u}) sums to {float(total[n, u]):.6f}. "
             "Pass softmax(logits), or the warped distribution from warp_probs"
         )
-    if int(tree.tokens.max()) >= probs.shape[-1]:
+    if tree.budget and int(tree.tokens.max()) >= probs.shape[-1]:  # an empty tree (B = 0) has no token to check
         raise ValueError(
             f"tree tokens reach id {int(tree.tokens.max())} but {name} has V={probs.shape[-1]}: "
             "the tree and the distributions must share one vocabulary"
@@ -97,7 +97,7 @@ def reach_from_edges(tree: DraftTree, edge: torch.Tensor) -> torch.Tensor:
 
     The masked sum avoids ``0 * log 0`` so that zero edges give exactly zero reach.
     """
-    log_edge = torch.cat([torch.zeros_like(edge[:, :1]), edge.log()], dim=1)  # (N, B+1), root 0
+    log_edge = torch.cat([edge.new_zeros(edge.shape[0], 1), edge.log()], dim=1)  # (N, B+1), root 0
     A = tree.ancestor_mask  # (N, B+1, B+1)
     log_reach = torch.where(A, log_edge.unsqueeze(1), torch.zeros((), dtype=edge.dtype, device=edge.device))
     reach = log_reach.sum(-1).exp()
@@ -106,7 +106,7 @@ def reach_from_edges(tree: DraftTree, edge: torch.Tensor) -> torch.Tensor:
 
 def _missing(tree: DraftTree, edge: torch.Tensor) -> torch.Tensor:
     """(N, B+1) ``rho`` by a scatter-add of the children's edges into their parents."""
-    child_mass = torch.zeros_like(edge[:, :1]).expand(-1, edge.shape[1] + 1).clone()
+    child_mass = edge.new_zeros(edge.shape[0], edge.shape[1] + 1)
     child_mass.scatter_add_(1, tree.parents, edge)  # padding edges are 0
     rho = (1.0 - child_mass).clamp_min(0.0)  # rounding can push the sum of children past 1
     return torch.where(tree.valid_with_root, rho, torch.zeros_like(rho))

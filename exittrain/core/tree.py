@@ -71,6 +71,14 @@ class DraftTree:
     max_depth: int
     scores: torch.Tensor | None = field(default=None, repr=False)
 
+    @classmethod
+    def empty(cls, num_trees: int = 1, device: torch.device | str = "cpu") -> DraftTree:
+        """``num_trees`` trees of no node: the target scores the root alone (a plain decoding step)
+        and every verifier accepts nothing and draws the bonus from the root's distribution."""
+        none = torch.zeros(num_trees, 0, dtype=torch.long, device=device)
+        return cls(tokens=none, parents=none, depths=none, valid=none.bool(), max_depth=0,
+                   scores=torch.zeros(num_trees, 0, device=device))
+
     @property
     def num_trees(self) -> int:
         return self.tokens.shape[0]
@@ -82,19 +90,19 @@ class DraftTree:
     @cached_property
     def parents_with_root(self) -> torch.Tensor:
         """(N, B+1) parent index per row of the root-included layout; the root is its own parent."""
-        root = torch.zeros_like(self.parents[:, :1])
+        root = self.parents.new_zeros(self.num_trees, 1)  # not parents[:, :1]: an empty tree (B = 0) has no column
         return torch.cat([root, self.parents], dim=1)
 
     @cached_property
     def valid_with_root(self) -> torch.Tensor:
         """(N, B+1) validity with the root (always valid) in column 0."""
-        root = torch.ones_like(self.valid[:, :1])
+        root = self.valid.new_ones(self.num_trees, 1)
         return torch.cat([root, self.valid], dim=1)
 
     @cached_property
     def positions(self) -> torch.Tensor:
         """(N, B+1) position offset of each row from the root: its depth, 0 for the root."""
-        root = torch.zeros_like(self.depths[:, :1])
+        root = self.depths.new_zeros(self.num_trees, 1)
         return torch.cat([root, self.depths], dim=1)
 
     @cached_property

@@ -151,7 +151,7 @@ def _verdict(tree: DraftTree, exit_node: torch.Tensor, bonus: torch.Tensor) -> V
     on_path = tree.ancestor_mask[rows, exit_node]  # (N, B+1)
     on_path[:, 0] = False  # the root is not an accepted draft token
     slot = torch.where(on_path, tree.positions - 1, K)  # depth-1, or a spare slot K
-    tokens_rows = torch.cat([torch.zeros_like(tree.tokens[:, :1]), tree.tokens], 1)
+    tokens_rows = torch.cat([tree.tokens.new_zeros(N, 1), tree.tokens], 1)  # new_zeros: an empty tree has no column
     row_ids = torch.arange(B + 1, device=exit_node.device).expand(N, B + 1)
     accepted_tokens = torch.full((N, K + 1), -1, dtype=torch.long, device=exit_node.device)
     accepted_rows = torch.full_like(accepted_tokens, -1)
@@ -170,7 +170,7 @@ def _follow(tree: DraftTree, draws: torch.Tensor) -> Verdict:
     """Follow, from the root, the child whose token equals the row's draw (N, B+1)."""
     parent_draw = draws.gather(1, tree.parents)  # (N, B)
     match = tree.valid & (tree.tokens == parent_draw)
-    match_rows = torch.cat([torch.ones_like(match[:, :1]), match], 1)  # (N, B+1)
+    match_rows = torch.cat([match.new_ones(match.shape[0], 1), match], 1)  # (N, B+1)
     # a row is reached iff every row on its path (root included) matched its parent's draw
     reached = ~(tree.ancestor_mask & ~match_rows.unsqueeze(1)).any(-1)  # (N, B+1)
     depth_if_reached = torch.where(reached, tree.positions, -1)

@@ -62,6 +62,7 @@ from exittrain.core import resampled_ratios
 from exittrain.decoding.draft_vocab import draft_vocabulary, load_token_counts
 from exittrain.decoding.probe_tau import along_the_rounds, candidate_block_lengths, round_starts
 from exittrain.decoding.round_cost import HostTimer, round_costs
+from exittrain.decoding.speculative import COPY_LED, DRAFTED, STEP
 
 __all__ = [
     "AutoChoice",
@@ -91,18 +92,29 @@ DEFAULT_COPY_TAILS = (0, PROMPT_LOOKUP_TOKENS)
 # copy-led rounds (SpeculativeDecoder(copy_lead=n)) where the root's last 4 tokens occurred
 # before: a match that long is mostly a restated span, where a 2-gram match is often chance
 DEFAULT_COPY_LEADS = (0, 4)
+# steps after a round that accepted nothing (SpeculativeDecoder(miss_steps=n)); priced from the same
+# walk and timings as their setting without steps, so they cost the probe no decode of their own
+DEFAULT_MISS_STEPS = (0, 1, 2, 4)
 
 
 @dataclass(frozen=True)
 class DecodeSetting:
     """One decoding setting: ``budget`` draft nodes, a draft vocabulary of ``draft_vocab`` tokens
     (0: every token), a copy tail of ``copy_tail`` tokens (0: off), copy-led rounds on
-    ``copy_lead``-gram matches (0: off). Budget 0 is :data:`GREEDY`: no drafter at all."""
+    ``copy_lead``-gram matches (0: off), up to ``miss_steps`` one-token steps after a drafted
+    round that accepted nothing (0: off). Budget 0 is :data:`GREEDY`: no drafter at all."""
 
     budget: int
     draft_vocab: int = 0
     copy_tail: int = 0
     copy_lead: int = 0
+    miss_steps: int = 0
+
+    @property
+    def rounds(self) -> DecodeSetting:
+        """The setting without steps: its drafted and copy-led rounds are this setting's, so it is
+        what the probe scores per anchor and times."""
+        return DecodeSetting(self.budget, self.draft_vocab, self.copy_tail, self.copy_lead)
 
     @property
     def label(self) -> str:
@@ -115,6 +127,8 @@ class DecodeSetting:
             parts.append(f"copy tail {self.copy_tail}")
         if self.copy_lead:
             parts.append(f"copy lead {self.copy_lead}")
+        if self.miss_steps:
+            parts.append(f"miss steps {self.miss_steps}")
         return ", ".join(parts)
 
 
@@ -127,8 +141,9 @@ class CandidateResult:
     plus the grafted copy tokens), the mean round in ms (drafted and copy-led rounds weighed by
     how often the probe's rounds were each), ``tau * greedy ms / round ms``, the share of
     copy-led rounds, ``speedup_low``, the expected speedup's :data:`LOW_QUANTILE` quantile
-    over resamples of the probe prompts (:func:`speedup_bound`), and for a finalist (timed twice,
-    its figures from the second timing) ``first_round_ms``."""
+    over resamples of the probe prompts (:func:`speedup_bound`), for a finalist (timed twice,
+    its figures from the second timing) ``first_round_ms``, and the share of step rounds
+    (``miss_steps``; a step is priced at the greedy step's ms)."""
 
     setting: DecodeSetting
     tau: float
@@ -138,6 +153,7 @@ class CandidateResult:
     copy_led: float = 0.0
     speedup_low: float | None = None  # the bootstrap bound over the probe prompts (speedup_bound); None: not drawn
     first_round_ms: float | None = None  # a finalist's first timing, before it was timed again; None: timed once
+    steps: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -168,18 +184,20 @@ class AutoChoice:
         return self.setting != GREEDY and self.chosen.speedup > 1.0
 
     def decoder_kwargs(self) -> dict:
-        """``budget``, ``copy_tail``, ``copy_lead`` and ``draft_vocab`` for
+        """``budget``, ``copy_tail``, ``copy_lead``, ``miss_steps`` and ``draft_vocab`` for
         :class:`~exittrain.decoding.SpeculativeDecoder` (not for :data:`GREEDY`)."""
         return {"budget": self.setting.budget, "copy_tail": self.setting.copy_tail,
-                "copy_lead": self.setting.copy_lead, "draft_vocab": self.vocab_ids}
+                "copy_lead": self.setting.copy_lead, "miss_steps": self.setting.miss_steps,
+                "draft_vocab": self.vocab_ids}
 
     def to_dict(self) -> dict:
         """A JSON-ready record: the chosen setting, the reason and every candidate's figures."""
         def one(c: CandidateResult) -> dict:
             return {"setting": c.setting.label, "budget": c.setting.budget, "draft_vocab": c.setting.draft_vocab,
-                    "copy_tail": c.setting.copy_tail, "copy_lead": c.setting.copy_lead, "tau": c.tau,
-                    "nodes_per_round": c.nodes_per_round, "round_ms": c.round_ms, "speedup": c.speedup,
-                    "copy_led": c.copy_led, "speedup_low": c.speedup_low, "first_round_ms": c.first_round_ms}
+                    "copy_tail": c.setting.copy_tail, "copy_lead": c.setting.copy_lead,
+                    "miss_steps": c.setting.miss_steps, "tau": c.tau, "nodes_per_round": c.nodes_per_round,
+                    "round_ms": c.round_ms, "speedup": c.speedup, "copy_led": c.copy_led, "steps": c.steps,
+                    "speedup_low": c.speedup_low, "first_round_ms": c.first_round_ms}
 
         return {"chosen": one(self.chosen), "reference": one(self.reference), "greedy_ms": self.greedy_ms,
                 "beats_greedy": self.beats_greedy, "reason": self.reason, "probe_seconds": self.seconds,
@@ -196,8 +214,9 @@ def drafter_token_counts(drafter) -> dict | None:
 def candidate_settings(max_budget: int, vocab_size: int, *, has_token_counts: bool,
                        budgets: Sequence[int] = DEFAULT_BUDGETS, vocab_sizes: Sequence[int] = DEFAULT_VOCAB_SIZES,
                        copy_tails: Sequence[int] = DEFAULT_COPY_TAILS,
-                       copy_leads: Sequence[int] = DEFAULT_COPY_LEADS) -> list[DecodeSetting]:
-    """Every (budget, draft vocabulary, copy tail, copy lead) to probe.
+                       copy_leads: Sequence[int] = DEFAULT_COPY_LEADS,
+                       miss_steps: Sequence[int] = DEFAULT_MISS_STEPS) -> list[DecodeSetting]:
+    """Every (budget, draft vocabulary, copy tail, copy lead, miss steps) to probe.
 
     Budgets: those of ``budgets`` up to ``max_budget`` (the recipe's budget, the most the run is
     meant to spend a round), and ``max_budget`` itself, so the recipe's own setting is measured
@@ -206,9 +225,10 @@ def candidate_settings(max_budget: int, vocab_size: int, *, has_token_counts: bo
     given. Copy leads: 0 with every tail, a positive one only with a positive tail (a copy-led
     round verifies K + tail tokens: with a tail it copies further than prompt lookup's 10), so
     every copy-led setting has its drafting twin (the same with copy lead 0) among the candidates.
+    Miss steps: each value with every other setting, 0 always among them.
     """
     for key, values in (("budgets", budgets), ("copy_tails", copy_tails), ("vocab_sizes", vocab_sizes),
-                        ("copy_leads", copy_leads)):
+                        ("copy_leads", copy_leads), ("miss_steps", miss_steps)):
         if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in values):
             raise ValueError(f"{key} must be integers >= 0, got {list(values)}")
     if not isinstance(max_budget, int) or isinstance(max_budget, bool) or max_budget < 1:
@@ -216,8 +236,9 @@ def candidate_settings(max_budget: int, vocab_size: int, *, has_token_counts: bo
     chosen_budgets = sorted({b for b in budgets if 1 <= b <= max_budget} | {max_budget})
     sizes = ([0] + sorted({s for s in vocab_sizes if 0 < s < vocab_size})) if has_token_counts else [0]
     leads = sorted(set(copy_leads) | {0})
-    return [DecodeSetting(b, s, t, n) for b in chosen_budgets for s in sizes if s == 0 or s >= b
-            for t in sorted(set(copy_tails)) for n in leads if n == 0 or t > 0]
+    steps = sorted(set(miss_steps) | {0})
+    return [DecodeSetting(b, s, t, n, m) for b in chosen_budgets for s in sizes if s == 0 or s >= b
+            for t in sorted(set(copy_tails)) for n in leads if n == 0 or t > 0 for m in steps]
 
 
 CLEAR_GAIN = 1.05  # an expected speedup under this is within a probe's timing noise of greedy's speed
@@ -227,15 +248,17 @@ NEW_SAMPLE_SPREAD = 2 ** 0.5  # the gap between two independent samples' means: 
 FINALISTS = 3  # the candidates fastest on their first timing, timed again for the choice
 
 
-def speedup_bound(per_prompt: Sequence[tuple[int, int, int]], greedy_ms: float, drafted_ms: float, led_ms: float,
-                  *, quantile: float = LOW_QUANTILE, draws: int = BOOTSTRAP_DRAWS, seed: int = 0) -> float:
+def speedup_bound(per_prompt: Sequence[tuple[int, int, int, int]], greedy_ms: float, drafted_ms: float,
+                  led_ms: float, *, quantile: float = LOW_QUANTILE, draws: int = BOOTSTRAP_DRAWS,
+                  seed: int = 0) -> float:
     """The ``quantile`` of the expected speedup over ``greedy_ms`` when the probe prompts are
     resampled with replacement (a seeded bootstrap of ``draws`` draws).
 
     ``per_prompt``: for each probe prompt, ``(tokens its rounds yielded, drafted rounds, copy-led
-    rounds)``. A draw's speedup is its tokens times ``greedy_ms`` over its rounds' cost, the
-    point estimate's formula on the drawn prompts. Why: tau varies from prompt to prompt far more
-    than a round's cost does, and the prompts decoded are not the probe's; a setting whose speed
+    rounds, step rounds)``; a step costs ``greedy_ms``. A draw's speedup is its tokens times
+    ``greedy_ms`` over its rounds' cost, the point estimate's formula on the drawn prompts. Why:
+    tau varies from prompt to prompt far more than a round's cost does, and the prompts decoded
+    are not the probe's; a setting whose speed
     rests on one or two prompts that copy at length (expected 1.1-1.8x the decoded speed, one code
     drafter on a 2-core EPYC) decodes below greedy on prompts without them. Only the prompts are
     resampled: the round costs are taken as measured (:data:`CLEAR_GAIN` covers their noise).
@@ -250,8 +273,8 @@ def speedup_bound(per_prompt: Sequence[tuple[int, int, int]], greedy_ms: float, 
     """
     if not 0.0 < quantile < 1.0:
         raise ValueError(f"quantile must be in (0, 1), got {quantile!r}")
-    num = [tokens * greedy_ms for tokens, _, _ in per_prompt]
-    den = [drafted * drafted_ms + led * led_ms for _, drafted, led in per_prompt]
+    num = [tokens * greedy_ms for tokens, _, _, _ in per_prompt]
+    den = [drafted * drafted_ms + led * led_ms + steps * greedy_ms for _, drafted, led, steps in per_prompt]
     speed_N = resampled_ratios(num, den, draws=draws, seed=seed)
     point = sum(num) / sum(den) if sum(den) else 0.0
     return point - NEW_SAMPLE_SPREAD * (point - float(torch.quantile(speed_N, quantile)))
@@ -282,7 +305,8 @@ def _reason(chosen: CandidateResult, reference: CandidateResult, greedy_ms: floa
 
     def figures(c: CandidateResult) -> str:
         led = f", {c.copy_led:.0%} copy-led" if c.copy_led else ""
-        return f"round {c.round_ms:.0f} ms, tau {c.tau:.2f}{led}"
+        steps = f", {c.steps:.0%} steps" if c.steps else ""
+        return f"round {c.round_ms:.0f} ms, tau {c.tau:.2f}{led}{steps}"
 
     head = f"decode auto -> {chosen.setting.label} ({figures(chosen)}"
     if chosen.setting != reference.setting:
@@ -315,6 +339,7 @@ def probe_decode_settings(
     vocab_sizes: Sequence[int] = DEFAULT_VOCAB_SIZES,
     copy_tails: Sequence[int] = DEFAULT_COPY_TAILS,
     copy_leads: Sequence[int] = DEFAULT_COPY_LEADS,
+    miss_steps: Sequence[int] = DEFAULT_MISS_STEPS,
     probe_prompts: int = 8,
     answer_tokens: int = 64,
     timed_prompts: int = 2,
@@ -353,7 +378,8 @@ def probe_decode_settings(
             raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
     settings = candidate_settings(max_budget, target.vocab_size, has_token_counts=token_counts is not None,
                                   budgets=budgets, vocab_sizes=vocab_sizes, copy_tails=copy_tails,
-                                  copy_leads=copy_leads)
+                                  copy_leads=copy_leads, miss_steps=miss_steps)
+    bases = list(dict.fromkeys(s.rounds for s in settings))  # scored per anchor and timed; steps are walked
     reference_setting = DecodeSetting(max_budget)
     vocabs = {s: (None if s == 0 else draft_vocabulary(token_counts, s, target.vocab_size, target.eos_token_ids))
               for s in {c.draft_vocab for c in settings}}
@@ -362,9 +388,10 @@ def probe_decode_settings(
     probe = [list(p) for p in prompts[:probe_prompts]]
     rows = [(torch.tensor(p + autoregressive_generate(target, p, answer_tokens).tokens), len(p)) for p in probe]
     # per row, then along the rounds a T = 0 decoder runs: the decoded tau, not every position's
-    per_row = [candidate_block_lengths(target, drafter, [row], settings, vocabs, copy_ngrams=copy_ngrams,
+    per_row = [candidate_block_lengths(target, drafter, [row], bases, vocabs, copy_ngrams=copy_ngrams,
                                        copy_match=copy_match) for row in rows]
-    walked = {s: [along_the_rounds([r[s]]) for r in per_row] for s in settings}  # per setting, per prompt
+    # per setting, per prompt
+    walked = {s: [along_the_rounds([r[s.rounds]], s.miss_steps) for r in per_row] for s in settings}
     scored = {s: tuple(sum(column, []) for column in zip(*walked[s])) for s in settings}
     # timed from the middle of each answer: the mean context of the decode the choice is for
     timed = [ids_T[: n + (ids_T.shape[0] - n) // 2].tolist() for ids_T, n in rows[:timed_prompts]]
@@ -376,36 +403,40 @@ def probe_decode_settings(
         twin = costs[DecodeSetting(s.budget, s.draft_vocab, s.copy_tail)][0] if s.copy_lead else None
         return round_costs(timer(s), twin)
 
-    for s in sorted(settings, key=lambda c: c.copy_lead > 0):  # drafting twins first: copy-led ones may need them
+    for s in sorted(bases, key=lambda c: c.copy_lead > 0):  # drafting twins first: copy-led ones may need them
         costs[s] = timed_costs(s)
     greedy_ms = float(timer(None))  # after the rounds: a load that drifts during the probe weighs on both sides
 
     def measured(s: DecodeSetting, cost: tuple[float, float], first_ms: float | None = None) -> CandidateResult:
-        lengths, nodes, drafted = scored[s]
+        lengths, nodes, kinds = scored[s]
         if not lengths:
             raise ValueError("the probe prompts' greedy answers are empty (EOS at once): pass other prompts")
-        led = len(drafted) - sum(drafted)
-        round_ms = (sum(drafted) * cost[0] + led * cost[1]) / len(lengths)
+        drafted, led, steps = (kinds.count(k) for k in (DRAFTED, COPY_LED, STEP))
+        round_ms = (drafted * cost[0] + led * cost[1] + steps * greedy_ms) / len(lengths)
         tau = sum(lengths) / len(lengths)
-        per_prompt = [(sum(p[0]), sum(p[2]), len(p[2]) - sum(p[2])) for p in walked[s] if p[0]]
+        per_prompt = [(sum(p[0]), *(p[2].count(k) for k in (DRAFTED, COPY_LED, STEP))) for p in walked[s] if p[0]]
         return CandidateResult(s, tau, sum(nodes) / len(nodes), round_ms, tau * greedy_ms / round_ms,
-                               led / len(lengths), speedup_bound(per_prompt, greedy_ms, *cost), first_ms)
+                               led / len(lengths), speedup_bound(per_prompt, greedy_ms, *cost), first_ms,
+                               steps / len(lengths))
 
     def fastest(candidates):  # the most tokens a second; ties go to the cheaper round, then the earlier setting
         return max(candidates, key=lambda c: (round(c.speedup, 9), -c.round_ms), default=None)
 
-    first = {s: measured(s, costs[s]) for s in settings}
+    first = {s: measured(s, costs[s.rounds]) for s in settings}
     # the winner's curse: the fastest of many noisy timings is the most flattered one (one probe:
     # B=2 with the draft vocabulary timed at 131 ms a round, B=4 with it at 77). So the few fastest
     # are timed again, with greedy steps after them, and compared on the second timings alone,
-    # which their selection did not pick.
-    finalists = sorted(settings, key=lambda c: (-round(first[c].speedup, 9), first[c].round_ms))[:FINALISTS]
+    # which their selection did not pick. A setting's variants with steps share its timing, so the
+    # finalists are the settings (without steps) whose best variant is fastest.
+    ranked = sorted(settings, key=lambda c: (-round(first[c].speedup, 9), first[c].round_ms))
+    finalists = list(dict.fromkeys(s.rounds for s in ranked))[:FINALISTS]
     again = {s: timed_costs(s) for s in finalists}
     # no selection among greedy timings: both count (``measured`` reads greedy_ms when called, so the
     # figures below use the mean; the ranking above did not depend on it)
     greedy_ms = (greedy_ms + float(timer(None))) / 2
-    results = [measured(s, again[s], first[s].round_ms) if s in again else measured(s, costs[s]) for s in settings]
-    final = [c for c in results if c.setting in again]
+    results = [measured(s, again[s.rounds], first[s].round_ms) if s.rounds in again else measured(s, costs[s.rounds])
+               for s in settings]
+    final = [c for c in results if c.setting.rounds in again]
     best_draft = chosen = fastest(final)
     if greedy_fallback:
         chosen = fastest(c for c in final if c.speedup >= CLEAR_GAIN and c.speedup_low >= 1.0)

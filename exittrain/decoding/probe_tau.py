@@ -21,6 +21,7 @@ import torch
 from exittrain.core import build_tree, check_ngrams, followed_depth
 from exittrain.core.copy_tail import copy_chain, copy_only_tree, graft_copy_tail
 from exittrain.core.tree import DraftTree
+from exittrain.decoding.speculative import COPY_LED, DRAFTED, STEP
 
 __all__ = ["along_the_rounds", "candidate_block_lengths", "round_starts"]
 
@@ -47,14 +48,15 @@ def candidate_block_lengths(
     vocabs: dict[int, torch.Tensor | None], *, copy_ngrams: Sequence[int] = (3, 2), copy_match: int = 1,
     copy_earliest: bool = False,
 ) -> dict:
-    """Per setting, ``(block lengths, draft nodes, drafted)`` at every anchor of ``rows`` at T = 0.
+    """Per setting, ``(block lengths, draft nodes, kinds)`` at every anchor of ``rows`` at T = 0.
 
     ``rows``: ``(ids (T,) long, n_prompt)``, a prompt and the target's greedy answer to it. The
     anchors are the positions from the last prompt token to the last but one token (each has a
     continuation); the decoder's trees there are built from one drafter pass over the row, and
     the block a T = 0 verifier accepts is 1 + how deep the tree holds the greedy continuation.
     Where a setting's round would be copy-led (``copy_lead``: the root's last n tokens occurred
-    before), the tree is the copy chain alone and ``drafted`` is False there.
+    before), the tree is the copy chain alone and the kind there is ``copy-led``, else ``drafted``
+    (a setting's ``miss_steps`` is not read here: :func:`along_the_rounds` places the steps).
     ``copy_ngrams``, ``copy_match`` and ``copy_earliest`` are the decoder's copy-tail settings.
     """
     copy_ngrams = check_ngrams(copy_ngrams, key="copy_ngrams")
@@ -81,21 +83,21 @@ def candidate_block_lengths(
                 trees = build_tree(logq_AKV, budget, validate=False)
                 plain_A = 1 + followed_depth(trees, labels_AD)
                 for setting in (s for s in settings if s.draft_vocab == size and s.budget == budget):
-                    lengths, nodes, drafted = out[setting]
+                    lengths, nodes, kinds = out[setting]
                     chains = lead_chains.get((setting.copy_lead, setting.copy_tail)) if setting.copy_lead else None
                     if chains is None and (setting.copy_tail == 0 or not copy_ngrams):  # every anchor at once
                         lengths += plain_A.tolist()
                         nodes += [budget] * len(anchors_A)
-                        drafted += [True] * len(anchors_A)
+                        kinds += [DRAFTED] * len(anchors_A)
                         continue
                     for n, a in enumerate(anchors_A.tolist()):  # the decoder's round at anchor a, one at a time
                         if chains is not None and chains[n]:  # copy-led: the chain alone, as the decoder builds it
                             lead_tree = copy_only_tree(chains[n], ids_T.device)
                             lengths.append(1 + int(followed_depth(lead_tree, labels_AD[n : n + 1])[0]))
                             nodes.append(len(chains[n]))
-                            drafted.append(False)
+                            kinds.append(COPY_LED)
                             continue
-                        drafted.append(True)
+                        kinds.append(DRAFTED)
                         if setting.copy_tail == 0 or not copy_ngrams:
                             lengths.append(int(plain_A[n]))
                             nodes.append(budget)
@@ -107,26 +109,43 @@ def candidate_block_lengths(
     return out
 
 
+def _rounds(lengths: Sequence[int], kinds: Sequence[str] | None = None, miss_steps: int = 0):
+    """Yield ``(anchor, step?)`` for each round of a T = 0 decoder over one row: the decoder's own
+    rule (:class:`~exittrain.decoding.SpeculativeDecoder`'s ``miss_steps``): after a drafted round
+    of block 1, up to ``miss_steps`` steps of one token follow, unless the anchor's round is
+    copy-led (``kinds``), which ends them."""
+    i, due = 0, 0
+    while i < len(lengths):
+        step = due > 0 and kinds[i] != COPY_LED
+        yield i, step
+        if step:
+            due, i = due - 1, i + 1
+            continue
+        due = miss_steps if kinds is not None and kinds[i] == DRAFTED and int(lengths[i]) == 1 else 0
+        i += int(lengths[i])
+
+
 def round_starts(lengths: Sequence[int]) -> list[int]:
     """The anchors (indices into one row's per-anchor ``lengths``) where a T = 0 decoder starts its
     rounds: the first, then each one block length after the last. At T = 0 the decoder commits the
     target's greedy answer, so this walk is the decoding's own sequence of rounds."""
-    starts, i = [], 0
-    while i < len(lengths):
-        starts.append(i)
-        i += int(lengths[i])
-    return starts
+    return [i for i, _ in _rounds(lengths)]
 
 
-def along_the_rounds(rows: Sequence[tuple[list, ...]]) -> tuple[list, ...]:
+def along_the_rounds(rows: Sequence[tuple[list, ...]], miss_steps: int = 0) -> tuple[list, ...]:
     """The per-anchor lists of the rounds of every row (:func:`round_starts`), from each row's
-    per-anchor ``(block lengths, ...)`` (any further lists: draft nodes, drafted): the decoded
+    per-anchor ``(block lengths, ...)`` (any further lists: draft nodes, kinds): the decoded
     tau, lower than the mean over every position (a round tends to end where the drafter goes
-    wrong, and the next starts there)."""
+    wrong, and the next starts there).
+
+    ``miss_steps`` > 0 walks the decoder with steps after a miss (:func:`_rounds`); the rows must
+    then be ``(block lengths, draft nodes, kinds)``, and a step round reads ``(1, 0, "step")``."""
     walked: tuple[list, ...] | None = None
     for row in rows:
+        if miss_steps and len(row) != 3:
+            raise ValueError("along_the_rounds with miss_steps needs rows of (block lengths, draft nodes, kinds)")
         walked = walked or tuple([] for _ in row)
-        for i in round_starts(row[0]):
-            for column, values in zip(walked, row):
-                column.append(values[i])
+        for i, step in _rounds(row[0], row[2] if miss_steps else None, miss_steps):
+            for column, values in zip(walked, (1, 0, STEP) if step else tuple(v[i] for v in row)):
+                column.append(values)
     return walked or ([], [])

@@ -23,28 +23,36 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from exittrain.core import VERIFIERS, build_tree, check_ngrams
+from exittrain.core import VERIFIERS, DraftTree, build_tree, check_ngrams
 from exittrain.core.copy_tail import copy_chain, copy_only_tree, graft_copy_tail
 from exittrain.core.verify import sample_categorical, warp_probs
 from exittrain.decoding.drafter_context import drafter_context
 
 __all__ = ["RoundStats", "GenerationResult", "GreedyDecoder", "SpeculativeDecoder", "autoregressive_generate",
-           "ROUND_PARTS"]
+           "COPY_LED", "DRAFTED", "ROUND_KINDS", "ROUND_PARTS", "STEP"]
 
 ROUND_PARTS = ("draft", "tree", "target", "verify", "commit")
+# what a round verified: the drafter's tree (and any copy tail), the copy chain alone, or the root alone
+DRAFTED, COPY_LED, STEP = "drafted", "copy-led", "step"
+ROUND_KINDS = (DRAFTED, COPY_LED, STEP)
 
 
 @dataclass
 class RoundStats:
     """One round: tokens it yielded (accepted + bonus, before any EOS/max cut), stage times (s),
-    the draft nodes the target verified (the budget plus any copy tail; 0 where no tree), and
-    whether the drafter drafted it (False: a copy-led round, the copy chain alone)."""
+    the draft nodes the target verified (the budget plus any copy tail; 0 where no tree), and its
+    kind (:data:`ROUND_KINDS`): ``drafted`` (the drafter's tree), ``copy-led`` (the copy chain
+    alone) or ``step`` (the root alone, no drafter)."""
 
     block_length: int
     accept_length: int
     times: dict[str, float]
     tree_nodes: int = 0
-    drafted: bool = True
+    kind: str = DRAFTED
+
+    @property
+    def drafted(self) -> bool:
+        return self.kind == DRAFTED
 
 
 @dataclass
@@ -166,6 +174,15 @@ class SpeculativeDecoder:
     drafted round adds the drafter's pass; the decision depends on the committed text only, so
     decoding stays exact. The drafter's context still receives every committed position.
 
+    ``miss_steps`` (default 0, off): after a drafted round that accepted no draft token, the next
+    up to ``miss_steps`` rounds are steps: the target scores the root alone (an empty tree, one
+    row), the drafter is skipped, and the round yields the bonus token, as greedy decoding's step
+    does. A copy-led round, when due, comes first and ends the steps. Why: a round that accepted
+    nothing tends to be followed by more such (the text is where the drafter goes wrong), and on
+    a CPU a round's tree costs 1.1-2.4 times a one-row step (``python -m exittrain bench rows``),
+    so there a step yields the same token for less. The choice reads past rounds only, never the
+    current round's target scores, so every verifier stays exact.
+
     ``draft_vocab`` (default None: every token) is a draft vocabulary, (S,) token ids
     (:func:`exittrain.decoding.draft_vocab.draft_vocabulary`): the drafter's LM head scores only
     those, which on a CPU saves most of the drafter's time; the verifiers still see the whole
@@ -185,6 +202,7 @@ class SpeculativeDecoder:
         draft_vocab: torch.Tensor | None = None,
         copy_lead: int = 0,
         copy_earliest: bool = False,
+        miss_steps: int = 0,
     ):
         if verifier not in VERIFIERS:
             raise ValueError(f"verifier must be one of {sorted(VERIFIERS)}, got {verifier!r}")
@@ -194,12 +212,14 @@ class SpeculativeDecoder:
             raise ValueError("drafter is required; create one with new_drafter(target) or load_drafter(path, target)")
         if not drafter.has_target:
             drafter.attach_target(target)
-        for key, value in (("copy_tail", copy_tail), ("copy_match", copy_match), ("copy_lead", copy_lead)):
+        for key, value in (("copy_tail", copy_tail), ("copy_match", copy_match), ("copy_lead", copy_lead),
+                           ("miss_steps", miss_steps)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{key} must be an integer >= 0 (0 turns it off), got {value!r}")
         self.target, self.drafter, self.budget, self.verifier = target, drafter, budget, verifier
         self.drafter_cache = bool(drafter_cache)
         self.copy_tail, self.copy_match, self.copy_lead = copy_tail, copy_match, copy_lead
+        self.miss_steps = miss_steps
         self.copy_earliest = bool(copy_earliest)
         self.copy_ngrams = check_ngrams(copy_ngrams, key="copy_ngrams")
         self.draft_vocab = _check_vocab(draft_vocab, target.vocab_size, budget)
@@ -262,11 +282,15 @@ class SpeculativeDecoder:
         root = ids[:, -1]
         tokens: list[int] = []
         result = GenerationResult(tokens)
+        steps_due = 0  # steps still to take after a drafted round that accepted nothing (miss_steps)
         while True:
             clock = _Clock(device)
             tree = self._lead_tree(context, root) if self.copy_lead else None
-            drafted = tree is None
-            if drafted:
+            kind = COPY_LED if tree is not None else STEP if steps_due else DRAFTED
+            steps_due = steps_due - 1 if kind == STEP else 0
+            if kind == STEP:
+                tree = DraftTree.empty(device=device)
+            elif kind == DRAFTED:
                 logq_1KV = torch.log_softmax(context.draft(root).float(), dim=-1)
                 clock.lap("draft")
                 tree = self._tree(logq_1KV, context, root)
@@ -277,6 +301,8 @@ class SpeculativeDecoder:
             verdict = self._verify(tree, out.logits, temperature, top_k, top_p, generator)
             n_accept = int(verdict.accept_length[0])  # the round's one host transfer
             clock.lap("verify")
+            if kind == DRAFTED and n_accept == 0:
+                steps_due = self.miss_steps
             new_1N = torch.cat([verdict.accepted_tokens[:, :n_accept], verdict.bonus.view(1, 1)], dim=1)
             done = _finish(tokens, new_1N[0].tolist(), eos, max_new_tokens)
             if not done:  # the last round's commit would feed no further round
@@ -290,7 +316,7 @@ class SpeculativeDecoder:
                 root = verdict.bonus
                 clock.lap("draft")
             clock.lap("commit")
-            result.rounds.append(RoundStats(n_accept + 1, n_accept, clock.times, tree.budget, drafted))
+            result.rounds.append(RoundStats(n_accept + 1, n_accept, clock.times, tree.budget, kind))
             if done:
                 break
         result.seconds = time.perf_counter() - start
@@ -339,9 +365,9 @@ class GreedyDecoder:
     """Decoding without a drafter, behind :class:`SpeculativeDecoder`'s ``generate``: what
     ``decode: auto`` falls back to when no drafting setting is expected to beat greedy decoding
     on this host (:mod:`exittrain.decoding.auto_settings`). ``generate`` is
-    :func:`autoregressive_generate`; ``budget``, ``copy_tail`` and ``copy_lead`` read 0."""
+    :func:`autoregressive_generate`; ``budget``, ``copy_tail``, ``copy_lead`` and ``miss_steps`` read 0."""
 
-    budget = copy_tail = copy_lead = 0
+    budget = copy_tail = copy_lead = miss_steps = 0
     draft_vocab = None
 
     def __init__(self, target):

@@ -105,7 +105,7 @@ def evaluate_prompts(
     - ``decode``: ``"fixed"`` or ``"auto"``.
     With ``"auto"`` also: ``auto_setting`` (e.g. ``"B=4, draft vocab 4096, copy tail 10"``),
     ``auto_budget`` (0: auto decodes greedily, without the drafter), ``auto_draft_vocab``,
-    ``auto_copy_tail``, ``auto_copy_lead``, ``auto_tau`` (tau of the speed
+    ``auto_copy_tail``, ``auto_copy_lead``, ``auto_miss_steps``, ``auto_tau`` (tau of the speed
     decode), ``auto_block_lengths``, ``auto_expected_speedup`` (the probe's estimate),
     ``auto_reason``; and the budget's own speed as ``fixed_new_tokens``, ``fixed_seconds``,
     ``fixed_tokens_per_s`` and ``fixed_speedup``.
@@ -158,7 +158,7 @@ def evaluate_prompts(
             row.update(_speed_keys(fast))
             row.update(auto_setting=choice.setting.label, auto_budget=choice.setting.budget,
                        auto_draft_vocab=choice.setting.draft_vocab, auto_copy_tail=choice.setting.copy_tail,
-                       auto_copy_lead=choice.setting.copy_lead,
+                       auto_copy_lead=choice.setting.copy_lead, auto_miss_steps=choice.setting.miss_steps,
                        auto_tau=fast.mean_block_length, auto_block_lengths=[r.block_length for r in fast.rounds],
                        auto_expected_speedup=choice.chosen.speedup, auto_reason=choice.reason)
         if baseline:

@@ -85,7 +85,7 @@ def test_markdown_has_one_table_per_set_with_the_baselines_our_rows_and_the_prob
         "rows": [{"budget": 4, "drafter_cache": True, "head_layout": "auto", "tau": 4.0, "tokens_per_s": 15.7,
                   "vs_greedy": 1.57, "vs_prompt_lookup": 0.95, "equals_greedy": 2, "ms_per_round": 9.0,
                   "stage_ms_per_round": stage, "copy_tail": 10, "draft_vocab": 4096, "nodes_per_round": 9.5,
-                  "auto": True}],
+                  "miss_steps": 2, "auto": True}],
         "auto": {"reason": "decode auto -> B=4, draft vocab 4096, copy tail 10 (round 9 ms, tau 4.00)"},
         "prompt_indices": [8, 10],  # auto's run: measured in turn with the probe's prompts
     }
@@ -98,7 +98,7 @@ def test_markdown_has_one_table_per_set_with_the_baselines_our_rows_and_the_prob
                          "linear_ms": 35.0, "transposed_ms": 9.0}],
     }
     md = bench_decode.to_markdown(result)
-    assert "Some CPU, capability AVX2, 2 threads" in md
+    assert "Some CPU (bf16/AMX flags: ?), capability AVX2, 2 threads" in md  # an older record: no flags
     assert "### code: 2 held-out prompts (#8-#9) x 16 tokens" in md  # an older result: no indices, a stretch
     assert "### restating: 2 held-out prompts (#8, #10) x 16 tokens" in md
     assert md.index("### code") < md.index("| HF prompt lookup (10) | - | - | 15.0 | 1.50x | 1.00x | 2/2 |")
@@ -109,7 +109,8 @@ def test_markdown_has_one_table_per_set_with_the_baselines_our_rows_and_the_prob
     tail = "| ours B=4, drafter cache on, head auto, copy tail 8, draft vocab 4096 | 3.50 | 6.5 | 19.0 | 1.90x |"
     assert tail in md
     assert "| ours B=4, drafter cache on, head auto, copy tail 8, both copy chains | 3.60 | 7.5 |" in md
-    assert "| ours auto: B=4, draft vocab 4096, copy tail 10 | 4.00 | 9.5 | 15.7 | 1.57x | 0.95x | 2/2 |" in md
+    assert ("| ours auto: B=4, draft vocab 4096, copy tail 10, miss steps 2 | 4.00 | 9.5 | 15.7 | 1.57x | 0.95x | 2/2 |"
+            in md)
     assert "Probe: decode auto -> B=4, draft vocab 4096, copy tail 10 (round 9 ms, tau 4.00)." in md
     assert "| ours B=2, drafter cache on, head auto, copy tail 10, copy lead 4 | 4.50 | 12.0 | 21.0 |" in md
     assert "| ours auto: greedy, no drafter | 1.00 | 0.0 | 10.1 | 1.01x | 1.26x | 2/2 |" in md
@@ -143,6 +144,17 @@ def test_the_fixed_grid_varies_the_copy_chains_only_with_a_copy_tail(target):
                                          copy_earliest=[False, True])
     assert [(m["copy_tail"], m["copy_earliest"]) for m, _ in fixed] == [(0, False), (3, False), (3, True)]
     assert [d.copy_earliest for _, d in fixed] == [False, False, True]
+
+
+def test_the_fixed_grid_crosses_the_miss_steps_with_every_setting(target):
+    drafter = new_drafter(target, block_size=4, num_layers=1, hidden_size=32, seed=0).eval()
+    fixed = bench_decode._fixed_decoders(target, drafter, None, [2, 4], [True], ["auto"], [0], [0], miss_steps=[0, 3])
+    assert [(m["budget"], m["miss_steps"], d.miss_steps) for m, d in fixed] == [(2, 0, 0), (2, 3, 3), (4, 0, 0),
+                                                                               (4, 3, 3)]
+    assert bench_decode._row_label(fixed[1][0]).endswith(", miss steps 3")
+    assert bench_decode.host_line({"cpu_model": "X", "cpu_units": "amx_bf16", "cpu_capability": "AVX512",
+                                   "threads": 2, "torch": "2"}) == ("X (bf16/AMX flags: amx_bf16), capability AVX512, "
+                                                                    "2 threads, torch 2")
 
 
 def test_the_probe_prompts_are_taken_in_turn_with_the_measured_ones():

@@ -7,6 +7,7 @@ import torch
 
 from exittrain.core import (
     VERIFIERS,
+    DraftTree,
     build_tree,
     exit_law,
     sample_categorical,
@@ -85,6 +86,28 @@ def test_sampling_verifiers_match_exact_joint_law(verifier, case):
             path.append(int(tree.tokens[0, row - 1]))
             row = int(tree.parents[0, row - 1])
         assert verdict.output_tokens(n) == path[::-1] + [int(verdict.bonus[n])]
+
+
+@pytest.mark.parametrize("verifier", SAMPLERS)
+def test_an_empty_tree_is_a_plain_step(verifier):
+    """No node: the exit is the root, nothing is accepted, and the bonus follows the root's warped
+    distribution (a decoding step). The exit law agrees: all mass exits at the root."""
+    V, warp = 5, {"temperature": 0.8, "top_k": 4}
+    logits = torch.randn(1, 1, V, generator=torch.Generator().manual_seed(4))
+    probs = warp_probs(logits, **warp)
+    tree = DraftTree.empty(N_SAMPLES)
+    assert tree.budget == 0 and tree.positions.shape == (N_SAMPLES, 1) and tree.ancestor_mask.shape == (N_SAMPLES, 1, 1)
+    verdict = VERIFIERS[verifier](tree, logits.expand(N_SAMPLES, -1, -1), generator=torch.Generator().manual_seed(0),
+                                  **warp)
+    assert int(verdict.exit_node.abs().sum()) == 0 and int(verdict.accept_length.abs().sum()) == 0
+    assert verdict.accepted_tokens.shape == (N_SAMPLES, 0)
+    counts = torch.bincount(verdict.bonus, minlength=V).double()
+    stat, df = chi_square(counts, probs[0, 0], N_SAMPLES)
+    assert stat < chi_square_critical(df), f"chi2 {stat:.1f} with {df} dof"
+    law = exit_law(DraftTree.empty(1), probs)
+    assert float(law.expected_block_length[0]) == pytest.approx(1.0)
+    greedy = verify_greedy(DraftTree.empty(1), logits)
+    assert int(greedy.bonus[0]) == int(logits[0, 0].argmax()) and int(greedy.accept_length[0]) == 0
 
 
 def test_chi_square_catches_a_wrong_bonus_law():

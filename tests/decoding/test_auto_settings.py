@@ -38,10 +38,10 @@ def drafter(target):
 
 def test_candidates_are_capped_by_the_recipe_budget_and_need_token_counts_for_a_vocabulary():
     got = auto.candidate_settings(8, 64, has_token_counts=False, budgets=(2, 4, 16), copy_tails=(0, 10),
-                                  copy_leads=(0,))
+                                  copy_leads=(0,), miss_steps=(0,))
     assert got == [DecodeSetting(b, 0, t) for b in (2, 4, 8) for t in (0, 10)]  # 16 dropped, the recipe's 8 added
     got = auto.candidate_settings(4, 64, has_token_counts=True, budgets=(2, 4), vocab_sizes=(0, 3, 16, 64),
-                                  copy_tails=(0,))  # no tail: no copy lead either
+                                  copy_tails=(0,), miss_steps=())  # no tail: no copy lead either; steps 0 always
     # 64 is the whole vocabulary (no saving), 3 is smaller than budget 4
     assert got == [DecodeSetting(2, 0), DecodeSetting(2, 3), DecodeSetting(2, 16), DecodeSetting(4, 0),
                    DecodeSetting(4, 16)]
@@ -50,8 +50,16 @@ def test_candidates_are_capped_by_the_recipe_budget_and_need_token_counts_for_a_
     assert DecodeSetting(2, 0, 10, 4).label == "B=2, copy tail 10, copy lead 4"
     assert auto.GREEDY.label == "greedy, no drafter"
     # a copy lead only beside a tail, and always with its drafting twin
-    got = auto.candidate_settings(2, 64, has_token_counts=False, budgets=(2,), copy_tails=(0, 10), copy_leads=(4,))
+    got = auto.candidate_settings(2, 64, has_token_counts=False, budgets=(2,), copy_tails=(0, 10), copy_leads=(4,),
+                                  miss_steps=(0,))
     assert got == [DecodeSetting(2), DecodeSetting(2, 0, 10), DecodeSetting(2, 0, 10, 4)]
+    # miss steps: every value with every setting; each variant's rounds are its setting without steps
+    got = auto.candidate_settings(2, 64, has_token_counts=False, budgets=(2,), copy_tails=(0,), miss_steps=(3, 1))
+    assert got == [DecodeSetting(2), DecodeSetting(2, 0, 0, 0, 1), DecodeSetting(2, 0, 0, 0, 3)]
+    assert {s.rounds for s in got} == {DecodeSetting(2)}
+    assert DecodeSetting(2, 4096, 10, 0, 2).label == "B=2, draft vocab 4096, copy tail 10, miss steps 2"
+    with pytest.raises(ValueError, match="miss_steps"):
+        auto.candidate_settings(4, 64, has_token_counts=False, miss_steps=(-1,))
     with pytest.raises(ValueError, match="max_budget"):
         auto.candidate_settings(0, 64, has_token_counts=False)
     with pytest.raises(ValueError, match="copy_tails"):
@@ -66,8 +74,11 @@ def test_the_prompt_lookup_length_is_a_copy_tail_candidate():
 
 @pytest.mark.parametrize(("setting", "earliest"), [(DecodeSetting(4), False), (DecodeSetting(3, 0, 5), False),
                                                    (DecodeSetting(4, 16, 5), False), (DecodeSetting(2, 0, 3, 2), False),
-                                                   (DecodeSetting(3, 0, 5), True)],
-                         ids=["plain", "copy-tail", "vocab+tail", "copy-lead", "two-chains"])
+                                                   (DecodeSetting(3, 0, 5), True),
+                                                   (DecodeSetting(1, 0, 0, 0, 2), False),
+                                                   (DecodeSetting(1, 0, 3, 2, 3), False)],
+                         ids=["plain", "copy-tail", "vocab+tail", "copy-lead", "two-chains", "miss-steps",
+                              "miss-steps+copy-lead"])
 def test_the_block_length_estimate_equals_each_round_of_a_real_decode(target, drafter, setting, earliest):
     """The reference twin: a greedy decode at the setting visits some anchors of the greedy answer;
     the estimate from one drafter pass over the whole answer must give, at each of them, the
@@ -75,25 +86,30 @@ def test_the_block_length_estimate_equals_each_round_of_a_real_decode(target, dr
     vocab = None if setting.draft_vocab == 0 else draft_vocabulary(COUNTS, setting.draft_vocab, target.vocab_size)
     answer = autoregressive_generate(target, REPEATING, 30).tokens
     row = (torch.tensor(REPEATING + answer), len(REPEATING))
-    lengths, nodes, drafted = auto.candidate_block_lengths(target, drafter, [row], [setting],
-                                                           {setting.draft_vocab: vocab},
-                                                           copy_earliest=earliest)[setting]
-    assert len(lengths) == len(answer) and len(nodes) == len(answer) and len(drafted) == len(answer)
+    lengths, nodes, kinds = auto.candidate_block_lengths(target, drafter, [row], [setting],
+                                                         {setting.draft_vocab: vocab},
+                                                         copy_earliest=earliest)[setting]
+    assert len(lengths) == len(answer) and len(nodes) == len(answer) and len(kinds) == len(answer)
     decoder = SpeculativeDecoder(target, drafter, budget=setting.budget, verifier="greedy",
                                  copy_tail=setting.copy_tail, copy_lead=setting.copy_lead, draft_vocab=vocab,
-                                 copy_earliest=earliest)
+                                 copy_earliest=earliest, miss_steps=setting.miss_steps)
     result = decoder.generate(REPEATING, 30)
     assert result.tokens == answer
     anchor = 0  # index into the anchors: position len(REPEATING) - 1 + anchor
     for r in result.rounds[:-1]:
-        assert (r.block_length, r.tree_nodes, r.drafted) == (lengths[anchor], nodes[anchor], drafted[anchor])
+        if r.kind == "step":  # the root alone: one token, no node
+            assert (r.block_length, r.tree_nodes) == (1, 0)
+        else:
+            assert (r.block_length, r.tree_nodes, r.kind) == (lengths[anchor], nodes[anchor], kinds[anchor])
         anchor += r.block_length
     # the probe's tau walks the same rounds: its blocks are the decoding's, round for round
-    walked, walked_nodes, walked_drafted = auto.along_the_rounds([(lengths, nodes, drafted)])
+    walked, walked_nodes, walked_kinds = auto.along_the_rounds([(lengths, nodes, kinds)], setting.miss_steps)
     n = len(result.rounds) - 1
     assert walked[:n] == [r.block_length for r in result.rounds[:-1]] and len(walked) >= n
     assert walked_nodes[:n] == [r.tree_nodes for r in result.rounds[:-1]]
-    assert walked_drafted[:n] == [r.drafted for r in result.rounds[:-1]]
+    assert walked_kinds[:n] == [r.kind for r in result.rounds[:-1]]
+    if setting.miss_steps:  # steps were taken, so the walk's step rule was compared
+        assert "step" in walked_kinds[:n]
     if setting.copy_tail and not setting.copy_lead:
         assert max(nodes) > setting.budget  # the graft happened somewhere, so the tail was exercised
     if earliest:  # the second chain was grafted somewhere: more copy nodes than one chain holds
@@ -125,7 +141,8 @@ def test_the_choice_maximises_tau_per_round_cost_from_scripted_timings(target, d
 
     timer, calls = scripted_timer(cost, greedy_ms=9.0)
     choice = auto.probe_decode_settings(target, drafter, PROMPTS, max_budget=8, token_counts=COUNTS,
-                                        vocab_sizes=(0, 16), copy_tails=(0, 5), answer_tokens=16, timer=timer)
+                                        vocab_sizes=(0, 16), copy_tails=(0, 5), miss_steps=(0,), answer_tokens=16,
+                                        timer=timer)
     # every candidate, greedy, the finalists again, greedy again
     assert calls[-1] is None and len(calls) == len(choice.candidates) + auto.FINALISTS + 2
     assert calls[len(choice.candidates)] is None
@@ -147,7 +164,7 @@ def test_the_choice_maximises_tau_per_round_cost_from_scripted_timings(target, d
     assert choice.to_dict()["chosen"]["setting"] == best.setting.label
     # the same timings give the same choice
     again = auto.probe_decode_settings(target, drafter, PROMPTS, max_budget=8, token_counts=COUNTS,
-                                       vocab_sizes=(0, 16), copy_tails=(0, 5), answer_tokens=16,
+                                       vocab_sizes=(0, 16), copy_tails=(0, 5), miss_steps=(0,), answer_tokens=16,
                                        timer=scripted_timer(cost, 9.0)[0])
     def figures(c):
         return {k: v for k, v in c.to_dict().items() if k != "probe_seconds"}  # the probe's own wall time varies
@@ -185,7 +202,8 @@ def test_an_expected_gain_within_timing_noise_decodes_greedily(target, drafter):
     """1.02x expected is under CLEAR_GAIN: auto falls back to greedy decoding; 1.08x is not."""
     def probe(greedy_ms):
         return auto.probe_decode_settings(target, drafter, PROMPTS[:1], max_budget=4, answer_tokens=8,
-                                          copy_tails=(0,), timer=scripted_timer(lambda s: 100.0, greedy_ms)[0])
+                                          copy_tails=(0,), miss_steps=(0,),
+                                          timer=scripted_timer(lambda s: 100.0, greedy_ms)[0])
 
     best_tau = max(c.tau for c in probe(50.0).candidates)  # every round costs 100 ms: the best has the top tau
     assert probe(1.02 * 100.0 / best_tau).setting == auto.GREEDY
@@ -209,7 +227,7 @@ def test_the_fastest_first_timing_is_timed_again_and_a_flattering_one_loses(targ
         return 1.0 if lucky else (60.0 if setting == DecodeSetting(2) else 10.0 + setting.budget)
 
     choice = auto.probe_decode_settings(target, drafter, PROMPTS, max_budget=8, copy_tails=(0, 5), answer_tokens=16,
-                                        timer=timer)
+                                        miss_steps=(0,), timer=timer)
     assert len(choice.candidates) > auto.FINALISTS
     flattered = next(c for c in choice.candidates if c.setting == DecodeSetting(2))
     assert flattered.first_round_ms == 1.0 and flattered.round_ms == 60.0  # its figures are the second timing's
@@ -222,23 +240,24 @@ def test_the_fastest_first_timing_is_timed_again_and_a_flattering_one_loses(targ
 
 
 def test_the_speedup_bound_is_the_point_estimate_on_alike_prompts_and_widened_for_other_prompts():
-    """speedup_bound on (tokens, drafted rounds, copy-led rounds) per prompt: alike prompts leave
+    """speedup_bound on (tokens, drafted rounds, copy-led rounds, steps) per prompt (a step costs the
+    greedy step): alike prompts leave
     nothing to resample; otherwise the bound is the point estimate minus sqrt(2) times the
     bootstrap quantile's distance below it (the prompts decoded next are another sample): at a tiny
     quantile the bootstrap's own tail is the worst prompt's speed (a draw of it alone, 3 prompts: 1
     in 27 of the draws), so the bound lies below even that prompt; seeded, so the same rows give
     the same bound."""
-    alike = [(12, 4, 0)] * 5
-    assert auto.speedup_bound(alike, 10.0, 20.0, 5.0) == pytest.approx(12 * 10.0 / (4 * 20.0))
-    rows = [(8, 4, 0), (12, 4, 2), (30, 2, 6)]  # the last one restates its prompt: copy-led rounds
-    speeds = [t * 10.0 / (d * 20.0 + n * 5.0) for t, d, n in rows]
-    point = sum(t for t, _, _ in rows) * 10.0 / sum(d * 20.0 + n * 5.0 for _, d, n in rows)
+    alike = [(12, 4, 0, 1)] * 5
+    assert auto.speedup_bound(alike, 10.0, 20.0, 5.0) == pytest.approx(12 * 10.0 / (4 * 20.0 + 10.0))
+    rows = [(8, 4, 0, 0), (12, 4, 2, 0), (30, 2, 6, 0)]  # the last one restates its prompt: copy-led rounds
+    speeds = [t * 10.0 / (d * 20.0 + n * 5.0) for t, d, n, _ in rows]
+    point = sum(t for t, *_ in rows) * 10.0 / sum(d * 20.0 + n * 5.0 for _, d, n, _ in rows)
     tiny = auto.speedup_bound(rows, 10.0, 20.0, 5.0, quantile=1e-4, draws=20000)
     assert tiny == pytest.approx(point - 2 ** 0.5 * (point - min(speeds)))
     assert tiny < min(speeds)
     low = auto.speedup_bound(rows, 10.0, 20.0, 5.0)
-    q10 = float(torch.quantile(resampled_ratios([t * 10.0 for t, _, _ in rows],
-                                                [d * 20.0 + n * 5.0 for _, d, n in rows], draws=2000, seed=0), 0.1))
+    q10 = float(torch.quantile(resampled_ratios([t * 10.0 for t, *_ in rows],
+                                                [d * 20.0 + n * 5.0 for _, d, n, _ in rows], draws=2000, seed=0), 0.1))
     assert min(speeds) < q10 < point
     assert low == pytest.approx(point - 2 ** 0.5 * (point - q10)) and low == auto.speedup_bound(rows, 10.0, 20.0, 5.0)
     for bad in ({"quantile": 0.0}, {"quantile": 1.0}):
@@ -259,7 +278,7 @@ def test_a_setting_fast_on_few_prompts_is_passed_over_and_without_another_auto_d
 
     def probe():
         return auto.probe_decode_settings(target, drafter, PROMPTS, max_budget=4, copy_tails=(0, 5), answer_tokens=16,
-                                          timer=scripted_timer(cost, 30.0)[0])
+                                          miss_steps=(0,), timer=scripted_timer(cost, 30.0)[0])
 
     free = probe()
     best = free.chosen
@@ -291,7 +310,7 @@ def test_copy_led_rounds_weigh_their_own_cost(target, drafter):
         return (40.0, 10.0) if setting.copy_lead else 30.0
 
     choice = auto.probe_decode_settings(target, drafter, PROMPTS, max_budget=2, budgets=(2,), copy_tails=(0, 3),
-                                        copy_leads=(2,), answer_tokens=16, timer=timer)
+                                        copy_leads=(2,), miss_steps=(0,), answer_tokens=16, timer=timer)
     led = next(c for c in choice.candidates if c.setting == lead)
     assert 0 < led.copy_led < 1  # the repeating prompts give both kinds of round
     assert led.round_ms == pytest.approx((1 - led.copy_led) * 40.0 + led.copy_led * 10.0)
@@ -303,8 +322,27 @@ def test_copy_led_rounds_weigh_their_own_cost(target, drafter):
         return 9.0 if setting is None else ((None, None) if setting.copy_lead else 30.0)
 
     again = auto.probe_decode_settings(target, drafter, PROMPTS, max_budget=2, budgets=(2,), copy_tails=(0, 3),
-                                       copy_leads=(2,), answer_tokens=16, timer=no_led_round)
+                                       copy_leads=(2,), miss_steps=(0,), answer_tokens=16, timer=no_led_round)
     assert next(c for c in again.candidates if c.setting == lead).round_ms == pytest.approx(30.0)
+
+
+def test_steps_after_a_miss_share_their_settings_timing_and_cost_a_greedy_step(target, drafter):
+    """A miss-steps variant is walked, not timed: the timer sees settings without steps only, and
+    the variant's round cost weighs its drafted rounds at their timing and its steps at the greedy
+    step's; its tau is the walk's over the same anchors."""
+    timer, calls = scripted_timer(lambda s: 40.0, greedy_ms=10.0)
+    choice = auto.probe_decode_settings(target, drafter, PROMPTS, max_budget=1, budgets=(1,), copy_tails=(0,),
+                                        miss_steps=(0, 3), answer_tokens=16, timer=timer)
+    assert all(c is None or c.miss_steps == 0 for c in calls)
+    plain = next(c for c in choice.candidates if c.setting == DecodeSetting(1))
+    stepping = next(c for c in choice.candidates if c.setting == DecodeSetting(1, 0, 0, 0, 3))
+    assert plain.steps == 0 and 0 < stepping.steps < 1  # the tiny drafter misses: steps were walked
+    assert stepping.round_ms == pytest.approx((1 - stepping.steps) * 40.0 + stepping.steps * 10.0)
+    assert stepping.speedup == pytest.approx(stepping.tau * 10.0 / stepping.round_ms)
+    assert stepping.tau < plain.tau  # a step yields one token
+    assert choice.to_dict()["candidates"][1]["miss_steps"] in (0, 3)
+    if choice.setting.miss_steps:
+        assert "steps" in choice.reason and choice.decoder_kwargs()["miss_steps"] == choice.setting.miss_steps
 
 
 def test_a_gain_within_timing_noise_says_so():
@@ -354,7 +392,7 @@ def test_evaluate_prompts_auto_rows_carry_the_quality_and_the_speed_setting(targ
         assert row["decode"] == "auto" and plain["decode"] == "fixed" and "auto_setting" not in plain
         assert row["tau"] == plain["tau"] and row["block_lengths"] == plain["block_lengths"]  # quality at B=4
         setting = DecodeSetting(row["auto_budget"], row["auto_draft_vocab"], row["auto_copy_tail"],
-                                row["auto_copy_lead"])
+                                row["auto_copy_lead"], row["auto_miss_steps"])
         assert row["auto_setting"] == setting.label and row["auto_budget"] <= 4  # 0: greedy, no drafter
         assert row["auto_tau"] == sum(row["auto_block_lengths"]) / len(row["auto_block_lengths"])
         assert row["matches_target"] is True and row["new_tokens"] == row["fixed_new_tokens"] == 12

@@ -124,6 +124,31 @@ def test_copy_led_rounds_output_equals_target_greedy(no_eos, target, drafter, ve
     assert not result.rounds[0].drafted and result.rounds[0].tree_nodes == K + 2
 
 
+@pytest.mark.parametrize("verifier", ["tev", "predraw", "sequential", "greedy"])
+def test_steps_after_a_miss_output_equals_target_greedy(no_eos, target, drafter, verifier):
+    """After a drafted round that accepted nothing, up to 2 steps verify the root alone (no drafter,
+    one token each); both kinds occur, a step follows only a miss, and the tokens are greedy's."""
+    expected = hf_greedy(target, PROMPT, 30)
+    decoder = SpeculativeDecoder(target, drafter, budget=2, verifier=verifier, miss_steps=2)
+    result = decoder.generate(PROMPT, max_new_tokens=30, seed=0)
+    assert result.tokens == expected
+    kinds = [r.kind for r in result.rounds]
+    assert "step" in kinds and "drafted" in kinds, "one kind of round never ran: the test proves nothing"
+    for before, r in zip(result.rounds, result.rounds[1:]):
+        if r.kind == "step":
+            assert (r.block_length, r.tree_nodes) == (1, 0)
+            assert before.kind == "step" or (before.kind == "drafted" and before.accept_length == 0)
+        elif before.kind == "drafted" and before.accept_length == 0:
+            raise AssertionError("a miss was not followed by a step")
+    runs = "".join("s" if k == "step" else "d" for k in kinds)
+    assert "sss" not in runs  # at most miss_steps = 2 in a row
+
+
+def test_steps_after_a_miss_keep_the_sampling_law(no_eos, target, drafter):
+    """At T > 0 a step samples the root's warped distribution through the verifier: the 3-token law holds."""
+    test_sampling_law_over_three_tokens(no_eos, target, drafter, 400, PROMPT, {"miss_steps": 2})
+
+
 def test_copy_led_rounds_keep_the_sampling_law(no_eos, target, drafter):
     """At T > 0 a copy-led round is verified as any tree: the 3-token law holds (chi-square)."""
     test_sampling_law_over_three_tokens(no_eos, target, drafter, 400, REPEATING, {"copy_lead": 2})
@@ -192,6 +217,8 @@ def test_bad_arguments(target, drafter):
         SpeculativeDecoder(target, drafter, copy_tail=-1)
     with pytest.raises(ValueError, match="copy_lead"):
         SpeculativeDecoder(target, drafter, copy_lead=-2)
+    with pytest.raises(ValueError, match="miss_steps"):
+        SpeculativeDecoder(target, drafter, miss_steps=-1)
     with pytest.raises(ValueError, match="copy_match"):
         SpeculativeDecoder(target, drafter, copy_match=1.5)
     with pytest.raises(ValueError, match="copy_ngrams"):

@@ -1,0 +1,131 @@
+"""What a target forward costs by the rows it scores, on this host: the price list of a round.
+
+``python -m exittrain bench rows [--rows 1 2 3 4 6 8 11 17] [--contexts 300] [--repeats 9]
+[--set restating] [--target PATH]``
+
+A decoding round pays one target forward over the tree's rows (the root and its B nodes, and
+the copy tail's); a greedy step pays one over one row. How the cost grows with the rows decides
+which budget and copy tail pay (:mod:`exittrain.decoding.auto_settings` measures it through real
+decodes; this bench isolates it). For each context length C, the target prefills C tokens of a
+held-out prompt (a set of ``bench decode``; prompts are joined until C tokens are reached),
+then at each row count R times ``repeats`` forwards after one untimed warm-up:
+
+- R = 1: the greedy step, ``target.model`` on one token with the cache, as
+  :func:`~exittrain.decoding.autoregressive_generate` runs it;
+- R > 1: :meth:`~exittrain.models.target.TargetModel.tree_forward` of a chain of R - 1 nodes
+  under the root (:func:`~exittrain.core.copy_tail.copy_only_tree`), as a round runs it.
+
+After each forward the cache is cut back to C, so every forward sees the same context. The
+figure is the median; the table also gives each count's ratio to one row. The rows are timed
+interleaved (every count once per repeat), so a load that drifts during the run spreads over
+all counts rather than landing on one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from exittrain.bench.registry import write_results
+from exittrain.core.copy_tail import copy_only_tree
+
+DEFAULT_ROWS = (1, 2, 3, 4, 6, 8, 11, 17)
+
+
+def check_counts(values, key: str) -> list[int]:
+    """The distinct values, sorted; ValueError naming ``key`` unless each is an integer >= 1."""
+    if not values or any(not isinstance(v, int) or v < 1 for v in values):
+        raise ValueError(f"{key} {list(values or [])}: give integers >= 1")
+    return sorted(set(values))
+
+
+def context_ids(prompts: list[list[int]], length: int) -> list[int]:
+    """The first ``length`` tokens of the prompts joined; ValueError when they hold fewer."""
+    ids = [t for p in prompts for t in p]
+    if len(ids) < length:
+        raise ValueError(f"--contexts {length}: the prompts hold only {len(ids)} tokens; lower it or raise --prompts")
+    return ids[:length]
+
+
+@torch.no_grad()
+def forward_ms(target, ids: list[int], rows: list[int], repeats: int) -> dict[int, float]:
+    """Median ms of one target forward over each count of ``rows`` after the context ``ids``
+    (the last id is the root), interleaved across counts; see the module docstring."""
+    device = target.device
+    ids_1T = torch.tensor([ids], device=device)
+    cache = target.prefill(ids_1T[:, :-1]).cache
+    root = ids_1T[:, -1]
+    # the chain's tokens: the context's own, so the tree holds ordinary text ids
+    chain = [ids[i % len(ids)] for i in range(max(rows))]
+    trees = {r: copy_only_tree(chain[: r - 1], device) for r in rows if r > 1}
+
+    def forward(r: int) -> float:
+        start = time.perf_counter()
+        if r == 1:
+            target.model(input_ids=root.view(1, 1), cache=cache, use_cache=True)
+        else:
+            target.tree_forward(cache, root, trees[r])
+        seconds = time.perf_counter() - start
+        cache.crop(-r)  # back to the context alone
+        return seconds
+
+    laps = {r: [] for r in rows}
+    for repeat in range(repeats + 1):
+        for r in rows:
+            seconds = forward(r)
+            if repeat:  # the first pass is the warm-up
+                laps[r].append(seconds)
+    return {r: 1e3 * statistics.median(v) for r, v in laps.items()}
+
+
+def run(rows: list[int], contexts: list[int], repeats: int, set_name: str, target_path: str | None,
+        n_prompts: int = 8) -> dict:
+    from exittrain.bench.decode import check_sets, host, set_prompts
+    from exittrain.models import load_target
+    from exittrain.progress import Ticker
+
+    rows, contexts = check_counts(rows, "--rows"), check_counts(contexts, "--contexts")
+    if repeats < 1:
+        raise ValueError(f"--repeats {repeats}: give an integer >= 1")
+    check_sets([set_name])
+    target = load_target(target_path)
+    prompts = set_prompts(target, set_name, n_prompts, 0)
+    measured = []
+    ticker = Ticker("bench rows", len(contexts), unit="context", every=1)
+    for i, C in enumerate(contexts, 1):
+        ms = forward_ms(target, context_ids(prompts, C + 1), rows, repeats)
+        measured.append({"context": C, "ms": {str(r): v for r, v in ms.items()}})
+        ticker.update(i)
+    return {"host": host(), "set": set_name, "repeats": repeats, "rows": rows, "contexts": measured}
+
+
+def to_markdown(result: dict) -> str:
+    from exittrain.bench.decode import host_line
+
+    rows = result["rows"]
+    lines = [f"Target forward by rows scored, median of {result['repeats']} after a warm-up; context from the "
+             f"{result['set']} set; host: {host_line(result['host'])}.", "",
+             "| context | " + " | ".join(f"{r} row{'s' * (r > 1)}" for r in rows) + " |",
+             "|---|" + "---|" * len(rows)]
+    for c in result["contexts"]:
+        ms = c["ms"]
+        one = ms.get("1")
+        cells = [f"{ms[str(r)]:.1f} ms" + (f" ({ms[str(r)] / one:.2f}x)" if one and r > 1 else "") for r in rows]
+        lines.append(f"| {c['context']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=list(DEFAULT_ROWS), help="row counts (1: a greedy step)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[300], help="context lengths, tokens")
+    parser.add_argument("--repeats", type=int, default=9, help="timed forwards per row count and context")
+    parser.add_argument("--set", default="restating", help="the prompt set the context comes from (bench decode's)")
+    parser.add_argument("--target", default=None, help="a target path (default: the embedded SmolLM2)")
+    parser.add_argument("--out", default="results/bench_rows")
+    args = parser.parse_args(argv)
+    result = run(args.rows, args.contexts, args.repeats, args.set, args.target)
+    write_results(args.out, result, to_markdown(result))
