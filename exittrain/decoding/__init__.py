@@ -4,6 +4,7 @@ the fastest setting on this host (``decode: auto``)."""
 from .auto_settings import AutoChoice, DecodeSetting, auto_decoder, probe_decode_settings
 from .oracle import oracle_generate
 from .speculative import (
+    ROUND_KINDS,
     ROUND_PARTS,
     GenerationResult,
     GreedyDecoder,
@@ -15,6 +16,7 @@ from .speculative import (
 __all__ = [
     "AutoChoice",
     "DecodeSetting",
+    "ROUND_KINDS",
     "ROUND_PARTS",
     "GenerationResult",
     "GreedyDecoder",

@@ -25,6 +25,9 @@ What :func:`probe_decode_settings` measures, on a few held-out prompts:
   first answer position, then one block further each time), so it is the decoded tau at T = 0.
   The mean over every position is higher (one code drafter: 3.97 at B = 16 on the probe prompts,
   where fit's table decoded 2.67), and choosing by it promised speedups decoding did not deliver.
+- **steps after a miss** (``miss_steps``, :data:`DEFAULT_MISS_STEPS`): each setting's variants
+  are walked over the same per-anchor blocks (:func:`along_the_rounds` with the decoder's step
+  rule), a step yielding one token at the greedy step's cost; they share the setting's timing.
 - **the cost of a round** of every candidate (:mod:`exittrain.decoding.round_cost`): the mean
   round time of short real decodes of a few probe prompts (draft, tree, target forward of the
   tree's rows, verify, commit: what a round pays), drafted and copy-led rounds apart, weighed by
@@ -258,10 +261,10 @@ def speedup_bound(per_prompt: Sequence[tuple[int, int, int, int]], greedy_ms: fl
     rounds, step rounds)``; a step costs ``greedy_ms``. A draw's speedup is its tokens times
     ``greedy_ms`` over its rounds' cost, the point estimate's formula on the drawn prompts. Why:
     tau varies from prompt to prompt far more than a round's cost does, and the prompts decoded
-    are not the probe's; a setting whose speed
-    rests on one or two prompts that copy at length (expected 1.1-1.8x the decoded speed, one code
-    drafter on a 2-core EPYC) decodes below greedy on prompts without them. Only the prompts are
-    resampled: the round costs are taken as measured (:data:`CLEAR_GAIN` covers their noise).
+    are not the probe's; a setting whose speed rests on one or two prompts that copy at length
+    (expected 1.1-1.8x the decoded speed, one code drafter on a 2-core EPYC) decodes below greedy
+    on prompts without them. Only the prompts are resampled: the round costs are taken as measured
+    (:data:`CLEAR_GAIN` covers their noise).
 
     The bound is for the prompts decoded next, not for the probe's mean: it is the point
     estimate minus :data:`NEW_SAMPLE_SPREAD` (sqrt 2) times the bootstrap quantile's distance
@@ -457,8 +460,8 @@ def auto_decoder(target, drafter, prompts, *, max_budget: int = 16, verifier: st
     drafter decode fastest (``decode: auto``).
 
     :func:`probe_decode_settings` measures the candidate budgets (up to ``max_budget``, the
-    recipe's), draft vocabularies, copy tails and copy-led rounds on a few of ``prompts``
-    (templated held-out prompts) and picks the most tokens a second; ``probe`` passes its other
+    recipe's), draft vocabularies, copy tails, copy-led rounds and steps after a miss on a few of
+    ``prompts`` (templated held-out prompts) and picks the most tokens a second; ``probe`` passes its other
     settings. When no setting is expected to beat greedy decoding, the decoder is a
     :class:`~exittrain.decoding.speculative.GreedyDecoder` (no drafter at all).
     ``token_counts`` (default: the drafter folder's ``draft_vocab.json``, when it was loaded from

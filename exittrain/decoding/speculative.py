@@ -179,7 +179,7 @@ class SpeculativeDecoder:
     row), the drafter is skipped, and the round yields the bonus token, as greedy decoding's step
     does. A copy-led round, when due, comes first and ends the steps. Why: a round that accepted
     nothing tends to be followed by more such (the text is where the drafter goes wrong), and on
-    a CPU a round's tree costs 1.1-2.4 times a one-row step (``python -m exittrain bench rows``),
+    a CPU a round's tree costs 1.1-2.7 times a one-row step (``python -m exittrain bench rows``),
     so there a step yields the same token for less. The choice reads past rounds only, never the
     current round's target scores, so every verifier stays exact.
 
@@ -272,6 +272,8 @@ class SpeculativeDecoder:
         tree_rows = max(self.budget + copy_rows, self.lead_length if self.copy_lead else 0) + 1
         ids, generator, eos = _prepare(self.target, input_ids, max_new_tokens, temperature, seed, tree_rows)
         device = self.target.device
+        # a one-off per process, before the clock starts: the head's layout for every tree size
+        self.target.prepare_tree_rows(tree_rows)
 
         start = time.perf_counter()
         pre = self.target.prefill(ids[:, :-1], layers=self.layers)

@@ -27,7 +27,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-__all__ = ["MAX_ROWS", "TIMED_REPEATS", "head_rows", "is_plain_head", "layout_choices", "linear_only"]
+__all__ = ["MAX_ROWS", "TIMED_REPEATS", "choose_layouts", "head_rows", "is_plain_head", "layout_choices",
+           "linear_only"]
 
 MAX_ROWS = 64  # beyond this many rows the kernels are compute-bound and F.linear is as good
 TIMED_REPEATS = 5  # timed calls per layout after the warm-up; the median decides
@@ -82,6 +83,24 @@ def _choose(x_MH: torch.Tensor, weight_VH: torch.Tensor) -> bool:
         linear_ms, transposed_ms = _time_layouts(x_MH, weight_VH)
         _CHOICES[key] = (transposed_ms < _WIN_MARGIN * linear_ms, linear_ms, transposed_ms)
     return _CHOICES[key][0]
+
+
+def choose_layouts(weight_VH: torch.Tensor, row_counts) -> None:
+    """Make :func:`head_rows`' choice now for each of ``row_counts`` not chosen yet, as its first
+    call would: a decoder calls it before its first round for every tree size it can verify.
+
+    Why: each choice times 12 products (0.2-0.4 s a count for a 49k-token head on a 2-core CPU),
+    and a tree with a copy tail takes many sizes (B = 16 with a tail of 10: up to 27 rows). Chosen
+    on first use, the choices land inside timed rounds: a short decode pays them where a long one
+    would not, and ``decode: auto``'s probe, which timed other rounds, does not see them. Counts
+    the fast path never takes (1, more than :data:`MAX_ROWS`), a GPU weight and
+    :func:`linear_only` are skipped, as in :func:`head_rows`."""
+    if _FORCE_LINEAR[0] or weight_VH.device.type != "cpu":
+        return
+    generator = torch.Generator().manual_seed(0)
+    for rows in sorted(set(row_counts)):
+        if 1 < rows <= MAX_ROWS:
+            _choose(torch.randn(rows, weight_VH.shape[1], generator=generator).to(weight_VH.dtype), weight_VH)
 
 
 def is_plain_head(module: torch.nn.Module) -> bool:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from exittrain.models.row_matmul import head_rows, is_plain_head
+from exittrain.models.row_matmul import choose_layouts, head_rows, is_plain_head
 from exittrain.models.target_decode import TargetDecoding
 from exittrain.models.target_scoring import TreeScoring
 
@@ -288,6 +288,13 @@ class TargetModel(TargetDecoding, TreeScoring):
         if not layers:
             return None
         return torch.cat([captured[x].to(self.device) for x in layers], dim=-1)
+
+    def prepare_tree_rows(self, max_rows: int) -> None:
+        """Choose the LM head's layout now for every tree forward of 2 to ``max_rows`` rows, where
+        :meth:`_causal_lm_logits` would choose it on first use (:func:`~exittrain.models.row_matmul.choose_layouts`)."""
+        head = self.lm_head
+        if getattr(self.config, "model_type", None) in PLAIN_HEAD_MODEL_TYPES and is_plain_head(head):
+            choose_layouts(head.weight, range(2, max_rows + 1))
 
     def _causal_lm_logits(self, **kwargs) -> torch.Tensor:
         """``self.model(**kwargs).logits``. Where the model's logits are its plain LM head applied to

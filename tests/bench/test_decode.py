@@ -85,7 +85,9 @@ def test_markdown_has_one_table_per_set_with_the_baselines_our_rows_and_the_prob
         "rows": [{"budget": 4, "drafter_cache": True, "head_layout": "auto", "tau": 4.0, "tokens_per_s": 15.7,
                   "vs_greedy": 1.57, "vs_prompt_lookup": 0.95, "equals_greedy": 2, "ms_per_round": 9.0,
                   "stage_ms_per_round": stage, "copy_tail": 10, "draft_vocab": 4096, "nodes_per_round": 9.5,
-                  "miss_steps": 2, "auto": True}],
+                  "miss_steps": 2, "auto": True,
+                  "round_kinds": {"drafted": {"rounds": 10, "ms": 120.0, "block_length": 3.4},
+                                  "step": {"rounds": 4, "ms": 61.5, "block_length": 1.0}}}],
         "auto": {"reason": "decode auto -> B=4, draft vocab 4096, copy tail 10 (round 9 ms, tau 4.00)"},
         "prompt_indices": [8, 10],  # auto's run: measured in turn with the probe's prompts
     }
@@ -111,6 +113,8 @@ def test_markdown_has_one_table_per_set_with_the_baselines_our_rows_and_the_prob
     assert "| ours B=4, drafter cache on, head auto, copy tail 8, both copy chains | 3.60 | 7.5 |" in md
     assert ("| ours auto: B=4, draft vocab 4096, copy tail 10, miss steps 2 | 4.00 | 9.5 | 15.7 | 1.57x | 0.95x | 2/2 |"
             in md)
+    assert ("Rounds of ours auto: B=4, draft vocab 4096, copy tail 10, miss steps 2: drafted 10 at 120 ms, tau 3.40; "
+            "step 4 at 62 ms, tau 1.00.") in md
     assert "Probe: decode auto -> B=4, draft vocab 4096, copy tail 10 (round 9 ms, tau 4.00)." in md
     assert "| ours B=2, drafter cache on, head auto, copy tail 10, copy lead 4 | 4.50 | 12.0 | 21.0 |" in md
     assert "| ours auto: greedy, no drafter | 1.00 | 0.0 | 10.1 | 1.01x | 1.26x | 2/2 |" in md
@@ -136,6 +140,11 @@ def test_a_set_is_measured_with_every_output_checked_against_greedy(target, monk
     assert [r["auto"] for r in measured["rows"]] == [False, False, True]
     assert [r["copy_lead"] for r in measured["rows"][:2]] == [0, 2]
     assert all(r["equals_greedy"] == 2 and r["tau"] >= 1 and r["vs_greedy"] > 0 for r in measured["rows"])
+    for r in measured["rows"]:  # the kinds split the rounds: their counts and blocks give the row's tau
+        kinds = r["round_kinds"].values()
+        assert set(r["round_kinds"]) <= {"drafted", "copy-led", "step"} and all(k["ms"] > 0 for k in kinds)
+        rounds = sum(k["rounds"] for k in kinds)
+        assert sum(k["rounds"] * k["block_length"] for k in kinds) / rounds == pytest.approx(r["tau"])
 
 
 def test_the_fixed_grid_varies_the_copy_chains_only_with_a_copy_tail(target):

@@ -150,3 +150,32 @@ def test_only_a_plain_head_of_a_known_model_type_is_computed_here(monkeypatch):
     target.config.model_type = "gemma2"  # soft-capped logits: the model's own forward, not the plain head
     target.tree_forward(target.prefill(torch.tensor([random_context(3, 7)])).cache, 5, tree)
     assert called == [1]
+
+
+def test_choices_are_made_up_front_for_every_tree_size_a_decoder_can_verify(monkeypatch):
+    """choose_layouts times each count the fast path can take, once; a decoder calls it through
+    prepare_tree_rows before its first round, for 2 .. its tree rows (scripted timer)."""
+    from exittrain.decoding import SpeculativeDecoder
+
+    timed = []
+    monkeypatch.setattr(rm, "_time_layouts", lambda x, w: timed.append((x.shape[0], w.shape[0])) or (1.0, 2.0))
+    rm._CHOICES.clear()
+    w = torch.randn(300, 16)
+    rm.choose_layouts(w, [1, 3, 2, 3, rm.MAX_ROWS + 1])  # one row and too many rows: never the fast path
+    assert timed == [(2, 300), (3, 300)]
+    rm.choose_layouts(w, [2, 4])
+    assert timed[2:] == [(4, 300)]  # 2 was chosen already
+    with rm.linear_only():
+        rm.choose_layouts(w, [5])
+    assert len(timed) == 3
+
+    timed.clear()
+    rm._CHOICES.clear()
+    target = tiny_target("llama")
+    drafter = new_drafter(target, block_size=4, num_layers=1, hidden_size=32, seed=0).eval()
+    vocab = target.lm_head.weight.shape[0]
+    SpeculativeDecoder(target, drafter, budget=3, copy_tail=2).generate([5, 6, 7, 8, 5, 6], 4)
+    head_counts = [rows for rows, v in timed if v == vocab]
+    assert head_counts[:5] == [2, 3, 4, 5, 6]  # 3 nodes + a tail of 2 + the root: chosen before any round
+    assert len(head_counts) == len(set(head_counts))  # and none of them again during the rounds
+    rm._CHOICES.clear()
