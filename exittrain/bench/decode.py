@@ -62,9 +62,10 @@ import torch
 
 from exittrain import progress as progress_log
 from exittrain.bench.registry import write_results
-from exittrain.decoding import ROUND_KINDS, ROUND_PARTS, DecodeSetting, SpeculativeDecoder, auto_decoder
+from exittrain.decoding import ROUND_PARTS, DecodeSetting, SpeculativeDecoder, auto_decoder
 from exittrain.decoding.draft_vocab import load_draft_vocabulary, load_token_counts
 from exittrain.decoding.drafter_context import drafter_context
+from exittrain.decoding.speculative import rounds_by_kind
 from exittrain.models.row_matmul import layout_choices, linear_only
 from exittrain.tables import markdown_table
 
@@ -241,18 +242,6 @@ def _auto_decoder(target, drafter, drafter_path, probe_prompts, max_budget: int,
              "draft_vocab": s.draft_vocab, "copy_lead": s.copy_lead, "miss_steps": s.miss_steps, "auto": True}, decoder)
 
 
-def round_kinds(rounds) -> dict:
-    """Per round kind that occurred (drafted, copy-led, step): how many rounds, their mean ms and
-    mean block length; what ``decode: auto``'s probe priced each kind at can be checked against it."""
-    out = {}
-    for kind in ROUND_KINDS:
-        mine = [r for r in rounds if r.kind == kind]
-        if mine:
-            out[kind] = {"rounds": len(mine), "ms": 1e3 * sum(sum(r.times.values()) for r in mine) / len(mine),
-                         "block_length": sum(r.block_length for r in mine) / len(mine)}
-    return out
-
-
 def _measure_set(target, prompts, decoders, new_tokens: int, lookup_tokens: int, name: str) -> dict:
     """Greedy, prompt lookup and each decoder on ``prompts``, taking turns per prompt; the set's table rows."""
     lookup = {"prompt_lookup_num_tokens": lookup_tokens}
@@ -293,7 +282,7 @@ def _measure_set(target, prompts, decoders, new_tokens: int, lookup_tokens: int,
             "vs_prompt_lookup": summary["tokens_per_s"] / pl["tokens_per_s"],
             "ms_per_round": 1e3 * sum(stage.values()) / len(rounds),
             "stage_ms_per_round": {s: 1e3 * v / len(rounds) for s, v in stage.items()},
-            "round_kinds": round_kinds(rounds),
+            "round_kinds": rounds_by_kind(rounds),  # what auto priced each kind at can be checked against it
             "equals_greedy": sum(r.tokens == g for r, g in zip(results, greedy[0])),
         })
     return {"name": name, "prompts": len(prompts), "greedy": base, "prompt_lookup": pl, "rows": rows}

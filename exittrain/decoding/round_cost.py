@@ -38,7 +38,13 @@ class HostTimer:
         self.vocabs, self.tokens, self.verifier = vocabs, tokens, verifier
 
     def __call__(self, setting):  # an auto_settings.DecodeSetting, or None (not imported: auto_settings imports this)
-        from exittrain.decoding.speculative import COPY_LED, DRAFTED, SpeculativeDecoder, autoregressive_generate
+        from exittrain.decoding.speculative import (
+            COPY_LED,
+            DRAFTED,
+            SpeculativeDecoder,
+            autoregressive_generate,
+            rounds_by_kind,
+        )
 
         if setting is None:
             steps = [r.times for p in self.prompts for r in autoregressive_generate(self.target, p, self.tokens).rounds
@@ -54,11 +60,8 @@ class HostTimer:
         if not rounds:
             raise ValueError(f"the probe prompts gave no timed round in {self.tokens} tokens: raise timed_tokens")
 
-        def mean_ms(kind: str) -> float | None:
-            times = [sum(r.times.values()) for r in rounds if r.kind == kind]
-            return 1e3 * statistics.fmean(times) if times else None
-
-        return mean_ms(DRAFTED), mean_ms(COPY_LED)
+        kinds = rounds_by_kind(rounds)
+        return tuple(kinds[kind]["ms"] if kind in kinds else None for kind in (DRAFTED, COPY_LED))
 
 
 def round_costs(timed, twin) -> tuple[float, float]:

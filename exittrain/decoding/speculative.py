@@ -29,7 +29,7 @@ from exittrain.core.verify import sample_categorical, warp_probs
 from exittrain.decoding.drafter_context import drafter_context
 
 __all__ = ["RoundStats", "GenerationResult", "GreedyDecoder", "SpeculativeDecoder", "autoregressive_generate",
-           "COPY_LED", "DRAFTED", "ROUND_KINDS", "ROUND_PARTS", "STEP"]
+           "COPY_LED", "DRAFTED", "ROUND_KINDS", "ROUND_PARTS", "STEP", "rounds_by_kind"]
 
 ROUND_PARTS = ("draft", "tree", "target", "verify", "commit")
 # what a round verified: the drafter's tree (and any copy tail), the copy chain alone, or the root alone
@@ -53,6 +53,18 @@ class RoundStats:
     @property
     def drafted(self) -> bool:
         return self.kind == DRAFTED
+
+
+def rounds_by_kind(rounds) -> dict[str, dict]:
+    """Per kind of :data:`ROUND_KINDS` that occurred among ``rounds`` (:class:`RoundStats`): how
+    many rounds, their mean ms (every stage) and their mean block length."""
+    out = {}
+    for kind in ROUND_KINDS:
+        mine = [r for r in rounds if r.kind == kind]
+        if mine:
+            out[kind] = {"rounds": len(mine), "ms": 1e3 * sum(sum(r.times.values()) for r in mine) / len(mine),
+                         "block_length": sum(r.block_length for r in mine) / len(mine)}
+    return out
 
 
 @dataclass

@@ -77,8 +77,12 @@ def _time_layouts(x_MH: torch.Tensor, weight_VH: torch.Tensor, clock=None) -> tu
     return linear_ms, transposed_ms
 
 
+def _key(rows: int, weight_VH: torch.Tensor) -> tuple:
+    return (rows, *weight_VH.shape, weight_VH.dtype, torch.get_num_threads())
+
+
 def _choose(x_MH: torch.Tensor, weight_VH: torch.Tensor) -> bool:
-    key = (x_MH.shape[0], *weight_VH.shape, weight_VH.dtype, torch.get_num_threads())
+    key = _key(x_MH.shape[0], weight_VH)
     if key not in _CHOICES:
         linear_ms, transposed_ms = _time_layouts(x_MH, weight_VH)
         _CHOICES[key] = (transposed_ms < _WIN_MARGIN * linear_ms, linear_ms, transposed_ms)
@@ -99,7 +103,7 @@ def choose_layouts(weight_VH: torch.Tensor, row_counts) -> None:
         return
     generator = torch.Generator().manual_seed(0)
     for rows in sorted(set(row_counts)):
-        if 1 < rows <= MAX_ROWS:
+        if 1 < rows <= MAX_ROWS and _key(rows, weight_VH) not in _CHOICES:
             _choose(torch.randn(rows, weight_VH.shape[1], generator=generator).to(weight_VH.dtype), weight_VH)
 
 

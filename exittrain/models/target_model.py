@@ -289,11 +289,18 @@ class TargetModel(TargetDecoding, TreeScoring):
             return None
         return torch.cat([captured[x].to(self.device) for x in layers], dim=-1)
 
+    def _plain_head(self) -> nn.Module | None:
+        """The LM head where the logits are it applied to the decoder's last hidden state
+        (:data:`PLAIN_HEAD_MODEL_TYPES`, :func:`~exittrain.models.row_matmul.is_plain_head`), else None."""
+        head = self.lm_head
+        plain = getattr(self.config, "model_type", None) in PLAIN_HEAD_MODEL_TYPES and is_plain_head(head)
+        return head if plain else None
+
     def prepare_tree_rows(self, max_rows: int) -> None:
         """Choose the LM head's layout now for every tree forward of 2 to ``max_rows`` rows, where
         :meth:`_causal_lm_logits` would choose it on first use (:func:`~exittrain.models.row_matmul.choose_layouts`)."""
-        head = self.lm_head
-        if getattr(self.config, "model_type", None) in PLAIN_HEAD_MODEL_TYPES and is_plain_head(head):
+        head = self._plain_head()
+        if head is not None:
             choose_layouts(head.weight, range(2, max_rows + 1))
 
     def _causal_lm_logits(self, **kwargs) -> torch.Tensor:
@@ -302,8 +309,8 @@ class TargetModel(TargetDecoding, TreeScoring):
         :func:`~exittrain.models.row_matmul.is_plain_head`), the decoder runs alone and the head goes through
         :func:`~exittrain.models.row_matmul.head_rows`: a few tree rows in the layout this host
         runs faster. Same numbers up to float summation order."""
-        head = self.lm_head
-        if getattr(self.config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES or not is_plain_head(head):
+        head = self._plain_head()
+        if head is None:
             return self.model(**kwargs).logits
         hidden = self._decoder(**kwargs).last_hidden_state
         return head_rows(hidden.to(head.weight.device), head.weight)
