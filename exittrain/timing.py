@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["StageTimer", "device_now"]
+__all__ = ["StageTimer", "alternating_medians", "device_now"]
 
 
 def device_now(device: torch.device) -> float:
@@ -14,6 +16,26 @@ def device_now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def alternating_medians(fns: Sequence[Callable[[], object]], repeats: int, clock: Callable[[], float] | None = None
+                        ) -> list[float]:
+    """The median ms of ``repeats`` timed calls of each of ``fns``, after one untimed warm-up call of each.
+
+    The functions take turns (a, b, a, b, ...), so a load that drifts during the timing slows
+    each alike, and one noisy call (a page fault, another process's burst) moves a median no
+    more than one sample. ``clock`` (seconds, default ``time.perf_counter``) is injectable: tests
+    script it instead of timing their host. CPU work only (no device synchronisation)."""
+    clock = time.perf_counter if clock is None else clock
+    for fn in fns:
+        fn()
+    laps: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for lap, fn in zip(laps, fns):
+            start = clock()
+            fn()
+            lap.append(clock() - start)
+    return [1e3 * statistics.median(lap) for lap in laps]
 
 
 class StageTimer:

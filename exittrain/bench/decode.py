@@ -2,7 +2,7 @@
 
 ``python -m exittrain bench decode --drafter PATH [--sets code dialogue math restating] [--decode auto fixed]
 [--budgets 16] [--prompts 10] [--skip 16] [--new-tokens 96] [--cache on off] [--head-layout auto linear]
-[--copy-tail 0 8] [--copy-chains latest both] [--copy-lead 0 4] [--draft-vocab 0 4096] [--contexts 100 600]``
+[--packed on off] [--copy-tail 0 8] [--copy-chains latest both] [--copy-lead 0 4] [--draft-vocab 0 4096] [--contexts 100 600]``
 
 Side by side in one run, on the same held-out prompts and the same fp32 target, at temperature 0:
 
@@ -13,7 +13,9 @@ Side by side in one run, on the same held-out prompts and the same fp32 target, 
   (TEV) at each budget, with the drafter cache on and/or off (``--cache``; off is the full
   re-read, the reference twin), with the LM head in the layout timed fastest on this host and/or
   plain ``F.linear`` (``--head-layout auto linear``; :mod:`exittrain.models.row_matmul`;
-  ``linear`` is the reference twin), and with each ``--copy-tail`` length
+  ``linear`` is the reference twin), with the tree forward's linears packed for its rows where
+  that times faster here and/or all through ``F.linear`` (``--packed on off``;
+  :mod:`exittrain.models.packed_linears`; ``off`` is the reference twin), and with each ``--copy-tail`` length
   (:mod:`exittrain.core.copy_tail`; 0 is off) with the chain of the latest n-gram match grafted,
   or the earliest match's as well (``--copy-chains latest both``), each
   ``--copy-lead`` n-gram length (copy-led rounds: where the root's last n tokens occurred
@@ -66,6 +68,7 @@ from exittrain.decoding import ROUND_PARTS, DecodeSetting, SpeculativeDecoder, a
 from exittrain.decoding.draft_vocab import load_draft_vocabulary, load_token_counts
 from exittrain.decoding.drafter_context import drafter_context
 from exittrain.decoding.speculative import rounds_by_kind
+from exittrain.models.packed_linears import unpacked
 from exittrain.models.row_matmul import layout_choices, linear_only
 from exittrain.tables import markdown_table
 
@@ -212,22 +215,29 @@ def drafter_round_ms(target, drafter, text: list[int], contexts: list[int], roun
     return rows
 
 
-def _head_layout(layout: str):
-    """``auto``: head_rows picks the layout; ``linear``: F.linear everywhere (the reference twin)."""
-    return linear_only() if layout == "linear" else contextlib.nullcontext()
+@contextlib.contextmanager
+def _matmuls(meta: dict):
+    """A row's products: head layout ``auto`` (head_rows picks) or ``linear`` (F.linear, the
+    reference twin); ``packed`` True (packed linears where kept) or False (F.linear, the twin)."""
+    with contextlib.ExitStack() as stack:
+        if meta["head_layout"] == "linear":
+            stack.enter_context(linear_only())
+        if not meta.get("packed", True):
+            stack.enter_context(unpacked())
+        yield
 
 
 def _fixed_decoders(target, drafter, drafter_path, budgets, caches, head_layouts, copy_tails, vocab_sizes,
-                    copy_leads=(0,), copy_earliest=(False,), miss_steps=(0,)) -> list:
+                    copy_leads=(0,), copy_earliest=(False,), miss_steps=(0,), packed=(True,)) -> list:
     """``(row settings, decoder)`` for every combination of the fixed grid (the copy chains vary
     only where there is a copy tail)."""
     vocabs = {n: load_draft_vocabulary(drafter_path, n, target) for n in vocab_sizes}
-    return [({"budget": b, "drafter_cache": c, "head_layout": h, "copy_tail": t, "draft_vocab": n, "copy_lead": m,
-              "copy_earliest": e, "miss_steps": st, "auto": False},
+    return [({"budget": b, "drafter_cache": c, "head_layout": h, "packed": k, "copy_tail": t, "draft_vocab": n,
+              "copy_lead": m, "copy_earliest": e, "miss_steps": st, "auto": False},
              SpeculativeDecoder(target, drafter, budget=b, verifier="tev", drafter_cache=c, copy_tail=t,
                                 draft_vocab=vocabs[n], copy_lead=m, copy_earliest=e, miss_steps=st))
-            for b in budgets for c in caches for h in head_layouts for t in copy_tails for n in vocab_sizes
-            for m in copy_leads for e in (copy_earliest if t else copy_earliest[:1]) for st in miss_steps]
+            for b in budgets for c in caches for h in head_layouts for k in packed for t in copy_tails
+            for n in vocab_sizes for m in copy_leads for e in (copy_earliest if t else copy_earliest[:1]) for st in miss_steps]
 
 
 def _auto_decoder(target, drafter, drafter_path, probe_prompts, max_budget: int,
@@ -238,7 +248,7 @@ def _auto_decoder(target, drafter, drafter_path, probe_prompts, max_budget: int,
     decoder = auto_decoder(target, drafter, probe_prompts, max_budget=max_budget, token_counts=counts,
                            answer_tokens=new_tokens)
     s = decoder.auto_choice.setting
-    return ({"budget": s.budget, "drafter_cache": True, "head_layout": "auto", "copy_tail": s.copy_tail,
+    return ({"budget": s.budget, "drafter_cache": True, "head_layout": "auto", "packed": True, "copy_tail": s.copy_tail,
              "draft_vocab": s.draft_vocab, "copy_lead": s.copy_lead, "miss_steps": s.miss_steps, "auto": True}, decoder)
 
 
@@ -249,7 +259,7 @@ def _measure_set(target, prompts, decoders, new_tokens: int, lookup_tokens: int,
     hf_generate(target, prompts[0], 4)
     hf_generate(target, prompts[0], 4, **lookup)
     for meta, decoder in decoders:
-        with _head_layout(meta["head_layout"]):
+        with _matmuls(meta):
             decoder.generate(prompts[0], 4)
 
     greedy, plookup = ([], []), ([], [])
@@ -261,7 +271,7 @@ def _measure_set(target, prompts, decoders, new_tokens: int, lookup_tokens: int,
             store[0].append(tokens)
             store[1].append(seconds)
         for results, (meta, decoder) in zip(ours, decoders):
-            with _head_layout(meta["head_layout"]):
+            with _matmuls(meta):
                 results.append(decoder.generate(prompt, new_tokens, temperature=0.0))
         ticker.update(done, greedy_s=f"{sum(greedy[1]):.0f}", lookup_s=f"{sum(plookup[1]):.0f}",
                       ours_s=" ".join(f"{sum(r.seconds for r in v):.0f}" for v in ours))
@@ -293,14 +303,14 @@ def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int,
         contexts: list[int] | None = None, round_positions: int = 4, head_layouts: list[str] = ("auto",),
         copy_tails: list[int] = (0,), vocab_sizes: list[int] = (0,), decode: list[str] = ("fixed",),
         probe_prompts: int = 8, copy_leads: list[int] = (0,), copy_earliest: list[bool] = (False,),
-        miss_steps: list[int] = (0,)) -> dict:
+        miss_steps: list[int] = (0,), packed: list[bool] = (True,)) -> dict:
     from exittrain.models import load_drafter, load_target, new_drafter
 
     check_sets(sets)
     target = load_target(None)
     drafter = (load_drafter(drafter_path, target) if drafter_path else new_drafter(target, seed=0)).eval()
     fixed = (_fixed_decoders(target, drafter, drafter_path, budgets, caches, head_layouts, copy_tails, vocab_sizes,
-                             copy_leads, copy_earliest, miss_steps) if "fixed" in decode else [])
+                             copy_leads, copy_earliest, miss_steps, packed) if "fixed" in decode else [])
     measured = []
     for name in sets:
         decoders = list(fixed)
@@ -325,7 +335,8 @@ def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int,
     micro = drafter_round_ms(target, drafter, text, contexts or [100, 600], round_positions)
     return {"host": host(), "skip": skip, "new_tokens": new_tokens, "drafter": drafter_path or "fresh",
             "context_window": drafter.config.context_window, "lookup_tokens": lookup_tokens, "sets": measured,
-            "round_positions": round_positions, "drafter_round": micro, "head_layout": layout_choices()}
+            "round_positions": round_positions, "drafter_round": micro, "head_layout": layout_choices(),
+            "packed_buckets": target.packed_linears.choices() if target.packed_linears is not None else []}
 
 
 def _row_label(r: dict) -> str:
@@ -334,7 +345,8 @@ def _row_label(r: dict) -> str:
                                 r.get("miss_steps", 0))
         return f"ours auto: {setting.label}"
     return (f"ours B={r['budget']}, drafter cache {'on' if r['drafter_cache'] else 'off'}, "
-            f"head {r.get('head_layout', 'linear')}" + (f", copy tail {r['copy_tail']}" if r.get("copy_tail") else "")
+            f"head {r.get('head_layout', 'linear')}" + ("" if r.get("packed", True) else ", linears F.linear")
+            + (f", copy tail {r['copy_tail']}" if r.get("copy_tail") else "")
             + (", both copy chains" if r.get("copy_tail") and r.get("copy_earliest") else "")
             + (f", draft vocab {r['draft_vocab']}" if r.get("draft_vocab") else "")
             + (f", copy lead {r['copy_lead']}" if r.get("copy_lead") else "")
@@ -397,12 +409,23 @@ def to_markdown(result: dict) -> str:
     ]
     if result.get("head_layout"):
         lines += ["", "LM head layout chosen on this host (row_matmul.head_rows, the median of timed calls per row "
-                  "count):", "",
+                  "count; a tree forward's head runs packed instead where a packed bucket is kept):", "",
                   *markdown_table(["rows", "weight (V x H)", "F.linear ms", "W @ x.T ms", "chosen"],
                                   ([c["rows"], " x ".join(map(str, c.get("weight", ["?"]))), f"{c['linear_ms']:.1f}",
                                     f"{c['transposed_ms']:.1f}", c["layout"]]
                                    for c in result["head_layout"]))]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + packed_lines(result.get("packed_buckets"))) + "\n"
+
+
+def packed_lines(buckets: list[dict] | None) -> list[str]:
+    """The table of the target's packed row buckets (``PackedLinears.choices()``), or nothing."""
+    if not buckets:
+        return []
+    return ["", "Row buckets of the target's packed linears (exittrain.models.packed_linears; every linear once, "
+            "median ms):", "",
+            *markdown_table(["rows", "F.linear ms", "packed ms", "kept"],
+                            ([b["rows"], f"{b['linear_ms']:.1f}", f"{b['packed_ms']:.1f}", "yes" if b["packed"] else "no"]
+                             for b in buckets))]
 
 
 def main(argv=None) -> None:
@@ -425,6 +448,9 @@ def main(argv=None) -> None:
                         help="decode with the drafter cache on, off (the full re-read), or both")
     parser.add_argument("--head-layout", nargs="+", choices=["auto", "linear"], default=["auto"],
                         help="the LM head in the layout timed fastest here (auto), plain F.linear, or both")
+    parser.add_argument("--packed", nargs="+", choices=["on", "off"], default=["on"],
+                        help="tree forwards' linears packed for their rows where that times faster here (on), "
+                             "F.linear (off), or both")
     parser.add_argument("--copy-tail", type=int, nargs="+", default=[0],
                         help="copy tail lengths to decode with (0: off; SpeculativeDecoder(copy_tail=))")
     parser.add_argument("--copy-chains", nargs="+", choices=["latest", "both"], default=["latest"],
@@ -452,7 +478,8 @@ def main(argv=None) -> None:
                  vocab_sizes=list(dict.fromkeys(args.draft_vocab)), decode=list(dict.fromkeys(args.decode)),
                  probe_prompts=args.probe_prompts, copy_leads=list(dict.fromkeys(args.copy_lead)),
                  copy_earliest=[c == "both" for c in dict.fromkeys(args.copy_chains)],
-                 miss_steps=list(dict.fromkeys(args.miss_steps)))
+                 miss_steps=list(dict.fromkeys(args.miss_steps)),
+                 packed=[k == "on" for k in dict.fromkeys(args.packed)])
     write_results(args.out, result, to_markdown(result))
 
 

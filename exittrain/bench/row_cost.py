@@ -1,7 +1,7 @@
 """What a target forward costs by the rows it scores, on this host: the price list of a round.
 
 ``python -m exittrain bench rows [--rows 1 2 3 4 6 8 11 17] [--contexts 300] [--repeats 9]
-[--set restating] [--target PATH]``
+[--packed on off] [--set restating] [--target PATH]``
 
 A decoding round pays one target forward over the tree's rows (the root and its B nodes, and
 the copy tail's); a greedy step pays one over one row. How the cost grows with the rows decides
@@ -15,6 +15,9 @@ then at each row count R times ``repeats`` forwards after one untimed warm-up:
 - R > 1: :meth:`~exittrain.models.target.TargetModel.tree_forward` of a chain of R - 1 nodes
   under the root (:func:`~exittrain.core.copy_tail.copy_only_tree`), as a round runs it.
 
+Tree forwards run with the decoder layers' linears packed for their rows where that times
+faster here (``--packed on``: :meth:`~exittrain.models.target.TargetModel.prepare_tree_rows`,
+:mod:`exittrain.models.packed_linears`), with ``F.linear`` (``off``), or both side by side.
 After each forward the cache is cut back to C, so every forward sees the same context. The
 figure is the median; the table also gives each count's ratio to one row. The rows are timed
 interleaved (every count once per repeat), so a load that drifts during the run spreads over
@@ -27,10 +30,13 @@ import argparse
 import statistics
 import time
 
+import contextlib
+
 import torch
 
 from exittrain.bench.registry import write_results
 from exittrain.core.copy_tail import copy_only_tree
+from exittrain.models.packed_linears import unpacked
 
 DEFAULT_ROWS = (1, 2, 3, 4, 6, 8, 11, 17)
 
@@ -50,39 +56,48 @@ def context_ids(prompts: list[list[int]], length: int) -> list[int]:
     return ids[:length]
 
 
+def _packing(mode: str):
+    return contextlib.nullcontext() if mode == "on" else unpacked()
+
+
 @torch.no_grad()
-def forward_ms(target, ids: list[int], rows: list[int], repeats: int) -> dict[int, float]:
+def forward_ms(target, ids: list[int], rows: list[int], repeats: int, packed: tuple[str, ...] = ("on",)
+               ) -> dict[str, float]:
     """Median ms of one target forward over each count of ``rows`` after the context ``ids``
-    (the last id is the root), interleaved across counts; see the module docstring."""
+    (the last id is the root), interleaved across counts, keyed ``"R"`` for one row and ``"R
+    MODE"`` for a tree of R rows with packing ``MODE`` (``on``/``off``); see the module docstring."""
     device = target.device
     ids_1T = torch.tensor([ids], device=device)
+    target.prepare_tree_rows(max(rows))
     cache = target.prefill(ids_1T[:, :-1]).cache
     root = ids_1T[:, -1]
     # the chain's tokens: the context's own, so the tree holds ordinary text ids
     chain = [ids[i % len(ids)] for i in range(max(rows))]
     trees = {r: copy_only_tree(chain[: r - 1], device) for r in rows if r > 1}
+    keys = [(r, None) if r == 1 else (r, mode) for r in rows for mode in (packed if r > 1 else (None,))]
 
-    def forward(r: int) -> float:
+    def forward(r: int, mode: str | None) -> float:
         start = time.perf_counter()
         if r == 1:
             target.model(input_ids=root.view(1, 1), cache=cache, use_cache=True)
         else:
-            target.tree_forward(cache, root, trees[r])
+            with _packing(mode):
+                target.tree_forward(cache, root, trees[r])
         seconds = time.perf_counter() - start
         cache.crop(-r)  # back to the context alone
         return seconds
 
-    laps = {r: [] for r in rows}
+    laps = {key: [] for key in keys}
     for repeat in range(repeats + 1):
-        for r in rows:
-            seconds = forward(r)
+        for key in keys:
+            seconds = forward(*key)
             if repeat:  # the first pass is the warm-up
-                laps[r].append(seconds)
-    return {r: 1e3 * statistics.median(v) for r, v in laps.items()}
+                laps[key].append(seconds)
+    return {(str(r) if mode is None else f"{r} {mode}"): 1e3 * statistics.median(v) for (r, mode), v in laps.items()}
 
 
 def run(rows: list[int], contexts: list[int], repeats: int, set_name: str, target_path: str | None,
-        n_prompts: int = 8) -> dict:
+        n_prompts: int = 8, packed: tuple[str, ...] = ("on",)) -> dict:
     from exittrain.bench.decode import check_sets, host, set_prompts
     from exittrain.models import load_target
     from exittrain.progress import Ticker
@@ -96,26 +111,35 @@ def run(rows: list[int], contexts: list[int], repeats: int, set_name: str, targe
     measured = []
     ticker = Ticker("bench rows", len(contexts), unit="context", every=1)
     for i, C in enumerate(contexts, 1):
-        ms = forward_ms(target, context_ids(prompts, C + 1), rows, repeats)
+        ms = forward_ms(target, context_ids(prompts, C + 1), rows, repeats, packed)
         measured.append({"context": C, "ms": {str(r): v for r, v in ms.items()}})
         ticker.update(i)
-    return {"host": host(), "set": set_name, "repeats": repeats, "rows": rows, "contexts": measured}
+    packs = target.packed_linears.choices() if target.packed_linears is not None else []
+    return {"host": host(), "set": set_name, "repeats": repeats, "rows": rows, "packed": list(packed),
+            "packed_buckets": packs, "contexts": measured}
 
 
 def to_markdown(result: dict) -> str:
-    from exittrain.bench.decode import host_line
+    from exittrain.bench.decode import host_line, packed_lines
 
-    rows = result["rows"]
+    rows, modes = result["rows"], result.get("packed", ["on"])
+    columns = [(r, None) if r == 1 else (r, m) for r in rows for m in (modes if r > 1 else (None,))]
+    names = {"on": "packed", "off": "F.linear"}
     lines = [f"Target forward by rows scored, median of {result['repeats']} after a warm-up; context from the "
-             f"{result['set']} set; host: {host_line(result['host'])}.", "",
-             "| context | " + " | ".join(f"{r} row{'s' * (r > 1)}" for r in rows) + " |",
-             "|---|" + "---|" * len(rows)]
+             f"{result['set']} set; host: {host_line(result['host'])}. Trees' decoder linears: "
+             + ", ".join(f"{m} ({names[m]})" for m in modes) + ".", "",
+             "| context | " + " | ".join(f"{r} row{'s' * (r > 1)}" + (f", {m}" if len(modes) > 1 and m else "")
+                                        for r, m in columns) + " |",
+             "|---|" + "---|" * len(columns)]
     for c in result["contexts"]:
         ms = c["ms"]
         one = ms.get("1")
-        cells = [f"{ms[str(r)]:.1f} ms" + (f" ({ms[str(r)] / one:.2f}x)" if one and r > 1 else "") for r in rows]
+        cells = []
+        for r, m in columns:
+            v = ms[str(r) if m is None else f"{r} {m}"]
+            cells.append(f"{v:.1f} ms" + (f" ({v / one:.2f}x)" if one and r > 1 else ""))
         lines.append(f"| {c['context']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + packed_lines(result.get("packed_buckets"))) + "\n"
 
 
 def main(argv=None) -> None:
@@ -123,9 +147,12 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=list(DEFAULT_ROWS), help="row counts (1: a greedy step)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[300], help="context lengths, tokens")
     parser.add_argument("--repeats", type=int, default=9, help="timed forwards per row count and context")
+    parser.add_argument("--packed", nargs="+", choices=["on", "off"], default=["on"],
+                        help="trees' decoder linears packed for their rows (on), F.linear (off), or both")
     parser.add_argument("--set", default="restating", help="the prompt set the context comes from (bench decode's)")
     parser.add_argument("--target", default=None, help="a target path (default: the embedded SmolLM2)")
     parser.add_argument("--out", default="results/bench_rows")
     args = parser.parse_args(argv)
-    result = run(args.rows, args.contexts, args.repeats, args.set, args.target)
+    result = run(args.rows, args.contexts, args.repeats, args.set, args.target,
+                 packed=tuple(dict.fromkeys(args.packed)))
     write_results(args.out, result, to_markdown(result))

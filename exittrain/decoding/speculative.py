@@ -27,6 +27,7 @@ from exittrain.core import VERIFIERS, DraftTree, build_tree, check_ngrams
 from exittrain.core.copy_tail import copy_chain, copy_only_tree, graft_copy_tail
 from exittrain.core.verify import sample_categorical, warp_probs
 from exittrain.decoding.drafter_context import drafter_context
+from exittrain.models.packed_linears import packed_for
 
 __all__ = ["RoundStats", "GenerationResult", "GreedyDecoder", "SpeculativeDecoder", "autoregressive_generate",
            "COPY_LED", "DRAFTED", "ROUND_KINDS", "ROUND_PARTS", "STEP", "rounds_by_kind"]
@@ -283,10 +284,16 @@ class SpeculativeDecoder:
         copy_rows = self.copy_tail * (2 if self.copy_earliest else 1)
         tree_rows = max(self.budget + copy_rows, self.lead_length if self.copy_lead else 0) + 1
         ids, generator, eos = _prepare(self.target, input_ids, max_new_tokens, temperature, seed, tree_rows)
-        device = self.target.device
-        # a one-off per process, before the clock starts: the head's layout for every tree size
+        # one-offs per process, before the clock starts: the target head's layout for every tree
+        # size, the target's and the drafter's linears packed for the rows a round gives them (the
+        # drafter's block, and the positions a round commits: up to a tree's rows)
         self.target.prepare_tree_rows(tree_rows)
+        drafter_packs = packed_for(self.drafter, max(tree_rows, int(self.drafter.config.block_size)))
+        with drafter_packs.active():
+            return self._generate(ids, max_new_tokens, temperature, top_k, top_p, generator, eos)
 
+    def _generate(self, ids, max_new_tokens, temperature, top_k, top_p, generator, eos) -> GenerationResult:
+        device = self.target.device
         start = time.perf_counter()
         pre = self.target.prefill(ids[:, :-1], layers=self.layers)
         cache = pre.cache

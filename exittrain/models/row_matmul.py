@@ -20,12 +20,13 @@ was chosen, for the benchmarks' host line.
 from __future__ import annotations
 
 import contextlib
-import statistics
 import time
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+
+from exittrain.timing import alternating_medians
 
 __all__ = ["MAX_ROWS", "TIMED_REPEATS", "choose_layouts", "head_rows", "is_plain_head", "layout_choices",
            "linear_only"]
@@ -57,23 +58,12 @@ def _transposed(x_MH: torch.Tensor, weight_VH: torch.Tensor) -> torch.Tensor:
 
 
 def _time_layouts(x_MH: torch.Tensor, weight_VH: torch.Tensor, clock=None) -> tuple[float, float]:
-    """(F.linear ms, transposed ms): the median of :data:`TIMED_REPEATS` timed calls of each layout.
-
-    One warm-up call of each first (first-call allocation and kernel selection are not timed); then
-    the layouts alternate, so a load that drifts during the timing slows both alike. ``clock``
-    (seconds, default :data:`_clock`) is injectable: tests script it instead of timing this host.
-    """
-    clock = _clock if clock is None else clock
-    layouts = (lambda: F.linear(x_MH, weight_VH), lambda: _transposed(x_MH, weight_VH))
-    for fn in layouts:
-        fn()
-    laps: tuple[list[float], list[float]] = ([], [])
-    for _ in range(TIMED_REPEATS):
-        for lap, fn in zip(laps, layouts):
-            start = clock()
-            fn()
-            lap.append(clock() - start)
-    linear_ms, transposed_ms = (1e3 * statistics.median(lap) for lap in laps)
+    """(F.linear ms, transposed ms): the median of :data:`TIMED_REPEATS` timed calls of each layout,
+    taking turns after one warm-up call each (:func:`~exittrain.timing.alternating_medians`).
+    ``clock`` (seconds, default :data:`_clock`) is injectable: tests script it."""
+    linear_ms, transposed_ms = alternating_medians(
+        (lambda: F.linear(x_MH, weight_VH), lambda: _transposed(x_MH, weight_VH)), TIMED_REPEATS,
+        _clock if clock is None else clock)
     return linear_ms, transposed_ms
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from exittrain.models.packed_linears import PackedLinears
 from exittrain.models.row_matmul import choose_layouts, head_rows, is_plain_head
 from exittrain.models.target_decode import TargetDecoding
 from exittrain.models.target_scoring import TreeScoring
@@ -168,6 +169,7 @@ class TargetModel(TargetDecoding, TreeScoring):
         self.tokenizer = tokenizer
         self.name = name
         self.config = config
+        self.packed_linears: PackedLinears | None = None  # prepare_tree_rows makes it
         model.requires_grad_(False)
         model.eval()
 
@@ -297,23 +299,37 @@ class TargetModel(TargetDecoding, TreeScoring):
         return head if plain else None
 
     def prepare_tree_rows(self, max_rows: int) -> None:
-        """Choose the LM head's layout now for every tree forward of 2 to ``max_rows`` rows, where
-        :meth:`_causal_lm_logits` would choose it on first use (:func:`~exittrain.models.row_matmul.choose_layouts`)."""
+        """Make now, outside any timed round, what tree forwards of 2 to ``max_rows`` rows use:
+        the LM head's layout for each row count, where :meth:`_causal_lm_logits` would choose it on
+        first use (:func:`~exittrain.models.row_matmul.choose_layouts`), and the decoder layers'
+        linears and the LM head packed for those rows
+        (:class:`~exittrain.models.packed_linears.PackedLinears`, kept where they time faster
+        here). Both persist on this object for later calls."""
         head = self._plain_head()
         if head is not None:
             choose_layouts(head.weight, range(2, max_rows + 1))
+        if self.packed_linears is None:
+            self.packed_linears = PackedLinears([*self._decoder.layers.modules(), self.lm_head])
+        self.packed_linears.prepare(max_rows)
+
+    def _packed_rows(self):
+        """The packed linears' forwards while open, where :meth:`prepare_tree_rows` made them."""
+        return contextlib.nullcontext() if self.packed_linears is None else self.packed_linears.active()
 
     def _causal_lm_logits(self, **kwargs) -> torch.Tensor:
         """``self.model(**kwargs).logits``. Where the model's logits are its plain LM head applied to
         the decoder's last hidden state (:data:`PLAIN_HEAD_MODEL_TYPES`, a plain head:
-        :func:`~exittrain.models.row_matmul.is_plain_head`), the decoder runs alone and the head goes through
-        :func:`~exittrain.models.row_matmul.head_rows`: a few tree rows in the layout this host
+        :func:`~exittrain.models.row_matmul.is_plain_head`), the decoder runs alone and the head is
+        applied here: from its pack inside :meth:`_packed_rows`
+        (:class:`~exittrain.models.packed_linears.PackedLinears`), else through
+        :func:`~exittrain.models.row_matmul.head_rows`, a few tree rows in the layout this host
         runs faster. Same numbers up to float summation order."""
         head = self._plain_head()
         if head is None:
             return self.model(**kwargs).logits
-        hidden = self._decoder(**kwargs).last_hidden_state
-        return head_rows(hidden.to(head.weight.device), head.weight)
+        hidden = self._decoder(**kwargs).last_hidden_state.to(head.weight.device)
+        packed = None if self.packed_linears is None else self.packed_linears.apply(head, hidden)
+        return head_rows(hidden, head.weight) if packed is None else packed
 
     def _mask_value(self) -> float:
         return torch.finfo(self.dtype).min

@@ -36,7 +36,7 @@ def test_every_forward_sees_the_same_context(tiny_llama_target, one_thread):
         ms = forward_ms(target, ids, [1, 3, 5], repeats=2)
     finally:
         handle.remove()
-    assert set(ms) == {1, 3, 5} and all(v > 0 for v in ms.values())
+    assert set(ms) == {"1", "3 on", "5 on"} and all(v > 0 for v in ms.values())
     # the prefill, then one warm-up pass and two timed ones, the counts interleaved; each forward
     # sees the 11 ids before the root, and scores its rows
     assert seen == [(0, 11)] + [(11, 1), (11, 3), (11, 5)] * 3
@@ -45,9 +45,27 @@ def test_every_forward_sees_the_same_context(tiny_llama_target, one_thread):
 def test_table_gives_each_count_against_one_row():
     result = {"host": {"cpu_model": "X", "cpu_units": "none", "cpu_capability": "AVX2", "threads": 2,
                        "torch": "2"}, "set": "code", "repeats": 3, "rows": [1, 2],
-              "contexts": [{"context": 300, "ms": {"1": 50.0, "2": 80.0}}]}
+              "contexts": [{"context": 300, "ms": {"1": 50.0, "2 on": 80.0}}]}
     table = to_markdown(result)
     assert "| 300 | 50.0 ms | 80.0 ms (1.60x) |" in table and "capability AVX2" in table
+
+
+def test_packed_and_unpacked_trees_stand_side_by_side_with_the_buckets_below():
+    result = {"host": {"cpu_model": "X", "cpu_units": "none", "cpu_capability": "AVX2", "threads": 2,
+                       "torch": "2"}, "set": "code", "repeats": 3, "rows": [1, 4], "packed": ["on", "off"],
+              "contexts": [{"context": 100, "ms": {"1": 50.0, "4 on": 60.0, "4 off": 90.0}}],
+              "packed_buckets": [{"rows": 4, "linears": 7, "packed": True, "linear_ms": 9.0, "packed_ms": 5.5}]}
+    table = to_markdown(result)
+    assert "| context | 1 row | 4 rows, on | 4 rows, off |" in table
+    assert "| 100 | 50.0 ms | 60.0 ms (1.20x) | 90.0 ms (1.80x) |" in table
+    assert "| 4 | 9.0 | 5.5 | yes |" in table
+
+
+def test_each_packing_mode_is_timed_for_every_tree(tiny_llama_target, one_thread):
+    target = tiny_llama_target
+    ids = torch.randint(0, target.vocab_size, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    ms = forward_ms(target, ids, [1, 4], repeats=1, packed=("on", "off"))
+    assert set(ms) == {"1", "4 on", "4 off"}
 
 
 def test_bad_arguments_fail_before_the_target_loads(monkeypatch):
