@@ -28,8 +28,9 @@ The contract and its limits:
   first M output rows are returned. A bucket is packed for every linear, so it costs the bytes of
   all of them (425 MB for SmolLM2-135M in fp32); :meth:`PackedLinears.prepare` fits the buckets
   into a byte budget, dropping the smallest first.
-- Nothing is assumed about the host: each bucket is timed against ``F.linear`` at its row count
-  (every linear once per pass, :data:`TIMED_REPEATS` passes after a warm-up, taking turns, the
+- Nothing is assumed about the host: each bucket, padding included, is timed against ``F.linear``
+  at the fewest rows it serves (one more than the bucket below it: the case padding costs most;
+  every linear once per pass, :data:`TIMED_REPEATS` passes after a warm-up, taking turns, the
   median) and kept only when packed is :data:`_WIN_MARGIN` faster; a dropped bucket's rows go to
   ``F.linear`` and its packs are freed.
 - ``F.linear`` is the reference twin and the fallback: for one row, rows beyond the largest
@@ -59,7 +60,7 @@ __all__ = ["AVAILABLE", "ROW_BUCKETS", "TIMED_REPEATS", "PackedLinears", "packed
 AVAILABLE = bool(torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
 """Whether this torch build carries MKL's packed product (x86 builds do; ARM and macOS ones do not)."""
 
-ROW_BUCKETS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+ROW_BUCKETS = (2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64)
 """The row counts packs are made for; a product of M rows runs in the smallest one >= M."""
 
 TIMED_REPEATS = 5  # timed passes per layout and bucket after the warm-up; the median decides
@@ -92,7 +93,8 @@ class PackedLinears:
     def __init__(self, modules: Sequence[nn.Module]):
         self.linears: list[nn.Linear] = [m for m in modules if isinstance(m, nn.Linear) and _packable(m)]
         self.packs: dict[int, list[torch.Tensor]] = {}  # bucket -> one pack per linear
-        self.timings: dict[int, tuple[bool, float, float]] = {}  # bucket -> (kept, F.linear ms, packed ms)
+        # bucket -> (kept, F.linear ms, packed ms, the rows both were timed at)
+        self.timings: dict[int, tuple[bool, float, float, int]] = {}
         self._bucket_of: dict[int, int | None] = {}  # rows -> the bucket they run in, None: F.linear
         self._index = {id(m): i for i, m in enumerate(self.linears)}
         self._active = False
@@ -126,8 +128,10 @@ class PackedLinears:
         affordable = budget_bytes // max(self.weight_bytes, 1)
         new = [b for b in wanted if b not in self.timings]
         new = new[len(new) - min(len(new), affordable):]  # the largest that fit
+        buckets = sorted({*self.timings, *new})
         for bucket in new:
-            self._time(bucket)
+            below = [b for b in buckets if b < bucket]
+            self._time(bucket, below[-1] + 1 if below else 2)
         if new:
             slower = [b for b in new if not self.timings[b][0]]
             unaffordable = [b for b in wanted if b not in self.timings]
@@ -136,16 +140,16 @@ class PackedLinears:
                      f"; F.linear timed faster at {slower}" if slower else "",
                      f"; past the memory budget: {unaffordable}" if unaffordable else "")
         kept = sorted(b for b in self.timings if self.timings[b][0])
-        buckets = sorted(self.timings)
         self._bucket_of = {}
         for rows in range(2, buckets[-1] + 1 if buckets else 0):
             bucket = next(b for b in buckets if b >= rows)
             self._bucket_of[rows] = bucket if bucket in kept else None
 
-    def _time(self, bucket: int) -> None:
+    def _time(self, bucket: int, rows: int) -> None:
+        """Pack ``bucket`` and time it, on ``rows`` rows padded up, against ``F.linear`` on them."""
         packs = [torch.ops.mkl._mkl_reorder_linear_weight(m.weight, bucket) for m in self.linears]
         generator = torch.Generator().manual_seed(bucket)
-        inputs = {n: torch.randn(bucket, n, generator=generator) for n in {m.in_features for m in self.linears}}
+        inputs = {n: torch.randn(rows, n, generator=generator) for n in {m.in_features for m in self.linears}}
 
         def plain():
             for m in self.linears:
@@ -153,12 +157,12 @@ class PackedLinears:
 
         def packed():
             for m, pack in zip(self.linears, packs):
-                torch.ops.mkl._mkl_linear(inputs[m.in_features], pack, m.weight, m.bias, bucket)
+                _packed_product(inputs[m.in_features], pack, m, bucket)
 
         with torch.no_grad():
             plain_ms, packed_ms = alternating_medians((plain, packed), TIMED_REPEATS, _clock)
         kept = packed_ms < _WIN_MARGIN * plain_ms
-        self.timings[bucket] = (kept, plain_ms, packed_ms)
+        self.timings[bucket] = (kept, plain_ms, packed_ms, rows)
         if kept:
             self.packs[bucket] = packs
 
@@ -172,11 +176,8 @@ class PackedLinears:
         if (index is None or bucket is None or not self._active or _OFF[0] or x.dtype != torch.float32
                 or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad)):
             return None
-        x_MI = x.reshape(rows, x.shape[-1])
-        if rows < bucket:
-            x_MI = torch.cat([x_MI, x_MI.new_zeros(bucket - rows, x_MI.shape[1])])
-        out = torch.ops.mkl._mkl_linear(x_MI, self.packs[bucket][index], module.weight, module.bias, bucket)
-        return out[:rows].reshape(*x.shape[:-1], module.out_features)
+        out_MO = _packed_product(x.reshape(rows, x.shape[-1]), self.packs[bucket][index], module, bucket)
+        return out_MO.reshape(*x.shape[:-1], module.out_features)
 
     def _forward(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         out = self.apply(module, x)
@@ -205,8 +206,16 @@ class PackedLinears:
 
     def choices(self) -> list[dict]:
         """What :meth:`prepare` measured per bucket, for the benchmarks' host record."""
-        return [{"rows": b, "linears": len(self.linears), "packed": kept, "linear_ms": round(a, 2),
-                 "packed_ms": round(p, 2)} for b, (kept, a, p) in sorted(self.timings.items())]
+        return [{"rows": b, "timed_rows": r, "linears": len(self.linears), "packed": kept, "linear_ms": round(a, 2),
+                 "packed_ms": round(p, 2)} for b, (kept, a, p, r) in sorted(self.timings.items())]
+
+
+def _packed_product(x_MI: torch.Tensor, pack: torch.Tensor, module: nn.Linear, bucket: int) -> torch.Tensor:
+    """``module(x_MI)`` (M, in) -> (M, out) from its pack for ``bucket`` >= M rows, the input padded with zero rows."""
+    rows = x_MI.shape[0]
+    if rows < bucket:
+        x_MI = torch.cat([x_MI, x_MI.new_zeros(bucket - rows, x_MI.shape[1])])
+    return torch.ops.mkl._mkl_linear(x_MI, pack, module.weight, module.bias, bucket)[:rows]
 
 
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its PackedLinears

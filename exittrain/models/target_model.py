@@ -308,7 +308,7 @@ class TargetModel(TargetDecoding, TreeScoring):
         head = self._plain_head()
         if head is not None:
             choose_layouts(head.weight, range(2, max_rows + 1))
-        if self.packed_linears is None:
+        if self.packed_linears is None or not self.packed_linears.current:  # remade after a weight write
             self.packed_linears = PackedLinears([*self._decoder.layers.modules(), self.lm_head])
         self.packed_linears.prepare(max_rows)
 

@@ -54,11 +54,12 @@ def test_packed_and_unpacked_trees_stand_side_by_side_with_the_buckets_below():
     result = {"host": {"cpu_model": "X", "cpu_units": "none", "cpu_capability": "AVX2", "threads": 2,
                        "torch": "2"}, "set": "code", "repeats": 3, "rows": [1, 4], "packed": ["on", "off"],
               "contexts": [{"context": 100, "ms": {"1": 50.0, "4 on": 60.0, "4 off": 90.0}}],
-              "packed_buckets": [{"rows": 4, "linears": 7, "packed": True, "linear_ms": 9.0, "packed_ms": 5.5}]}
+              "packed_buckets": [{"rows": 4, "timed_rows": 3, "linears": 7, "packed": True, "linear_ms": 9.0,
+                                  "packed_ms": 5.5}]}
     table = to_markdown(result)
     assert "| context | 1 row | 4 rows, on | 4 rows, off |" in table
     assert "| 100 | 50.0 ms | 60.0 ms (1.20x) | 90.0 ms (1.80x) |" in table
-    assert "| 4 | 9.0 | 5.5 | yes |" in table
+    assert "| 4 | 3 | 9.0 | 5.5 | yes |" in table
 
 
 def test_each_packing_mode_is_timed_for_every_tree(tiny_llama_target, one_thread):
