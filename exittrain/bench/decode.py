@@ -2,7 +2,8 @@
 
 ``python -m exittrain bench decode --drafter PATH [--sets code dialogue math restating] [--decode auto fixed]
 [--budgets 16] [--prompts 10] [--skip 16] [--new-tokens 96] [--cache on off] [--head-layout auto linear]
-[--packed on off] [--copy-tail 0 8] [--copy-chains latest both] [--copy-lead 0 4] [--draft-vocab 0 4096] [--contexts 100 600]``
+[--packed on off] [--copy-tail 0 8] [--copy-chains latest both] [--copy-lead 0 4] [--draft-vocab 0 4096]
+[--contexts 100 600]``
 
 Side by side in one run, on the same held-out prompts and the same fp32 target, at temperature 0:
 
@@ -237,7 +238,8 @@ def _fixed_decoders(target, drafter, drafter_path, budgets, caches, head_layouts
              SpeculativeDecoder(target, drafter, budget=b, verifier="tev", drafter_cache=c, copy_tail=t,
                                 draft_vocab=vocabs[n], copy_lead=m, copy_earliest=e, miss_steps=st))
             for b in budgets for c in caches for h in head_layouts for k in packed for t in copy_tails
-            for n in vocab_sizes for m in copy_leads for e in (copy_earliest if t else copy_earliest[:1]) for st in miss_steps]
+            for n in vocab_sizes for m in copy_leads for e in (copy_earliest if t else copy_earliest[:1])
+            for st in miss_steps]
 
 
 def _auto_decoder(target, drafter, drafter_path, probe_prompts, max_budget: int,
@@ -424,8 +426,8 @@ def packed_lines(buckets: list[dict] | None) -> list[str]:
     return ["", "Row buckets of the target's packed linears (exittrain.models.packed_linears; every linear once, "
             "median ms, on the fewest rows the bucket serves, padded up for the packed product):", "",
             *markdown_table(["bucket", "timed on rows", "F.linear ms", "packed ms", "kept"],
-                            ([b["rows"], b.get("timed_rows", b["rows"]), f"{b['linear_ms']:.1f}", f"{b['packed_ms']:.1f}",
-                              "yes" if b["packed"] else "no"] for b in buckets))]
+                            ([b["rows"], b.get("timed_rows", b["rows"]), f"{b['linear_ms']:.1f}",
+                              f"{b['packed_ms']:.1f}", "yes" if b["packed"] else "no"] for b in buckets))]
 
 
 def main(argv=None) -> None:

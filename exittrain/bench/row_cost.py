@@ -27,10 +27,9 @@ all counts rather than landing on one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
-
-import contextlib
 
 import torch
 
