@@ -59,6 +59,16 @@ def _packing(mode: str):
     return contextlib.nullcontext() if mode == "on" else unpacked()
 
 
+def _columns(rows: list[int], modes) -> list[tuple[int, str | None]]:
+    """``(R, packing mode)`` per timed forward: one row has no mode (no tree), each tree every mode."""
+    return [(r, m) for r in rows for m in ((None,) if r == 1 else modes)]
+
+
+def _key(r: int, mode: str | None) -> str:
+    """The result key of a column: ``"R"`` for one row, ``"R MODE"`` for a tree."""
+    return str(r) if mode is None else f"{r} {mode}"
+
+
 @torch.no_grad()
 def forward_ms(target, ids: list[int], rows: list[int], repeats: int, packed: tuple[str, ...] = ("on",)
                ) -> dict[str, float]:
@@ -73,7 +83,7 @@ def forward_ms(target, ids: list[int], rows: list[int], repeats: int, packed: tu
     # the chain's tokens: the context's own, so the tree holds ordinary text ids
     chain = [ids[i % len(ids)] for i in range(max(rows))]
     trees = {r: copy_only_tree(chain[: r - 1], device) for r in rows if r > 1}
-    keys = [(r, None) if r == 1 else (r, mode) for r in rows for mode in (packed if r > 1 else (None,))]
+    keys = _columns(rows, packed)
 
     def forward(r: int, mode: str | None) -> float:
         start = time.perf_counter()
@@ -92,7 +102,7 @@ def forward_ms(target, ids: list[int], rows: list[int], repeats: int, packed: tu
             seconds = forward(*key)
             if repeat:  # the first pass is the warm-up
                 laps[key].append(seconds)
-    return {(str(r) if mode is None else f"{r} {mode}"): 1e3 * statistics.median(v) for (r, mode), v in laps.items()}
+    return {_key(*key): 1e3 * statistics.median(v) for key, v in laps.items()}
 
 
 def run(rows: list[int], contexts: list[int], repeats: int, set_name: str, target_path: str | None,
@@ -122,7 +132,7 @@ def to_markdown(result: dict) -> str:
     from exittrain.bench.decode import host_line, packed_lines
 
     rows, modes = result["rows"], result.get("packed", ["on"])
-    columns = [(r, None) if r == 1 else (r, m) for r in rows for m in (modes if r > 1 else (None,))]
+    columns = _columns(rows, modes)
     names = {"on": "packed", "off": "F.linear"}
     lines = [f"Target forward by rows scored, median of {result['repeats']} after a warm-up; context from the "
              f"{result['set']} set; host: {host_line(result['host'])}. Trees' decoder linears: "
@@ -135,7 +145,7 @@ def to_markdown(result: dict) -> str:
         one = ms.get("1")
         cells = []
         for r, m in columns:
-            v = ms[str(r) if m is None else f"{r} {m}"]
+            v = ms[_key(r, m)]
             cells.append(f"{v:.1f} ms" + (f" ({v / one:.2f}x)" if one and r > 1 else ""))
         lines.append(f"| {c['context']} | " + " | ".join(cells) + " |")
     return "\n".join(lines + packed_lines(result.get("packed_buckets"))) + "\n"

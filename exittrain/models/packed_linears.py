@@ -81,9 +81,8 @@ def unpacked() -> Iterator[None]:
 
 
 def _packable(module: nn.Module) -> bool:
-    weight = module.weight
-    return (type(module) is nn.Linear and not hasattr(module, "_hf_hook") and weight.device.type == "cpu"
-            and weight.dtype == torch.float32 and (module.bias is None or module.bias.dtype == torch.float32))
+    return (type(module) is nn.Linear and not hasattr(module, "_hf_hook") and module.weight.device.type == "cpu"
+            and module.weight.dtype == torch.float32 and (module.bias is None or module.bias.dtype == torch.float32))
 
 
 class PackedLinears:
@@ -91,7 +90,7 @@ class PackedLinears:
     bucket, and the swapped-in forwards that use them (see the module docstring)."""
 
     def __init__(self, modules: Sequence[nn.Module]):
-        self.linears: list[nn.Linear] = [m for m in modules if isinstance(m, nn.Linear) and _packable(m)]
+        self.linears: list[nn.Linear] = [m for m in modules if _packable(m)]
         self.packs: dict[int, list[torch.Tensor]] = {}  # bucket -> one pack per linear
         # bucket -> (kept, F.linear ms, packed ms, the rows both were timed at)
         self.timings: dict[int, tuple[bool, float, float, int]] = {}
@@ -128,20 +127,21 @@ class PackedLinears:
         affordable = budget_bytes // max(self.weight_bytes, 1)
         new = [b for b in wanted if b not in self.timings]
         new = new[len(new) - min(len(new), affordable):]  # the largest that fit
+        if not new:  # prepared already, or nothing fits: the buckets and their rows stand
+            return
         buckets = sorted({*self.timings, *new})
         for bucket in new:
             below = [b for b in buckets if b < bucket]
             self._time(bucket, below[-1] + 1 if below else 2)
-        if new:
-            slower = [b for b in new if not self.timings[b][0]]
-            unaffordable = [b for b in wanted if b not in self.timings]
-            log.info("packed linears: %d linears, %.0f MB a row bucket; packed for rows %s%s%s", len(self.linears),
-                     self.weight_bytes / 2**20, [b for b in new if b not in slower],
-                     f"; F.linear timed faster at {slower}" if slower else "",
-                     f"; past the memory budget: {unaffordable}" if unaffordable else "")
+        slower = [b for b in new if not self.timings[b][0]]
+        unaffordable = [b for b in wanted if b not in self.timings]
+        log.info("packed linears: %d linears, %.0f MB a row bucket; packed for rows %s%s%s", len(self.linears),
+                 self.weight_bytes / 2**20, [b for b in new if b not in slower],
+                 f"; F.linear timed faster at {slower}" if slower else "",
+                 f"; past the memory budget: {unaffordable}" if unaffordable else "")
         kept = sorted(b for b in self.timings if self.timings[b][0])
         self._bucket_of = {}
-        for rows in range(2, buckets[-1] + 1 if buckets else 0):
+        for rows in range(2, buckets[-1] + 1):
             bucket = next(b for b in buckets if b >= rows)
             self._bucket_of[rows] = bucket if bucket in kept else None
 
@@ -221,13 +221,14 @@ def _packed_product(x_MI: torch.Tensor, pack: torch.Tensor, module: nn.Linear, b
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its PackedLinears
 
 
-def packed_for(module: nn.Module, max_rows: int) -> PackedLinears:
-    """The :class:`PackedLinears` of every linear in ``module`` (``module.modules()``), prepared for
-    ``max_rows``: one per module for the process, remade when a weight has been written since it
-    was packed (a drafter that trained on), so packs never lag the weights."""
+def packed_for(module: nn.Module, max_rows: int, linears: Sequence[nn.Module] | None = None) -> PackedLinears:
+    """The :class:`PackedLinears` of ``linears`` (default: every module in ``module``), prepared for
+    ``max_rows``: one per ``module`` for the process, remade when a weight has been written since
+    it was packed (a drafter that trained on), so packs never lag the weights. Pass the same
+    ``linears`` for a module at every call."""
     packed = _PACKED.get(module)
     if packed is None or not packed.current:
-        packed = _PACKED[module] = PackedLinears(list(module.modules()))
+        packed = _PACKED[module] = PackedLinears(list(module.modules()) if linears is None else linears)
     packed.prepare(max_rows)
     return packed
 

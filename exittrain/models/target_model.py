@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from exittrain.models.packed_linears import PackedLinears
+from exittrain.models.packed_linears import PackedLinears, packed_for
 from exittrain.models.row_matmul import choose_layouts, head_rows, is_plain_head
 from exittrain.models.target_decode import TargetDecoding
 from exittrain.models.target_scoring import TreeScoring
@@ -308,9 +308,7 @@ class TargetModel(TargetDecoding, TreeScoring):
         head = self._plain_head()
         if head is not None:
             choose_layouts(head.weight, range(2, max_rows + 1))
-        if self.packed_linears is None or not self.packed_linears.current:  # remade after a weight write
-            self.packed_linears = PackedLinears([*self._decoder.layers.modules(), self.lm_head])
-        self.packed_linears.prepare(max_rows)
+        self.packed_linears = packed_for(self.model, max_rows, [*self._decoder.layers.modules(), self.lm_head])
 
     def _packed_rows(self):
         """The packed linears' forwards while open, where :meth:`prepare_tree_rows` made them."""
