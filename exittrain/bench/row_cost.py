@@ -1,7 +1,7 @@
 """What a target forward costs by the rows it scores, on this host: the price list of a round.
 
 ``python -m exittrain bench rows [--rows 1 2 3 4 6 8 11 17] [--contexts 300] [--repeats 9]
-[--packed on off] [--set restating] [--target PATH]``
+[--packed on off] [--attention grouped repeated] [--set restating] [--target PATH]``
 
 A decoding round pays one target forward over the tree's rows (the root and its B nodes, and
 the copy tail's); a greedy step pays one over one row. How the cost grows with the rows decides
@@ -17,7 +17,9 @@ then at each row count R times ``repeats`` forwards after one untimed warm-up:
 
 Tree forwards run with the decoder layers' linears packed for their rows where that times
 faster here (``--packed on``: :meth:`~exittrain.models.target.TargetModel.prepare_tree_rows`,
-:mod:`exittrain.models.packed_linears`), with ``F.linear`` (``off``), or both side by side.
+:mod:`exittrain.models.packed_linears`), with ``F.linear`` (``off``), or both side by side; and
+with grouped query heads reading the cached keys in place (``--attention grouped``,
+:mod:`exittrain.models.grouped_attention`), sdpa's keys repeated per head (``repeated``), or both.
 After each forward the cache is cut back to C, so every forward sees the same context. The
 figure is the median; the table also gives each count's ratio to one row. The rows are timed
 interleaved (every count once per repeat), so a load that drifts during the run spreads over
@@ -35,6 +37,7 @@ import torch
 
 from exittrain.bench.registry import write_results
 from exittrain.core.copy_tail import copy_only_tree
+from exittrain.models.grouped_attention import repeated_keys
 from exittrain.models.packed_linears import unpacked
 
 DEFAULT_ROWS = (1, 2, 3, 4, 6, 8, 11, 17)
@@ -55,26 +58,43 @@ def context_ids(prompts: list[list[int]], length: int) -> list[int]:
     return ids[:length]
 
 
-def _packing(mode: str):
-    return contextlib.nullcontext() if mode == "on" else unpacked()
+ATTENTION_MODES = ("grouped", "repeated")
+"""``--attention``: grouped query heads read their key/value heads in place (what a tree forward
+runs, :mod:`exittrain.models.grouped_attention`), or transformers' sdpa repeats them."""
 
 
-def _columns(rows: list[int], modes) -> list[tuple[int, str | None]]:
-    """``(R, packing mode)`` per timed forward: one row has no mode (no tree), each tree every mode."""
-    return [(r, m) for r in rows for m in ((None,) if r == 1 else modes)]
+def _tree_paths(mode: str, attention: str) -> contextlib.ExitStack:
+    """The reference twins a tree forward runs in: ``F.linear`` for ``off``, repeated keys for ``repeated``."""
+    stack = contextlib.ExitStack()
+    if mode == "off":
+        stack.enter_context(unpacked())
+    if attention == "repeated":
+        stack.enter_context(repeated_keys())
+    return stack
 
 
-def _key(r: int, mode: str | None) -> str:
-    """The result key of a column: ``"R"`` for one row, ``"R MODE"`` for a tree."""
-    return str(r) if mode is None else f"{r} {mode}"
+def _columns(rows: list[int], modes, attentions=("grouped",)) -> list[tuple[int, str | None, str | None]]:
+    """``(R, packing mode, attention)`` per timed forward: one row has neither (no tree), each tree
+    every combination."""
+    return [(r, m, a) for r in rows
+            for m, a in ([(None, None)] if r == 1 else [(m, a) for m in modes for a in attentions])]
+
+
+def _key(r: int, mode: str | None, attention: str | None = "grouped") -> str:
+    """The result key of a column: ``"R"`` for one row, ``"R MODE"`` for a tree, with ``" repeated"``
+    after it for repeated keys."""
+    if mode is None:
+        return str(r)
+    return f"{r} {mode}" + ("" if attention == "grouped" else f" {attention}")
 
 
 @torch.no_grad()
-def forward_ms(target, ids: list[int], rows: list[int], repeats: int, packed: tuple[str, ...] = ("on",)
-               ) -> dict[str, float]:
+def forward_ms(target, ids: list[int], rows: list[int], repeats: int, packed: tuple[str, ...] = ("on",),
+               attention: tuple[str, ...] = ("grouped",)) -> dict[str, float]:
     """Median ms of one target forward over each count of ``rows`` after the context ``ids``
     (the last id is the root), interleaved across counts, keyed ``"R"`` for one row and ``"R
-    MODE"`` for a tree of R rows with packing ``MODE`` (``on``/``off``); see the module docstring."""
+    MODE"`` for a tree of R rows with packing ``MODE`` (``on``/``off``), ``"R MODE repeated"``
+    with sdpa's repeated keys (``attention``, :data:`ATTENTION_MODES`); see the module docstring."""
     device = target.device
     ids_1T = torch.tensor([ids], device=device)
     target.prepare_tree_rows(max(rows))
@@ -83,14 +103,14 @@ def forward_ms(target, ids: list[int], rows: list[int], repeats: int, packed: tu
     # the chain's tokens: the context's own, so the tree holds ordinary text ids
     chain = [ids[i % len(ids)] for i in range(max(rows))]
     trees = {r: copy_only_tree(chain[: r - 1], device) for r in rows if r > 1}
-    keys = _columns(rows, packed)
+    keys = _columns(rows, packed, attention)
 
-    def forward(r: int, mode: str | None) -> float:
+    def forward(r: int, mode: str | None, attention: str | None) -> float:
         start = time.perf_counter()
         if r == 1:
             target.model(input_ids=root.view(1, 1), cache=cache, use_cache=True)
         else:
-            with _packing(mode):
+            with _tree_paths(mode, attention):
                 target.tree_forward(cache, root, trees[r])
         seconds = time.perf_counter() - start
         cache.crop(-r)  # back to the context alone
@@ -106,7 +126,7 @@ def forward_ms(target, ids: list[int], rows: list[int], repeats: int, packed: tu
 
 
 def run(rows: list[int], contexts: list[int], repeats: int, set_name: str, target_path: str | None,
-        n_prompts: int = 8, packed: tuple[str, ...] = ("on",)) -> dict:
+        n_prompts: int = 8, packed: tuple[str, ...] = ("on",), attention: tuple[str, ...] = ("grouped",)) -> dict:
     from exittrain.bench.decode import check_sets, host, set_prompts
     from exittrain.models import load_target
     from exittrain.progress import Ticker
@@ -120,11 +140,12 @@ def run(rows: list[int], contexts: list[int], repeats: int, set_name: str, targe
     measured = []
     ticker = Ticker("bench rows", len(contexts), unit="context", every=1)
     for i, C in enumerate(contexts, 1):
-        ms = forward_ms(target, context_ids(prompts, C + 1), rows, repeats, packed)
+        ms = forward_ms(target, context_ids(prompts, C + 1), rows, repeats, packed, attention)
         measured.append({"context": C, "ms": {str(r): v for r, v in ms.items()}})
         ticker.update(i)
     packs = target.packed_linears.choices() if target.packed_linears is not None else []
     return {"host": host(), "set": set_name, "repeats": repeats, "rows": rows, "packed": list(packed),
+            "attention": list(attention),
             "packed_buckets": packs, "contexts": measured}
 
 
@@ -132,20 +153,25 @@ def to_markdown(result: dict) -> str:
     from exittrain.bench.decode import host_line, packed_lines
 
     rows, modes = result["rows"], result.get("packed", ["on"])
-    columns = _columns(rows, modes)
+    attentions = result.get("attention", ["grouped"])  # results from before the axis ran grouped
+    columns = _columns(rows, modes, attentions)
     names = {"on": "packed", "off": "F.linear"}
+
+    def label(r: int, m: str | None, a: str | None) -> str:
+        tags = [m] * (len(modes) > 1 and m is not None) + [a] * (len(attentions) > 1 and a is not None)
+        return f"{r} row{'s' * (r > 1)}" + "".join(f", {t}" for t in tags)
+
     lines = [f"Target forward by rows scored, median of {result['repeats']} after a warm-up; context from the "
              f"{result['set']} set; host: {host_line(result['host'])}. Trees' decoder linears: "
-             + ", ".join(f"{m} ({names[m]})" for m in modes) + ".", "",
-             "| context | " + " | ".join(f"{r} row{'s' * (r > 1)}" + (f", {m}" if len(modes) > 1 and m else "")
-                                        for r, m in columns) + " |",
+             + ", ".join(f"{m} ({names[m]})" for m in modes) + "; attention: " + ", ".join(attentions) + ".", "",
+             "| context | " + " | ".join(label(*column) for column in columns) + " |",
              "|---|" + "---|" * len(columns)]
     for c in result["contexts"]:
         ms = c["ms"]
         one = ms.get("1")
         cells = []
-        for r, m in columns:
-            v = ms[_key(r, m)]
+        for r, m, a in columns:
+            v = ms[_key(r, m, a)]
             cells.append(f"{v:.1f} ms" + (f" ({v / one:.2f}x)" if one and r > 1 else ""))
         lines.append(f"| {c['context']} | " + " | ".join(cells) + " |")
     return "\n".join(lines + packed_lines(result.get("packed_buckets"))) + "\n"
@@ -158,10 +184,12 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=9, help="timed forwards per row count and context")
     parser.add_argument("--packed", nargs="+", choices=["on", "off"], default=["on"],
                         help="trees' decoder linears packed for their rows (on), F.linear (off), or both")
+    parser.add_argument("--attention", nargs="+", choices=ATTENTION_MODES, default=["grouped"],
+                        help="trees' attention: query heads grouped over the cache in place, repeated keys, or both")
     parser.add_argument("--set", default="restating", help="the prompt set the context comes from (bench decode's)")
     parser.add_argument("--target", default=None, help="a target path (default: the embedded SmolLM2)")
     parser.add_argument("--out", default="results/bench_rows")
     args = parser.parse_args(argv)
     result = run(args.rows, args.contexts, args.repeats, args.set, args.target,
-                 packed=tuple(dict.fromkeys(args.packed)))
+                 packed=tuple(dict.fromkeys(args.packed)), attention=tuple(dict.fromkeys(args.attention)))
     write_results(args.out, result, to_markdown(result))

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from exittrain.models.grouped_attention import grouped_query_attention
 from exittrain.models.packed_linears import PackedLinears, packed_for
 from exittrain.models.row_matmul import choose_layouts, head_rows, is_plain_head
 from exittrain.models.target_decode import TargetDecoding
@@ -313,6 +314,12 @@ class TargetModel(TargetDecoding, TreeScoring):
     def _packed_rows(self):
         """The packed linears' forwards while open, where :meth:`prepare_tree_rows` made them."""
         return contextlib.nullcontext() if self.packed_linears is None else self.packed_linears.active()
+
+    def _tree_attention(self):
+        """Open around a forward under a 4D tree mask: on sdpa, grouped query heads read their
+        key/value heads in place instead of copies of the cache
+        (:mod:`exittrain.models.grouped_attention`)."""
+        return grouped_query_attention(self.config)
 
     def _causal_lm_logits(self, **kwargs) -> torch.Tensor:
         """``self.model(**kwargs).logits``. Where the model's logits are its plain LM head applied to

@@ -213,13 +213,14 @@ class TreeScoring:
             rows_pos = pos_LAB[:, a0:a1].reshape(L, Q)
             keys_pos = torch.cat([torch.arange(T, device=device).expand(L, T), rows_pos], dim=1)
             cache = self._cache_from_kv(kv)
-            logits = self.model(
-                input_ids=ids_LAB[:, a0:a1].reshape(L, Q),
-                attention_mask=self._additive(allowed, rows_pos, keys_pos),
-                position_ids=rows_pos,
-                cache=cache,
-                use_cache=True,
-            ).logits.view(L, nA, B1, -1)  # (L, nA, B+1, V)
+            with self._tree_attention():
+                logits = self.model(
+                    input_ids=ids_LAB[:, a0:a1].reshape(L, Q),
+                    attention_mask=self._additive(allowed, rows_pos, keys_pos),
+                    position_ids=rows_pos,
+                    cache=cache,
+                    use_cache=True,
+                ).logits.view(L, nA, B1, -1)  # (L, nA, B+1, V)
             del cache
             if nA == A:  # a single chunk is the whole result
                 return logits.to(device).view(L * A, B1, -1), features
@@ -266,13 +267,14 @@ class TreeScoring:
             tree_rows = torch.cat([valid.unsqueeze(1).expand(n, B1, W), anc_N[n0:n1]], dim=2)
             allowed = torch.cat([win_rows, tree_rows], dim=1)  # (n, W+B+1, W+B+1)
             positions = torch.cat([win_pos_NW[n0:n1].clamp_min(0), pos_N[n0:n1]], dim=1)
-            logits = self.model(
-                input_ids=torch.cat([win_ids_NW[n0:n1], ids_N[n0:n1]], dim=1),
-                attention_mask=self._additive(allowed, positions, positions),
-                position_ids=positions,
-                use_cache=False,
-                logits_to_keep=B1,
-            ).logits  # (n, B+1, V)
+            with self._tree_attention():
+                logits = self.model(
+                    input_ids=torch.cat([win_ids_NW[n0:n1], ids_N[n0:n1]], dim=1),
+                    attention_mask=self._additive(allowed, positions, positions),
+                    position_ids=positions,
+                    use_cache=False,
+                    logits_to_keep=B1,
+                ).logits  # (n, B+1, V)
             if n == N:  # a single chunk is the whole result
                 return logits.to(device)
             if out is None:  # one preallocated result, as in _score_exact

@@ -78,3 +78,17 @@ def test_bad_arguments_fail_before_the_target_loads(monkeypatch):
     with pytest.raises(ValueError, match="--contexts"):
         run([1], [0], 3, "code", None)
     assert row_cost.DEFAULT_ROWS[0] == 1  # the greedy step is the table's yardstick
+
+
+def test_attention_modes_cross_the_packing_modes_and_keep_the_old_keys(tiny_llama_target, one_thread):
+    target = tiny_llama_target
+    ids = torch.randint(0, target.vocab_size, (12,), generator=torch.Generator().manual_seed(2)).tolist()
+    ms = forward_ms(target, ids, [1, 3], repeats=1, packed=("on", "off"), attention=("grouped", "repeated"))
+    assert set(ms) == {"1", "3 on", "3 off", "3 on repeated", "3 off repeated"}
+    result = {"host": {"cpu_model": "X", "cpu_units": "none", "cpu_capability": "AVX2", "threads": 2,
+                       "torch": "2"}, "set": "code", "repeats": 1, "rows": [1, 3], "packed": ["on"],
+              "attention": ["grouped", "repeated"],
+              "contexts": [{"context": 100, "ms": {"1": 50.0, "3 on": 55.0, "3 on repeated": 65.0}}]}
+    table = to_markdown(result)
+    assert "| context | 1 row | 3 rows, grouped | 3 rows, repeated |" in table
+    assert "| 100 | 50.0 ms | 55.0 ms (1.10x) | 65.0 ms (1.30x) |" in table and "attention: grouped, repeated" in table
