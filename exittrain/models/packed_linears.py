@@ -24,8 +24,8 @@ The contract and its limits:
 
 - A pack serves the one row count it was made for (MKL's packed layout depends on it) and holds
   about as many bytes as the weight. So row counts are bucketed (:data:`ROW_BUCKETS`): a product
-  of M rows runs in the smallest bucket P >= M, its input padded with P - M zero rows, and the
-  first M output rows are returned. A bucket is packed for every linear, so it costs the bytes of
+  of M rows runs in the smallest bucket P >= M, its input written into a kept buffer of P rows,
+  and the first M output rows are returned. A bucket is packed for every linear, so it costs the bytes of
   all of them (425 MB for SmolLM2-135M in fp32); :meth:`PackedLinears.prepare` fits the buckets
   into a byte budget, dropping the smallest first.
 - Nothing is assumed about the host: each bucket, padding included, is timed against ``F.linear``
@@ -95,6 +95,7 @@ class PackedLinears:
         # bucket -> (kept, F.linear ms, packed ms, the rows both were timed at)
         self.timings: dict[int, tuple[bool, float, float, int]] = {}
         self._bucket_of: dict[int, int | None] = {}  # rows -> the bucket they run in, None: F.linear
+        self._pads: dict[tuple[int, int], torch.Tensor] = {}  # (bucket, in features) -> the padded input
         self._index = {id(m): i for i, m in enumerate(self.linears)}
         self._active = False
         self._versions = self._weight_versions()  # packs copy the weights as they are now
@@ -157,7 +158,7 @@ class PackedLinears:
 
         def packed():
             for m, pack in zip(self.linears, packs):
-                _packed_product(inputs[m.in_features], pack, m, bucket)
+                self._product(inputs[m.in_features], pack, m, bucket)
 
         with torch.no_grad():
             plain_ms, packed_ms = alternating_medians((plain, packed), TIMED_REPEATS, _clock)
@@ -176,8 +177,25 @@ class PackedLinears:
         if (index is None or bucket is None or not self._active or _OFF[0] or x.dtype != torch.float32
                 or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad)):
             return None
-        out_MO = _packed_product(x.reshape(rows, x.shape[-1]), self.packs[bucket][index], module, bucket)
+        out_MO = self._product(x.reshape(rows, x.shape[-1]), self.packs[bucket][index], module, bucket)
         return out_MO.reshape(*x.shape[:-1], module.out_features)
+
+    def _product(self, x_MI: torch.Tensor, pack: torch.Tensor, module: nn.Linear, bucket: int) -> torch.Tensor:
+        """``module(x_MI)`` (M, in) -> (M, out) from its pack for ``bucket`` >= M rows.
+
+        Fewer rows are written into one input buffer of ``bucket`` rows per width, kept for the
+        object's life: one copy per product where a fresh zero-padded input cost an allocation,
+        a fill and a concatenation, 211 times a forward of SmolLM2-135M. Its rows past M may hold
+        an earlier product's: each output row depends on its own input row only, and only the
+        first M are returned."""
+        rows, width = x_MI.shape
+        if rows < bucket:
+            padded = self._pads.get((bucket, width))
+            if padded is None:
+                padded = self._pads[bucket, width] = x_MI.new_zeros(bucket, width)
+            padded[:rows].copy_(x_MI)
+            x_MI = padded
+        return torch.ops.mkl._mkl_linear(x_MI, pack, module.weight, module.bias, bucket)[:rows]
 
     def _forward(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         out = self.apply(module, x)
@@ -208,14 +226,6 @@ class PackedLinears:
         """What :meth:`prepare` measured per bucket, for the benchmarks' host record."""
         return [{"rows": b, "timed_rows": r, "linears": len(self.linears), "packed": kept, "linear_ms": round(a, 2),
                  "packed_ms": round(p, 2)} for b, (kept, a, p, r) in sorted(self.timings.items())]
-
-
-def _packed_product(x_MI: torch.Tensor, pack: torch.Tensor, module: nn.Linear, bucket: int) -> torch.Tensor:
-    """``module(x_MI)`` (M, in) -> (M, out) from its pack for ``bucket`` >= M rows, the input padded with zero rows."""
-    rows = x_MI.shape[0]
-    if rows < bucket:
-        x_MI = torch.cat([x_MI, x_MI.new_zeros(bucket - rows, x_MI.shape[1])])
-    return torch.ops.mkl._mkl_linear(x_MI, pack, module.weight, module.bias, bucket)[:rows]
 
 
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its PackedLinears
