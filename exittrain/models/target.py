@@ -25,7 +25,9 @@ context, its ancestors and itself. Hugging Face passes a 4D mask to the attentio
 implementation, and the model's own sliding window is not applied on top of it: for a
 sliding-window layer (window w) the tree mask itself hides every key at ``query position - key
 position >= w``, as the plain forward of the path does, and a model with both kinds of layers gets
-a dict of masks by layer type (:func:`~exittrain.models.target_model.attention_windows`).
+a dict of masks by layer type (:func:`~exittrain.models.target_model.attention_windows`). On
+``sdpa`` these forwards run :mod:`exittrain.models.grouped_attention`, so grouped query heads
+read the cached keys in place on a CPU rather than copies per head.
 :class:`TargetModel` refuses at load time what a tree mask cannot express (bidirectional or
 chunked attention, other layer types, attention soft-capping under sdpa), and a tree forward past
 the limit of a position-dependent rotary embedding (``dynamic``, ``longrope``:
