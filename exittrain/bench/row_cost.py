@@ -80,7 +80,7 @@ def _columns(rows: list[int], modes, attentions=("grouped",)) -> list[tuple[int,
             for m, a in ([(None, None)] if r == 1 else [(m, a) for m in modes for a in attentions])]
 
 
-def _key(r: int, mode: str | None, attention: str | None = "grouped") -> str:
+def _key(r: int, mode: str | None, attention: str | None) -> str:
     """The result key of a column: ``"R"`` for one row, ``"R MODE"`` for a tree, with ``" repeated"``
     after it for repeated keys."""
     if mode is None:

@@ -33,23 +33,22 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from exittrain.timing import ReferenceSwitch
+
 __all__ = ["GROUPED_SDPA", "grouped_query_attention", "grouped_sdpa_forward", "repeated_keys"]
 
 GROUPED_SDPA = "exittrain_grouped_sdpa"
 """The name :func:`grouped_sdpa_forward` is registered under in transformers' ``AttentionInterface``."""
 
-_OFF = [False]  # repeated_keys() sets it
+_OFF = ReferenceSwitch()  # repeated_keys() holds it
 
 
 @contextlib.contextmanager
 def repeated_keys() -> Iterator[None]:
     """Within the block :func:`grouped_sdpa_forward` always hands over to transformers' sdpa (the
     reference twin, which repeats the keys under a mask), for side-by-side timing."""
-    before, _OFF[0] = _OFF[0], True
-    try:
+    with _OFF.held():
         yield
-    finally:
-        _OFF[0] = before
 
 
 def _runs_grouped(module, query: torch.Tensor, attention_mask, dropout: float, kwargs: dict) -> bool:
@@ -57,7 +56,7 @@ def _runs_grouped(module, query: torch.Tensor, attention_mask, dropout: float, k
     with nothing the fused call below does not apply (dropout, soft-capping, a position bias,
     attention weights asked back)."""
     return (
-        not _OFF[0]
+        not _OFF.on
         and getattr(module, "num_key_value_groups", 1) > 1
         and attention_mask is not None
         and query.device.type == "cpu"

@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from exittrain.timing import alternating_medians
+from exittrain.timing import ReferenceSwitch, alternating_medians
 
 __all__ = ["AVAILABLE", "ROW_BUCKETS", "TIMED_REPEATS", "PackedLinears", "packed_for", "unpacked"]
 
@@ -66,18 +66,15 @@ ROW_BUCKETS = (2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64)
 TIMED_REPEATS = 5  # timed passes per layout and bucket after the warm-up; the median decides
 _WIN_MARGIN = 0.9  # packed must be 10% faster than F.linear for its bucket to be kept
 _clock = None  # what prepare's timing reads (None: time.perf_counter); tests script it
-_OFF = [False]  # unpacked() sets it
+_OFF = ReferenceSwitch()  # unpacked() holds it
 log = logging.getLogger("exittrain")
 
 
 @contextlib.contextmanager
 def unpacked() -> Iterator[None]:
     """Within the block every packed linear runs ``F.linear`` (the reference twin), for side-by-side timing."""
-    before, _OFF[0] = _OFF[0], True
-    try:
+    with _OFF.held():
         yield
-    finally:
-        _OFF[0] = before
 
 
 def _packable(module: nn.Module) -> bool:
@@ -174,7 +171,7 @@ class PackedLinears:
         index = self._index.get(id(module))
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         bucket = self._bucket_of.get(rows)
-        if (index is None or bucket is None or not self._active or _OFF[0] or x.dtype != torch.float32
+        if (index is None or bucket is None or not self._active or _OFF.on or x.dtype != torch.float32
                 or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad)):
             return None
         out_MO = self._product(x.reshape(rows, x.shape[-1]), self.packs[bucket][index], module, bucket)
