@@ -239,6 +239,29 @@ def test_the_fastest_first_timing_is_timed_again_and_a_flattering_one_loses(targ
     assert choice.to_dict()["candidates"][0]["first_round_ms"] == flattered.first_round_ms
 
 
+def test_a_finalist_is_priced_at_the_slower_of_its_two_timings(target, drafter):
+    """A fast second timing flatters as a fast first one does: B=2 timed at 12 ms, then at 2 ms,
+    is priced at 12 and its speedup is the 12 ms one; each round kind takes its own slower timing."""
+    seen = []
+
+    def timer(setting):
+        if setting is None:
+            return 30.0
+        second = setting in seen
+        seen.append(setting)
+        return 2.0 if second and setting == DecodeSetting(2) else 10.0 + setting.budget
+
+    choice = auto.probe_decode_settings(target, drafter, PROMPTS, max_budget=8, copy_tails=(0,), answer_tokens=16,
+                                        miss_steps=(0,), timer=timer)
+    finals = [c for c in choice.candidates if c.first_round_ms is not None]
+    assert {c.setting for c in finals} == {DecodeSetting(2), DecodeSetting(4), DecodeSetting(8)}
+    for c in finals:
+        assert c.round_ms == c.first_round_ms == 10.0 + c.setting.budget
+        assert c.speedup == pytest.approx(c.tau * 30.0 / c.round_ms)
+    assert choice.chosen == max(finals, key=lambda c: c.speedup)
+    assert auto.slower((12.0, 5.0), (9.0, 7.0)) == (12.0, 7.0)
+
+
 def test_the_speedup_bound_is_the_point_estimate_on_alike_prompts_and_widened_for_other_prompts():
     """speedup_bound on (tokens, drafted rounds, copy-led rounds, steps) per prompt (a step costs the
     greedy step): alike prompts leave
