@@ -156,7 +156,8 @@ class CandidateResult:
     speedup: float
     copy_led: float = 0.0
     speedup_low: float | None = None  # the bootstrap bound over the probe prompts (speedup_bound); None: not drawn
-    first_round_ms: float | None = None  # a finalist's first timing, before it was timed again; None: timed once
+    # a finalist's first timing, before it was timed again (steps at round_ms's greedy step); None: timed once
+    first_round_ms: float | None = None
     steps: float = 0.0
 
 
@@ -416,12 +417,19 @@ def probe_decode_settings(
         costs[s] = timed_costs(s)
     greedy_ms = float(timer(None))  # after the rounds: a load that drifts during the probe weighs on both sides
 
-    def measured(s: DecodeSetting, cost: tuple[float, float], first_ms: float | None = None) -> CandidateResult:
-        lengths, nodes, kinds = scored[s]
+    def mean_round_ms(s: DecodeSetting, cost: tuple[float, float]) -> float:
+        """The walk's rounds priced at ``cost`` (drafted, copy-led) and its steps at the greedy step
+        (``greedy_ms`` as it stands when called)."""
+        lengths, _, kinds = scored[s]
         if not lengths:
             raise ValueError("the probe prompts' greedy answers are empty (EOS at once): pass other prompts")
         drafted, led, steps = (kinds.count(k) for k in (DRAFTED, COPY_LED, STEP))
-        round_ms = (drafted * cost[0] + led * cost[1] + steps * greedy_ms) / len(lengths)
+        return (drafted * cost[0] + led * cost[1] + steps * greedy_ms) / len(lengths)
+
+    def measured(s: DecodeSetting, cost: tuple[float, float], first_ms: float | None = None) -> CandidateResult:
+        lengths, nodes, kinds = scored[s]
+        round_ms = mean_round_ms(s, cost)
+        led, steps = kinds.count(COPY_LED), kinds.count(STEP)
         tau = sum(lengths) / len(lengths)
         per_prompt = [(sum(p[0]), *(p[2].count(k) for k in (DRAFTED, COPY_LED, STEP))) for p in walked[s] if p[0]]
         return CandidateResult(s, tau, sum(nodes) / len(nodes), round_ms, tau * greedy_ms / round_ms,
@@ -448,8 +456,9 @@ def probe_decode_settings(
     # no selection among greedy timings: both count (``measured`` reads greedy_ms when called, so the
     # figures below use the mean; the ranking above did not depend on it)
     greedy_ms = (greedy_ms + float(timer(None))) / 2
-    results = [measured(s, again[s.rounds], first[s].round_ms) if s.rounds in again else measured(s, costs[s.rounds])
-               for s in settings]
+    # a finalist's first timing is repriced at the mean greedy step too, so that it compares with its final round
+    results = [measured(s, again[s.rounds], mean_round_ms(s, costs[s.rounds])) if s.rounds in again
+               else measured(s, costs[s.rounds]) for s in settings]
     final = [c for c in results if c.setting.rounds in again]
     best_draft = chosen = fastest(final)
     if greedy_fallback:

@@ -262,6 +262,27 @@ def test_a_finalist_is_priced_at_the_slower_of_its_two_timings(target, drafter):
     assert auto.slower((12.0, 5.0), (9.0, 7.0)) == (12.0, 7.0)
 
 
+def test_a_finalists_first_timing_prices_its_steps_at_the_same_greedy_step_as_its_final_round(target, drafter):
+    """Greedy timed at 20 ms, then 40: the final figures price a step at the mean, 30 ms. A finalist
+    timed the same twice then has the same round at both timings, its steps included (they were
+    priced at the first greedy timing, 20 ms, before)."""
+    greedy_timings = []
+
+    def timer(setting):
+        if setting is None:
+            greedy_timings.append(None)
+            return 20.0 if len(greedy_timings) == 1 else 40.0
+        return 10.0 + setting.budget
+
+    choice = auto.probe_decode_settings(target, drafter, PROMPTS, max_budget=8, copy_tails=(0,), answer_tokens=16,
+                                        miss_steps=(0, 2), timer=timer)
+    assert choice.greedy_ms == 30.0
+    finals = [c for c in choice.candidates if c.first_round_ms is not None]
+    assert any(c.steps > 0 for c in finals)  # the case the repricing is about
+    for c in finals:
+        assert c.first_round_ms == pytest.approx(c.round_ms)
+
+
 def test_the_speedup_bound_is_the_point_estimate_on_alike_prompts_and_widened_for_other_prompts():
     """speedup_bound on (tokens, drafted rounds, copy-led rounds, steps) per prompt (a step costs the
     greedy step): alike prompts leave
