@@ -37,7 +37,7 @@ class HostTimer:
         self.target, self.drafter, self.prompts = target, drafter, [list(p) for p in prompts]
         self.vocabs, self.tokens, self.verifier = vocabs, tokens, verifier
 
-    def __call__(self, setting):  # an auto_settings.DecodeSetting, or None (not imported: auto_settings imports this)
+    def __call__(self, setting):  # a decode_settings.DecodeSetting, or None
         from exittrain.decoding.speculative import (
             COPY_LED,
             DRAFTED,
