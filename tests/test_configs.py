@@ -314,6 +314,28 @@ def test_the_8b_targets_are_hub(tmp_path, option, name):
                                                             "name_or_path": name}
 
 
+# every trainer file's composed values, as each file set them in full before shared/base.yaml held the common ones
+TRAINER_VALUES = {
+    "cpu": {"accelerator": "cpu", "devices": 1, "log_every_n_steps": 5, "val_check_interval": None,
+            "check_val_every_n_epoch": 3, "enable_model_summary": False},
+    "gpu": {"accelerator": "gpu", "devices": 1, "log_every_n_steps": 10},
+    "ddp": {"accelerator": "gpu", "devices": -1, "num_nodes": 1, "strategy": "ddp", "log_every_n_steps": 10},
+    "fsdp": {"accelerator": "gpu", "devices": -1, "num_nodes": 1, "log_every_n_steps": 10,
+             "strategy": {"_target_": "exittrain.lit.DrafterFSDPStrategy", "save_distributed_checkpoint": False}},
+}
+TRAINER_SHARED = {"_target_": "lightning.Trainer", "_partial_": True, "precision": "auto", "gradient_clip_val": 1.0,
+                  "num_sanity_val_steps": 0}
+
+
+@pytest.mark.parametrize("option", sorted(TRAINER_VALUES))
+def test_trainer_files_are_deltas_of_one_base(tmp_path, option):
+    """conf/trainer/shared/base.yaml holds what every trainer shares; each file composes to the values it had."""
+    trainer = compose_config("fit", f"trainer={option}", f"paths.output_dir={tmp_path}").trainer
+    expected = {**TRAINER_SHARED, **TRAINER_VALUES[option], "default_root_dir": str(tmp_path)}
+    assert OmegaConf.to_container(trainer, resolve=True) == expected
+    assert OmegaConf.load(CONF_DIR / "trainer" / f"{option}.yaml").defaults[0] == "shared/base@_here_"
+
+
 def test_fit_and_eval_share_the_eval_group(tmp_path):
     """One conf/eval/default.yaml; conf/eval.yaml overrides only the eval command's own values."""
     fit = compose_config("fit", *cpu_overrides("fit", tmp_path)).eval
