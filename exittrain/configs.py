@@ -8,7 +8,13 @@ folders when they are there, else the checkout's.
 
 Hydra cannot see ``recipes/`` by itself: :func:`register_recipes` stores every ``recipes/*.yaml``
 in the ConfigStore as option ``NAME`` of the ``recipe`` group (package ``_global_``), so
-``+recipe=code`` works exactly as typed. Call it before composing a config.
+``+recipe=code`` works exactly as typed. Call it before composing a config. ``conf/experiment/``
+(full-scale presets, ``+experiment=NAME``) is a group under ``conf/`` and needs no registration.
+
+One resolver serves the configs: ``${largest:${eval.budgets}}`` (:func:`largest`), so that the
+decode check and the held-out callback of conf/callbacks/default.yaml decode at the largest budget
+of ``eval.budgets``, the one evaluation budget. It is registered when this module is imported,
+which every composer of a config does (for :data:`CONF_DIR`) before anything resolves.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-__all__ = ["CONF_DIR", "RECIPES_DIR", "config_dirs", "register_recipes"]
+__all__ = ["CONF_DIR", "RECIPES_DIR", "config_dirs", "register_recipes", "largest"]
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -38,6 +44,18 @@ def config_dirs(package_dir: Path = PACKAGE_DIR) -> tuple[Path, Path]:
 
 
 CONF_DIR, RECIPES_DIR = config_dirs()
+
+
+def largest(values) -> int:
+    """``${largest:${eval.budgets}}``: the largest of a non-empty list of integers (ValueError otherwise,
+    naming ``eval.budgets``, the one list the configs pass it)."""
+    items = list(values) if OmegaConf.is_list(values) or isinstance(values, (list, tuple)) else None
+    if not items or any(isinstance(v, bool) or not isinstance(v, int) for v in items):
+        raise ValueError(f"eval.budgets={values!r}: need a non-empty list of integers >= 1 (draft nodes per round)")
+    return max(items)
+
+
+OmegaConf.register_new_resolver("largest", largest, replace=True)  # replace: a re-import (tests) registers it again
 
 
 def register_recipes(recipes_dir: Path = RECIPES_DIR) -> list[str]:

@@ -117,7 +117,7 @@ def setup_run(cfg: DictConfig, target: TargetArg = None) -> FitRun:
     checked = check_fit_config(cfg)  # every setting, before anything loads
     serve = check_serve_config(cfg)
     vllm_python = default_vllm_python()
-    vllm_mode = str(cfg.eval.get("vllm", "false")).lower()  # no key: off
+    vllm_mode = checked.vllm  # eval.vllm as exittrain.settings.vllm_mode reads it
     vllm_python = vllm_python if vllm_enabled(vllm_mode, vllm_python) else None
     stages, settings = checked.stages, checked.eval
     started = time.perf_counter()
@@ -186,7 +186,7 @@ def train_stage(run: FitRun, stage: str) -> None:
         if stage == "exittrain" and "warm_start" not in run.summary["tables"] and global_rank() == 0:
             log_table(logger, "final/warm_start", evaluate_held_out(run, "warm_start"))
         module = build_module(run.cfg, stage, run.drafter, run.target)
-        callbacks = build_callbacks(cfg, stage, run.eval_prompts, run.run_dir.path, cfg.stages[stage].get("eval_every"))
+        callbacks = build_callbacks(cfg, stage, run.eval_prompts, run.run_dir.path, cfg.stages[stage].eval_every)
         t0 = time.perf_counter()
         trainer = train_steps(
             module,
@@ -269,7 +269,7 @@ def finish_run(run: FitRun) -> dict:
     run.summary["primary_drafter"] = primary_drafter(run, exported, drafter_dir, served_label)
     budget = max(run.settings["budgets"])
     out.write_tree_example(tree_example(run.target, run.full, run.eval_prompts[0], budget=budget,
-                                        shape=run.cfg.tree.get("shape", "ddtree")))  # what the run trained on
+                                        shape=run.cfg.tree.shape))  # what the run trained on
     run.timings["total_s"] = time.perf_counter() - run.started
     run.summary["timings"] = run.timings
     run.summary["drafter"] = str(drafter_dir)

@@ -15,6 +15,11 @@ and the first stage (minutes here, hours on a GPU run). :func:`check_fit_config`
 - the drafter folder of ``eval`` (:func:`require_drafter_folder`).
 
 Nothing here loads a model, a tokenizer or data.
+
+The composed YAML is the one source of every default read here (conf/eval/default.yaml for
+``eval.*``): no key is given a fallback value in code, and a key the config lacks fails with a
+ValueError naming it (:func:`require_keys`), not with a second default that could drift from the
+YAML's.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from exittrain.data.prompt_plan import PromptPlan
 from exittrain.data.split import check_loader_settings
 from exittrain.heldout.decode_eval import DECODE_MODES
 from exittrain.heldout.heldout_law import check_analytic_settings
+from exittrain.heldout.serving_track import VLLM_MODES
 from exittrain.lit.module import check_module_args
 from exittrain.objective import STAGES
 from exittrain.precision import AUTO
@@ -42,6 +48,8 @@ __all__ = [
     "FitSettings",
     "EvalSettings",
     "check_fit_config",
+    "require_keys",
+    "vllm_mode",
     "check_eval_config",
     "plan_stages",
     "module_overrides",
@@ -56,7 +64,8 @@ __all__ = [
 
 # keys of stages.<stage> that configure the stage itself; every other key overrides the objective
 STAGE_KEYS = ("max_steps", "eval_every")
-VLLM_MODES = ("auto", "true", "false")  # eval.vllm, compared lower-cased (Hydra reads true/false as booleans)
+# the eval.* keys eval_settings reads, each set by conf/eval/default.yaml (eval.decode is read on its own)
+EVAL_KEYS = ("num_prompts", "max_new_tokens", "budgets", "temperatures", "verifier", "baseline", "oracle")
 # what to do about a ckpt_path that cannot be resumed from (exittrain.safe_io adds the file and the cause)
 CKPT_FIX = (
     "point ckpt_path at another checkpoint written by exittrain (RUN_DIR/checkpoints/<stage>/last.ckpt of an "
@@ -67,11 +76,13 @@ CKPT_FIX = (
 @dataclass(frozen=True)
 class FitSettings:
     """What :func:`check_fit_config` found: the stages to run, the keyword arguments of
-    :func:`~exittrain.heldout.decode_eval.evaluate_prompts`, and ``(analytic temperatures, anchors)``."""
+    :func:`~exittrain.heldout.decode_eval.evaluate_prompts`, ``(analytic temperatures, anchors)`` and
+    ``eval.vllm`` (:func:`vllm_mode`)."""
 
     stages: list[str]
     eval: dict
     analytic: tuple[list[float], int]
+    vllm: str
 
 
 @dataclass(frozen=True)
@@ -92,7 +103,7 @@ def check_fit_config(cfg: DictConfig) -> FitSettings:
     check_callbacks(cfg)
     check_data(cfg)
     _check_int(cfg.data_wait_s, "data_wait_s", 0, "seconds ranks > 0 wait for rank 0's data", number=True)
-    return FitSettings(stages=stages, eval=settings, analytic=analytic)
+    return FitSettings(stages=stages, eval=settings, analytic=analytic, vllm=vllm_mode(cfg))
 
 
 def check_eval_config(cfg: DictConfig) -> EvalSettings:
@@ -103,6 +114,15 @@ def check_eval_config(cfg: DictConfig) -> EvalSettings:
     analytic = analytic_settings(cfg)
     check_data(cfg)
     return EvalSettings(drafter_path=path, eval=settings, analytic=analytic)
+
+
+def require_keys(node: DictConfig, where: str, keys: tuple[str, ...], source: str) -> None:
+    """ValueError naming every ``<where>.<key>`` of ``keys`` that ``node`` lacks: the YAML ``source``
+    sets them all, and the code gives none of them a default of its own."""
+    missing = [f"{where}.{k}" for k in keys if k not in node]
+    if missing:
+        raise ValueError(f"{missing} missing from the config: {source} sets them; compose the config with it "
+                         f"(python -m exittrain ...) or add {missing[0]}=VALUE")
 
 
 def _check_int(value: Any, key: str, low: int, what: str, *, number: bool = False) -> None:
@@ -122,10 +142,11 @@ def _check_stage_settings(cfg: DictConfig) -> None:
     if unknown:
         raise ValueError(f"stages has unknown entries {sorted(unknown)}; use {list(STAGES)}")
     for name in STAGES:
+        require_keys(cfg.stages[name], f"stages.{name}", STAGE_KEYS, "conf/fit.yaml")
         steps = cfg.stages[name].max_steps
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
             raise ValueError(f"stages.{name}.max_steps={steps!r} must be an integer >= 0")
-        every = cfg.stages[name].get("eval_every")
+        every = cfg.stages[name].eval_every
         if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 0):
             raise ValueError(
                 f"stages.{name}.eval_every={every!r}: need an int >= 0 (a decode check and a checkpoint every N "
@@ -217,10 +238,15 @@ def eval_settings(cfg: DictConfig) -> dict:
     ``cfg.eval``, every value checked (ValueError naming ``eval.<key>``).
 
     ``eval.decode`` (``auto`` | ``fixed``, default ``fixed`` when absent) is one of them.
-    ``eval.vllm`` (``auto`` | ``true`` | ``false``) is checked here, so that a typo fails before
-    anything loads, but is not an argument of ``evaluate_prompts``: fit reads ``cfg.eval.vllm``
-    itself (:func:`exittrain.heldout.serving_track.vllm_enabled`)."""
+    ``eval.vllm`` (``auto`` | ``true`` | ``false``) is checked here (:func:`vllm_mode`), so that a typo
+    fails before anything loads, but is not an argument of ``evaluate_prompts``: fit takes it from
+    :attr:`FitSettings.vllm`.
+
+    The values come from conf/eval/default.yaml alone (the one source of their defaults, which the
+    tests compare with the code's; a dataclass beside it would be a second copy): a missing key is a
+    ValueError naming it."""
     e = cfg.eval
+    require_keys(e, "eval", EVAL_KEYS, "conf/eval/default.yaml")
     _check_int(e.num_prompts, "eval.num_prompts", 1, "held-out prompts to decode")
     _check_int(e.max_new_tokens, "eval.max_new_tokens", 1, "tokens decoded per prompt")
     budgets, temperatures = list(e.budgets), list(e.temperatures)
@@ -239,10 +265,7 @@ def eval_settings(cfg: DictConfig) -> dict:
     if decode not in DECODE_MODES:
         raise ValueError(f"eval.decode={decode!r}: use auto (probe this host's fastest budget, draft vocabulary and "
                          "copy tail for the speed columns) or fixed (decode at eval.budgets only)")
-    vllm = e.get("vllm", "auto")
-    if str(vllm).lower() not in VLLM_MODES:
-        raise ValueError(f"eval.vllm={vllm!r}: use auto (vLLM's acceptance when .venv-vllm exists), true (required) "
-                         "or false (off)")
+    vllm_mode(cfg)
     return dict(
         budgets=budgets,
         temperatures=[float(t) for t in temperatures],
@@ -255,10 +278,23 @@ def eval_settings(cfg: DictConfig) -> dict:
     )
 
 
+def vllm_mode(cfg: DictConfig) -> str:
+    """``eval.vllm`` lower-cased, one of ``auto`` | ``true`` | ``false`` (Hydra reads true/false as
+    booleans); ValueError naming the key otherwise or when it is missing. The one reading of the key:
+    :func:`eval_settings` checks it and fit runs vLLM by it (:attr:`FitSettings.vllm`)."""
+    require_keys(cfg.eval, "eval", ("vllm",), "conf/eval/default.yaml")
+    mode = str(cfg.eval.vllm).lower()
+    if mode not in VLLM_MODES:
+        raise ValueError(f"eval.vllm={cfg.eval.vllm!r}: use auto (vLLM's acceptance when .venv-vllm exists), "
+                         "true (required) or false (off)")
+    return mode
+
+
 def analytic_settings(cfg: DictConfig) -> tuple[list[float], int]:
     """``(eval.analytic_temperatures, eval.analytic_anchors)``, checked (ValueError naming the key)."""
-    temperatures = list(cfg.eval.get("analytic_temperatures") or [])
-    anchors = cfg.eval.get("analytic_anchors", 16)
+    require_keys(cfg.eval, "eval", ("analytic_temperatures", "analytic_anchors"), "conf/eval/default.yaml")
+    temperatures = list(cfg.eval.analytic_temperatures)
+    anchors = cfg.eval.analytic_anchors
     check_analytic_settings(temperatures, anchors)
     return temperatures, anchors
 
@@ -277,8 +313,6 @@ def check_callbacks(cfg: DictConfig) -> None:
         try:
             if name == "decode_eval":
                 _check_int(node.pop("num_prompts"), "num_prompts", 1, "held-out prompts of the decode check")
-                if node.get("verifier", "tev") not in VERIFIERS:
-                    raise ValueError(f"verifier={node['verifier']!r}: use one of {sorted(VERIFIERS)}")
                 instantiate(node)(prompts=list)  # prompts: a function, called only once training runs
             else:
                 instantiate(node)

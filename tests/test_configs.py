@@ -46,7 +46,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from exittrain import progress, settings
 from exittrain.build import build_callbacks, build_datamodule, build_drafter, build_module, build_target
-from exittrain.configs import CONF_DIR, RECIPES_DIR, register_recipes
+from exittrain.configs import CONF_DIR, RECIPES_DIR, largest, register_recipes
 from exittrain.data import ExitTrainDataModule, GenerationConfig
 from exittrain.lit import DecodeEvalCallback, ExitTrainModule
 from exittrain.lit.checkpoint_io import AtomicCheckpointIO
@@ -164,7 +164,7 @@ def build_fit(cfg: DictConfig, target: TargetModel | None, out: Path) -> dict[st
     }
     for stage in STAGES:
         logger = make_logger_object(cfg, f"{cfg.recipe_name}-{stage}")
-        callbacks = build_callbacks(cfg, stage, PROMPTS, out, cfg.stages[stage].get("eval_every"))
+        callbacks = build_callbacks(cfg, stage, PROMPTS, out, cfg.stages[stage].eval_every)
         built[f"module/{stage}"] = build_module(cfg, stage, drafter, target)
         built[f"callbacks/{stage}"] = callbacks
         built[f"logger/{stage}"] = logger
@@ -348,10 +348,23 @@ def test_fit_and_eval_share_the_eval_group(tmp_path):
 
 def test_tree_settings_reach_the_objective_and_the_decode_check(tmp_path):
     """The tree group has no constructor: the objective and the callbacks read it by interpolation."""
-    cfg = compose_config("fit", "tree.budget_train=5", "tree.budget_eval=7", "tree.window=9",
+    cfg = compose_config("fit", "tree.budget_train=5", "tree.window=9", "tree.shape=chain",
                          *cpu_overrides("fit", tmp_path))
-    assert cfg.objective.budget == 5 and cfg.objective.window == 9 and cfg.callbacks.decode_eval.budget == 7
+    assert cfg.objective.budget == 5 and cfg.objective.window == 9 and cfg.callbacks.decode_eval.shape == "chain"
     assert "tree" not in compose_config("eval", *cpu_overrides("eval", tmp_path))  # eval reads no tree setting
+
+
+def test_eval_budgets_and_verifier_are_the_callbacks_one_key(tmp_path):
+    """eval.budgets is the one evaluation budget: the decode check and the held-out callback take its
+    largest (the ${largest:...} resolver of exittrain.configs); eval.verifier is the decode check's verifier."""
+    cfg = compose_config("fit", "eval.budgets=[4,32,8]", "eval.verifier=greedy", *cpu_overrides("fit", tmp_path))
+    assert cfg.callbacks.decode_eval.budget == cfg.callbacks.heldout_block_length.budget == 32
+    assert cfg.callbacks.decode_eval.verifier == "greedy"
+    assert "budget_eval" not in cfg.tree
+    smoke = compose_config("fit", "debug=smoke", *cpu_overrides("fit", tmp_path))
+    assert list(smoke.eval.budgets) == [8] and smoke.callbacks.decode_eval.budget == 8
+    with pytest.raises(ValueError, match=r"eval.budgets=\[\]: need a non-empty list"):
+        largest([])
 
 
 def test_smoke_runs_every_stage_with_one_anchor_count(tmp_path):

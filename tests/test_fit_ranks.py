@@ -176,7 +176,6 @@ def _tiny_fit(tmp_path: Path):
         "stages.pretrain.max_steps=2",
         "stages.exittrain.max_steps=1",
         "tree.budget_train=4",
-        "tree.budget_eval=4",
         "eval.budgets=[4]",
         "eval.num_prompts=1",
         "eval.max_new_tokens=4",

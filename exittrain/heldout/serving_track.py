@@ -1,11 +1,11 @@
 """The serving track of fit's final table: what a chain-verifying engine (vLLM, SGLang) gets from a drafter.
 
 A serving engine verifies one draft per round, the drafter's greedy K tokens (a chain,
-:mod:`exittrain.serve.chain`), where the tree track decodes DDTree's best-first tree of the
+:mod:`exittrain.decoding.chain_decoder`), where the tree track decodes DDTree's best-first tree of the
 recipe's budget. For every drafter row of the table this module adds:
 
 - ``chain_tau`` (and ``chain_ci95``, ``chain_lossless``): the mean block length of our
-  :class:`~exittrain.serve.chain.ChainDecoder` (K nodes, greedy verifier, T = 0) on the same
+  :class:`~exittrain.decoding.chain_decoder.ChainDecoder` (K nodes, greedy verifier, T = 0) on the same
   held-out prompts and token limit as the tree track: what the engine's mean acceptance length
   should be for this drafter, measured with our own target;
 - ``analytic_chain``: the expected chain block length at ``eval.analytic_temperatures``, paired
@@ -19,7 +19,7 @@ recipe's budget. For every drafter row of the table this module adds:
 
 **Limits.** Greedy only (vLLM's comparison is token for token). vLLM emits its first token from
 the prefill without a draft; the chain track does the same (the target's first greedy token, then
-rounds from the prompt plus that token: :func:`exittrain.serve.chain.decode_after_prefill`), so
+rounds from the prompt plus that token: :func:`exittrain.decoding.chain_decoder.decode_after_prefill`), so
 both count the same rounds. vLLM's target runs its own CPU kernels: a near tie can still resolve
 differently, and the two acceptance lengths then differ a little.
 """
@@ -40,7 +40,8 @@ __all__ = [
     "summarize_chain", "target_folder", "vllm_enabled", "vllm_track",
 ]
 
-VLLM_MODES = ("auto", "true", "false")
+VLLM_MODES = ("auto", "true", "false")  # eval.vllm, compared lower-cased (Hydra reads true/false as booleans)
+SERVE_KEYS = ("format", "engine", "num_speculative_tokens", "primary")  # serve.*: conf/serve/dflash.yaml
 _SETUP = "make vllm-setup"
 
 
@@ -51,12 +52,15 @@ def check_serve_config(cfg) -> dict | None:
     engine drafts a block of root + K masks: another K runs a block the drafter never saw), a
     copy branch or a context window (the DFlash format holds neither), or an unknown ``primary``.
     """
-    serve = cfg.get("serve")
+    serve = cfg.get("serve")  # absent: the run serves nothing (conf/fit.yaml lists no serve group)
     if serve is None:
         return None
-    if serve.get("format") != "dflash":
-        raise ValueError(f"serve.format={serve.get('format')!r}: only 'dflash' is served (+serve=dflash)")
-    K = serve.get("num_speculative_tokens")
+    missing = [f"serve.{k}" for k in SERVE_KEYS if k not in serve]
+    if missing:  # conf/serve/dflash.yaml sets each one: the code gives them no default of its own
+        raise ValueError(f"{missing} missing from the config: conf/serve/dflash.yaml sets them; add +serve=dflash")
+    if serve.format != "dflash":
+        raise ValueError(f"serve.format={serve.format!r}: only 'dflash' is served (+serve=dflash)")
+    K = serve.num_speculative_tokens
     block = int(cfg.drafter.block_size)
     if isinstance(K, bool) or not isinstance(K, int) or K != block - 1:
         raise ValueError(
@@ -69,10 +73,9 @@ def check_serve_config(cfg) -> dict | None:
     if cfg.drafter.get("context_window") is not None:
         raise ValueError(f"drafter.context_window={cfg.drafter.context_window} with +serve=dflash: a DFlash drafter "
                          "attends to the whole context; set drafter.context_window=null")
-    if serve.get("primary", "dflash") not in ("dflash", "drafter"):
-        raise ValueError(f"serve.primary={serve.get('primary')!r}: use dflash (drafter_dflash/) or drafter (drafter/)")
-    return {"format": "dflash", "engine": serve.get("engine", "vllm"), "num_speculative_tokens": K,
-            "primary": serve.get("primary", "dflash")}
+    if serve.primary not in ("dflash", "drafter"):
+        raise ValueError(f"serve.primary={serve.primary!r}: use dflash (drafter_dflash/) or drafter (drafter/)")
+    return {"format": "dflash", "engine": serve.engine, "num_speculative_tokens": K, "primary": serve.primary}
 
 
 def check_servable(drafter_config) -> None:
@@ -105,7 +108,7 @@ def chain_rows(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tok
     ``ar_cache``: the tree track's autoregressive baselines, keyed ``(temperature, prompt index)``
     (:func:`~exittrain.heldout.decode_eval.evaluate_prompts`), reused and filled at T = 0."""
     from exittrain.decoding import autoregressive_generate
-    from exittrain.serve.chain import ChainDecoder, decode_after_prefill
+    from exittrain.decoding.chain_decoder import ChainDecoder, decode_after_prefill
 
     decoder = ChainDecoder(target, drafter, verifier="greedy")
     rows = []

@@ -36,7 +36,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from exittrain.atomic import fsync_dir, fsync_tree, remove_stale_temps, temp_sibling
-from exittrain.core import TREE_SHAPES
+from exittrain.core import TREE_SHAPES, VERIFIERS
 from exittrain.decoding import SpeculativeDecoder
 from exittrain.lit.heldout_callback import HeldOutBlockLengthCallback
 from exittrain.lit.sharding import drafter_and_target, full_drafter
@@ -170,6 +170,8 @@ class DecodeEvalCallback(Callback):
             raise ValueError(f"max_new_tokens={max_new_tokens!r}: need an int >= 1")
         if not (isinstance(temperature, (int, float)) and temperature >= 0):
             raise ValueError(f"temperature={temperature!r}: need a number >= 0 (0 = greedy)")
+        if verifier not in VERIFIERS:
+            raise ValueError(f"verifier={verifier!r}: use one of {sorted(VERIFIERS)}")
         if shape not in TREE_SHAPES:
             raise ValueError(f"shape={shape!r}: the decode check's draft shape must be one of {TREE_SHAPES}")
         if not callable(prompts):

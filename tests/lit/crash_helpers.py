@@ -69,7 +69,7 @@ def tiny_run_overrides(workdir: Path, cache: Path | None = None) -> list[str]:
         "drafter.block_size=4",
         "drafter.num_layers=1",
         "tree.budget_train=4",
-        "tree.budget_eval=4",
+        "eval.budgets=[4]",  # the decode check decodes at its largest too
         "objective.anchors_per_seq=4",
         "stages.exittrain.anchors_per_seq=4",
     ]
@@ -101,7 +101,6 @@ def fit_command(
         "callbacks.decode_eval.max_new_tokens=4",
         "eval.num_prompts=1",
         "eval.max_new_tokens=4",
-        "eval.budgets=[4]",
         "logger=csv",
         "+trainer.enable_progress_bar=false",
         "+callbacks.record._target_=tests.lit.crash_helpers.StepRecorder",
