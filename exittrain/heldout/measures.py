@@ -183,7 +183,7 @@ def drafter_trees(drafter, target, ids: torch.Tensor, anchors_A: torch.Tensor, b
                   features_TF: torch.Tensor | None = None, *, shape: str = "ddtree"):
     """The (A trees) DraftTree the decoder would build for a round rooted at each anchor of ``ids``:
     ``build_tree(log_softmax(drafter logits), budget)`` (``shape="chain"``: the greedy chain of
-    ``min(budget, K)`` nodes, :class:`~exittrain.serve.chain.ChainDecoder`'s) with the drafter seeing
+    ``min(budget, K)`` nodes, :class:`~exittrain.decoding.chain_decoder.ChainDecoder`'s) with the drafter seeing
     the target features before the anchor; ``features_TF`` (the drafter's own layers) or, when
     None, the fp32 features of one causal target pass."""
     from exittrain.core import shaped_tree

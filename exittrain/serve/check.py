@@ -14,7 +14,7 @@ target's chat template, passed to vLLM as token ids):
    :mod:`exittrain.serve.vllm_worker`: plain greedy decoding, then DFlash speculative decoding
    with ``num_speculative_tokens`` K = block_size - 1 (the block the drafter was trained on);
 4. in this process: the target's own greedy decoding, and our chain decoder
-   (:class:`~exittrain.serve.chain.ChainDecoder`, a chain of budget K with the greedy verifier)
+   (:class:`~exittrain.decoding.chain_decoder.ChainDecoder`, a chain of budget K with the greedy verifier)
    running the same drafter folder twice (``--ours``): read into exittrain's own drafter by
    :func:`~exittrain.models.load_drafter`, and through the ``dflash`` package's module
    (:class:`~exittrain.serve.dflash_reference.ReferenceDFlashDrafter`).
@@ -146,7 +146,7 @@ def _ours(drafter_dir: Path, prompts: list[list[int]], max_tokens: int, K: int, 
     """Our target's greedy decoding, then our chain decoder with each drafter implementation."""
     from exittrain.decoding import autoregressive_generate
     from exittrain.models import load_target
-    from exittrain.serve.chain import ChainDecoder, decode_after_prefill
+    from exittrain.decoding.chain_decoder import ChainDecoder, decode_after_prefill
 
     target = load_target(None)
     start = time.perf_counter()

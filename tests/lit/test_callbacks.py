@@ -40,7 +40,7 @@ def test_decode_eval_matches_the_decoder_and_restores_train_mode(target):
 
 def test_decode_eval_on_the_chain_decodes_what_a_serving_engine_verifies(target):
     """shape=chain (+serve=dflash's tree.shape): the chain decoder's rounds, whatever the budget."""
-    from exittrain.serve.chain import ChainDecoder
+    from exittrain.decoding.chain_decoder import ChainDecoder
 
     module = make_module(target)
     stats = DecodeEvalCallback(PROMPTS, budget=16, max_new_tokens=6, shape="chain").evaluate(module.drafter, target)

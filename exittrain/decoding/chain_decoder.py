@@ -2,7 +2,7 @@
 
 vLLM's and SGLang's DFlash decoding verify one draft per round: the drafter's most likely token
 at each of its K positions, a chain (:func:`exittrain.core.chain_tree`, pure math in core).
-:class:`ChainDecoder` is :class:`~exittrain.decoding.SpeculativeDecoder` with that chain in place
+:class:`ChainDecoder` is :class:`~exittrain.decoding.speculative.SpeculativeDecoder` with that chain in place
 of the best-first tree. Its acceptance length at temperature 0 is the number a serving engine
 reports for the same drafter on the same prompts; at T > 0, with a verifier at T, its expected
 block length is the chain's exit-law tau (docs/algorithm.md section 4.6).
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from exittrain.core import DraftTree, chain_tree
-from exittrain.decoding import SpeculativeDecoder
+from exittrain.decoding.speculative import SpeculativeDecoder
 
 __all__ = ["ChainDecoder", "decode_after_prefill"]
 
