@@ -38,10 +38,10 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from exittrain.atomic import fsync_dir, fsync_tree, remove_stale_temps, temp_sibling
 from exittrain.core import TREE_SHAPES, VERIFIERS
 from exittrain.decoding import SpeculativeDecoder
+from exittrain.decoding.chain_decoder import ChainDecoder
 from exittrain.lit.heldout_callback import HeldOutBlockLengthCallback
 from exittrain.lit.sharding import drafter_and_target, full_drafter
 from exittrain.run_dir import RunDir
-from exittrain.serve.chain import ChainDecoder
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class DecodeEvalCallback(Callback):
             epochs and at fit end).
         budget, max_new_tokens, temperature, verifier: :class:`SpeculativeDecoder` settings.
         shape: ``ddtree`` (the decoder's best-first tree of ``budget`` nodes) or ``chain`` (the
-            drafter's greedy chain of its K tokens, :class:`~exittrain.serve.chain.ChainDecoder`, what
+            drafter's greedy chain of its K tokens, :class:`~exittrain.decoding.chain_decoder.ChainDecoder`, what
             a serving engine verifies; ``budget`` does not apply): ``tree.shape``, so that under
             ``+serve=dflash`` the best checkpoint is the one whose chain decodes longest.
         on_validation: also evaluate at the end of every validation epoch (skipped during the
