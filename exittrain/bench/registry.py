@@ -17,7 +17,7 @@ BENCHES = {
     "rows": "exittrain.bench.row_cost",
     "train": "exittrain.bench.train",
     "ablation": "exittrain.bench.ablation",
-    "memory": "exittrain.bench.memory",
+    "memory": "exittrain.bench.scoring_memory",
     "regen": "exittrain.bench.regen",
     "heldout": "exittrain.bench.heldout",
     "exittrain": "exittrain.bench.exittrain_arms",

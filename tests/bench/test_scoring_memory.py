@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import json
 
-from exittrain.bench import memory as bench_memory
+from exittrain.bench import scoring_memory as bench_memory
 from exittrain.bench.registry import BENCHES
 
 LENGTH, BUDGET, ANCHORS, CHUNK = 256, 64, 32, 4
 
 
 def test_memory_bench_is_registered():
-    assert BENCHES["memory"] == "exittrain.bench.memory"
+    assert BENCHES["memory"] == "exittrain.bench.scoring_memory"
 
 
 def test_grid_is_a_cross_of_budgets_and_lengths_with_and_without_chunks():

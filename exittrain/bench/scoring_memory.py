@@ -172,7 +172,7 @@ def grid(budgets: list[int], lengths: list[int], anchors: int, chunk: int, full:
 
 def _run_point_subprocess(point: dict, settings: dict) -> dict:
     """One CPU point in a fresh interpreter (``--point``); returns its JSON line."""
-    cmd = [sys.executable, "-m", "exittrain.bench.memory", "--point", json.dumps(point)]
+    cmd = [sys.executable, "-m", "exittrain.bench.scoring_memory", "--point", json.dumps(point)]
     cmd += ["--device", "cpu", "--dtype", settings["dtype"]]
     if settings["tiny"]:
         cmd.append("--tiny")
