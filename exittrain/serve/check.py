@@ -145,8 +145,8 @@ def _load_drafter(kind: str, drafter_dir: Path, target):
 def _ours(drafter_dir: Path, prompts: list[list[int]], max_tokens: int, K: int, kinds: list[str]) -> dict:
     """Our target's greedy decoding, then our chain decoder with each drafter implementation."""
     from exittrain.decoding import autoregressive_generate
-    from exittrain.models import load_target
     from exittrain.decoding.chain_decoder import ChainDecoder, decode_after_prefill
+    from exittrain.models import load_target
 
     target = load_target(None)
     start = time.perf_counter()

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from exittrain.decoding import autoregressive_generate
-from exittrain.models import TargetModel
 from exittrain.decoding.chain_decoder import ChainDecoder, decode_after_prefill
+from exittrain.models import TargetModel
 
 pytest.importorskip("dflash", reason="the reference DFlash drafter needs `pip install --no-deps dflash==0.1.0`")
 

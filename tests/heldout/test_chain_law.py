@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from exittrain.decoding.chain_decoder import ChainDecoder
 from exittrain.heldout import measures as hl
 from exittrain.heldout.heldout_law import HeldOutLaw, format_differences
 from exittrain.models import new_drafter
-from exittrain.decoding.chain_decoder import ChainDecoder
 from tests.models.helpers import tiny_target
 
 K = 3  # block size 4

@@ -13,9 +13,9 @@ import torch
 
 from exittrain.core import block_cross_entropy
 from exittrain.data import chat_prompt_ids, load_domain
+from exittrain.decoding.chain_decoder import ChainDecoder
 from exittrain.models import load_target, new_drafter
 from exittrain.models.dflash_format import export_dflash
-from exittrain.decoding.chain_decoder import ChainDecoder
 
 dflash_model = pytest.importorskip("dflash.model", reason="pip install --no-deps dflash==0.1.0 (Makefile setup)")
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
