@@ -27,7 +27,7 @@ def test_all_three_recipes_exist():
 # test_debug_smoke_wins_over_every_recipe composes all three in process
 @pytest.mark.parametrize("recipe", [r if r == "code" else pytest.param(r, marks=pytest.mark.slow) for r in RECIPES])
 def test_recipe_resolves_as_typed_on_the_command_line(recipe):
-    proc = run_cli("fit", f"+recipe={recipe}", "--cfg", "job")
+    proc = run_cli("fit", f"+recipe={recipe}", "--cfg", "job", "--resolve")  # recipe_name is ${data.domain}
     assert proc.returncode == 0, proc.stderr
     cfg = yaml.safe_load(proc.stdout)
     assert cfg["data"]["domain"] == recipe and cfg["recipe_name"] == recipe

@@ -464,6 +464,17 @@ def test_code_defaults_are_the_yaml_values(tiny_dir, tmp_path):
     assert not stale, f"these agree now; remove them from CODE_DEFAULTS_DIFFER: {sorted(stale)}"
 
 
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
+def test_a_recipe_names_its_domain_once(tmp_path, recipe):
+    """A recipe's one choice is its data domain; recipe_name (W&B's group, the report's recipe) follows it."""
+    text = (RECIPES_DIR / f"{recipe}.yaml").read_text()
+    code = "\n".join(line.split("#")[0] for line in text.splitlines())
+    assert code.count(recipe) == 1 and f"override /data: {recipe}" in code
+    for primary in PRIMARIES:
+        cfg = compose_config(primary, f"+recipe={recipe}", *cpu_overrides(primary, tmp_path))
+        assert cfg.data.domain == cfg.recipe_name == recipe
+
+
 def test_serve_dflash_trains_what_the_format_holds(tmp_path):
     """+serve=dflash: no copy branch, no context window, a learned mask shipped under a spare token id,
     ExitTrain on the chain of K = block_size - 1 = the engine's num_speculative_tokens, DFlash primary."""

@@ -49,13 +49,13 @@ def _hydra_recipe(path: Path) -> str | None:
     if not cfg.is_file():
         return None
     try:
-        import yaml
+        from omegaconf import OmegaConf
 
-        data = yaml.safe_load(cfg.read_text(encoding="utf-8"))
+        # resolved: recipe_name is ${data.domain} in the configs (an older run's is the name itself)
+        name = OmegaConf.select(OmegaConf.load(cfg), "recipe_name", default=None)
     except Exception as err:  # noqa: BLE001 - an unreadable Hydra config only loses the recipe name
         log.warning("could not read %s (%s); recipe name falls back to the eval label or folder name", cfg, err)
         return None
-    name = data.get("recipe_name") if isinstance(data, dict) else None
     return str(name) if name else None
 
 

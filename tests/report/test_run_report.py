@@ -222,3 +222,16 @@ def test_the_serving_track_and_the_cheap_curve_reach_the_report(tmp_path, monkey
     chain = drawn["exittrain greedy chain (fixed val rows)"]
     assert [p["step"] for p in chain] == [35.0, 40.0, 45.0, 50.0, 55.0, 60.0]  # after pretrain's 30 steps
     assert len(drawn["warm_start greedy tree (fixed val rows)"]) == 6 and "warm_start" in drawn
+
+
+def test_an_eval_run_takes_its_recipe_from_the_saved_hydra_config(tmp_path):
+    """recipe_name is ${data.domain} in the configs: the saved, unresolved .hydra/config.yaml resolves it;
+    an older run's plain name reads as it is."""
+    from exittrain.report.run_loading import load_run
+
+    for saved, expected in [("recipe_name: ${data.domain}\ndata:\n  domain: dialogue\n", "dialogue"),
+                            ("recipe_name: math\n", "math")]:
+        run_dir = make_eval_run(tmp_path / expected, recipe="rows")
+        (run_dir / ".hydra").mkdir()
+        (run_dir / ".hydra" / "config.yaml").write_text(saved)
+        assert load_run(run_dir).recipe == expected
