@@ -1,7 +1,7 @@
 """The frozen target model: loading, tree scoring, cache compaction, drafter features.
 
 docs/algorithm.md section 3. The target is a Hugging Face causal LM (Llama, Mistral, Phi-3, Qwen2,
-Qwen3, Qwen3-MoE, Gemma 3, ...: README.md "Model families tested" lists what is tested and what is
+Qwen3, Qwen3-MoE, Gemma 3, ...: docs/models.md lists what is tested and what is
 refused) wrapped in :class:`TargetModel`, which never trains: its
 parameters have ``requires_grad=False``, it stays in eval mode, and every method runs under
 ``torch.no_grad()``.

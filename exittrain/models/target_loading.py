@@ -269,7 +269,7 @@ def load_target(
     only with ``trust_remote_code=True``. ``name`` overrides the target's name (default: the
     embedded name, or ``name_or_path`` as given), which drafters record for pairing. The model
     families whose tree scoring is tested equal to their sequential forward, and those refused,
-    are listed in README.md ("Model families tested"); :class:`TargetModel` refuses the others'
+    are listed in docs/models.md; :class:`TargetModel` refuses the others'
     unsupported attention at load time.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
