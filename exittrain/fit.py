@@ -62,8 +62,8 @@ from exittrain.lit.run_logging import close_logger, global_rank, log_table, make
 from exittrain.lit.train_steps import scalar_metrics, train_steps
 from exittrain.models.dflash_format import load_dflash
 from exittrain.run_dir import STAGE_LABELS, RunDir, write_json_atomic
-from exittrain.serve.interpreter import default_vllm_python
 from exittrain.settings import check_fit_config
+from exittrain.vllm_interpreter import default_vllm_python
 
 __all__ = ["fit", "FitRun", "setup_run", "train_stage", "evaluate_held_out", "finish_run"]
 

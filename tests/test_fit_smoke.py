@@ -22,7 +22,7 @@ from hydra.utils import instantiate
 from safetensors.torch import load_file
 
 from exittrain.configs import CONF_DIR, register_recipes
-from exittrain.serve.interpreter import default_vllm_python
+from exittrain.vllm_interpreter import default_vllm_python
 from tests.test_packaging import REPO, copy_sources
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]

@@ -413,7 +413,7 @@ def parse_args(argv=None):
         parser.error(f"--warm-start {args.warm_start} is not a saved drafter folder (no config.json): pass "
                      "RUN_DIR/warmstart_drafter of a fit, or omit it to train one here")
     if args.vllm:
-        from exittrain.serve.interpreter import default_vllm_python
+        from exittrain.vllm_interpreter import default_vllm_python
 
         args.vllm_python = args.vllm_python or default_vllm_python()
         if not Path(args.vllm_python).is_file():

@@ -140,7 +140,7 @@ def to_markdown(result: dict) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from exittrain.serve.interpreter import default_vllm_python
+    from exittrain.vllm_interpreter import default_vllm_python
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("drafters", nargs="+", help="DFlash folders or saved exittrain drafters (the first: reference)")

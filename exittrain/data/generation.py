@@ -88,7 +88,7 @@ class GenerationConfig:
             ``http://host:8000``); None starts the offline engine. Not part of the key (where the
             engine runs does not change the answers; its version does).
         engine_python: the interpreter of the environment vLLM is installed in; None:
-            :func:`exittrain.serve.interpreter.default_vllm_python` (``$EXITTRAIN_VLLM_PYTHON``,
+            :func:`exittrain.vllm_interpreter.default_vllm_python` (``$EXITTRAIN_VLLM_PYTHON``,
             else the checkout's ``.venv-vllm``, which ``make vllm-setup`` builds). Not part of the key.
         engine_version: the answering engine's version, filled in when the run resolves the
             backend (:func:`exittrain.data.vllm_backend.resolve_engine`); part of the key.

@@ -4,7 +4,7 @@
 Face ``generate`` (:func:`exittrain.data.generation.generate_batch`). Two engines, one contract:
 
 - **offline** (``server_url`` None): one persistent worker process for the whole run,
-  ``gen.engine_python`` running :mod:`exittrain.serve.vllm_answer_worker` (vLLM pins an older
+  ``gen.engine_python`` running :mod:`exittrain.data.vllm_answer_worker` (vLLM pins an older
   transformers than exittrain, so it has its own venv: ``make vllm-setup``). Batches travel as JSON
   lines over two dedicated pipes; vLLM's logs go to a log file whose tail any failure carries.
 - **server** (``server_url``): the OpenAI-compatible ``/v1/completions`` endpoint of ``vllm serve``
@@ -49,11 +49,11 @@ from typing import Any
 
 from exittrain.data.generation import GENERATION_DTYPES, Answer, GenerationConfig
 from exittrain.data.vllm_outputs import cut_short, make_answer
-from exittrain.serve.interpreter import default_vllm_python
+from exittrain.vllm_interpreter import default_vllm_python
 
 # Shapes: r = response length, k = top log-probabilities kept per response position.
 
-WORKER = Path(__file__).resolve().parents[1] / "serve" / "vllm_answer_worker.py"
+WORKER = Path(__file__).with_name("vllm_answer_worker.py")
 SETUP_HINT = (
     "run `make vllm-setup` (builds .venv-vllm), or set data.generation.engine_python to the python of an "
     "environment with vLLM, or data.generation.server_url=http://HOST:PORT for a running `vllm serve`"
@@ -316,7 +316,7 @@ def kv_cache_bytes(model_config: Any, dtype: str, tokens: int) -> int | None:
 
 
 class OfflineAnswerer(Answerer):
-    """vLLM's offline engine in one persistent worker process (:mod:`exittrain.serve.vllm_answer_worker`).
+    """vLLM's offline engine in one persistent worker process (:mod:`exittrain.data.vllm_answer_worker`).
 
     Starts the worker and waits for its engine (~30 s on a CPU). A worker that dies, or answers
     nothing within ``timeout_s``, raises RuntimeError carrying the tail of its log. The worker runs

@@ -5,7 +5,6 @@
 - :mod:`exittrain.serve.vllm_worker`: the script the orchestrator runs under ``.venv-vllm``'s
   interpreter (standard library and vLLM only).
 - :mod:`exittrain.serve.compare`: parsing vLLM's metrics, comparing outputs, the table.
-- :mod:`exittrain.serve.interpreter`: where vLLM's interpreter is, for every caller.
 - :mod:`exittrain.serve.dflash_reference`: DFlash-format folders through the ``dflash`` package.
 
 Nothing here is imported by ``import exittrain``; the package imports no vLLM.

@@ -41,7 +41,7 @@ import sys
 import time
 from pathlib import Path
 
-from exittrain.serve.interpreter import default_vllm_python
+from exittrain.vllm_interpreter import default_vllm_python
 
 __all__ = ["WORKER", "check_args", "main", "parse_args", "run", "run_vllm", "run_worker"]
 

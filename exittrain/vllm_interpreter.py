@@ -14,4 +14,4 @@ def default_vllm_python() -> str:
     vllm-setup``), found from this file so that neither the working directory nor Hydra's run
     directory matters. Not resolved: a venv's python is a symlink whose target loses the venv."""
     env = os.environ.get("EXITTRAIN_VLLM_PYTHON")
-    return env or str(Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python")
+    return env or str(Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python")

@@ -1,6 +1,6 @@
 """vLLM's offline engine answering batches for the regeneration, run by the ``.venv-vllm`` interpreter.
 
-``.venv-vllm/bin/python exittrain/serve/vllm_answer_worker.py REQUEST_FD RESPONSE_FD ENGINE_JSON``
+``.venv-vllm/bin/python exittrain/data/vllm_answer_worker.py REQUEST_FD RESPONSE_FD ENGINE_JSON``
 
 vLLM pins an older transformers than exittrain, so it lives in its own virtual environment and
 this file runs there as a plain script: it imports the standard library and vLLM only, never
