@@ -75,9 +75,10 @@ def config_options(conf_dir: Path = CONF_DIR, recipes_dir: Path = RECIPES_DIR) -
     return options + [("recipe", path.stem) for path in sorted(recipes_dir.glob("*.yaml"))]
 
 
-# Groups no primary lists in its defaults, added with ``+group=option``: the recipes (every primary) and
-# conf/serve (``+serve=dflash``: fit only, it sets the drafter and the tree, which eval has no group for).
-APPENDED = {"fit": {"recipe", "serve"}, "eval": {"recipe"}}
+# Groups no primary lists in its defaults, added with ``+group=option``: the recipes (every primary),
+# conf/serve (``+serve=dflash``: fit only, it sets the drafter and the tree, which eval has no group for)
+# and conf/experiment (``+experiment=NAME``, fit's full-scale presets: a target, a trainer and their sizes).
+APPENDED = {"fit": {"recipe", "serve", "experiment"}, "eval": {"recipe"}}
 
 
 def primary_groups(primary: str, conf_dir: Path = CONF_DIR) -> set[str]:
@@ -261,7 +262,9 @@ def test_files_with_mandatory_values_are_filled_by_the_tests(tiny_dir, tmp_path)
         if group == "recipe":
             continue
         cfg = compose_config("fit", selection(group, option), *cpu_overrides("fit", tmp_path))
-        missing = [k for k in OmegaConf.missing_keys(cfg) if k.split(".")[0] == group]
+        node = cfg.get(group)  # None for a _global_ group (debug, experiment): deltas of the others
+        missing = sorted(OmegaConf.missing_keys(node)) if node is not None else []  # not cfg's: recipe_name
+        # follows data.domain, so a missing domain would fail resolving logger.group first
         assert bool(missing) == ((group, option) in REQUIRED), (group, option, missing)
 
 
@@ -473,6 +476,40 @@ def test_a_recipe_names_its_domain_once(tmp_path, recipe):
     for primary in PRIMARIES:
         cfg = compose_config(primary, f"+recipe={recipe}", *cpu_overrides(primary, tmp_path))
         assert cfg.data.domain == cfg.recipe_name == recipe
+
+
+# conf/experiment/NAME: (target, trainer strategy); every preset adds shared/full_scale.yaml's sizes
+EXPERIMENTS = {
+    "qwen3_8b_ddp": ("Qwen/Qwen3-8B", "ddp"),
+    "qwen3_8b_fsdp": ("Qwen/Qwen3-8B", "exittrain.lit.DrafterFSDPStrategy"),
+    "llama31_8b_ddp": ("meta-llama/Llama-3.1-8B-Instruct", "ddp"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPERIMENTS))
+def test_full_scale_presets_set_what_the_command_line_did(tmp_path, name):
+    """``+recipe=code +experiment=NAME`` composes the target, the trainer and the full-scale keys that
+    the README's and docs/multi_gpu.md's commands set as about ten overrides; the plan (no weights) sizes it."""
+    from exittrain.plan import make_plan
+
+    assert {p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")} == set(EXPERIMENTS)
+    cfg = compose_config("fit", "+recipe=code", f"+experiment={name}", f"paths.output_dir={tmp_path}")
+    name_or_path, strategy = EXPERIMENTS[name]
+    assert cfg.target.name_or_path == name_or_path and cfg.target.device == "auto"
+    assert (cfg.trainer.strategy if strategy == "ddp" else cfg.trainer.strategy._target_) == strategy
+    assert cfg.trainer.accelerator == "gpu" and cfg.trainer.devices == 8 and cfg.trainer.num_nodes == 1
+    assert cfg.data.domain == cfg.recipe_name == "code"
+    assert list(cfg.data.train_sources) == ["hf:HuggingFaceH4/ultrachat_200k:train_sft:prompt"]
+    assert (cfg.data.max_train_prompts, cfg.data.max_length, cfg.data.batch_size) == (200000, 3072, 8)
+    assert cfg.data.generation.max_new_tokens == 4096
+    assert cfg.drafter.block_size == 16 and cfg.objective.feature_cache is False
+    assert cfg.objective.budget == cfg.tree.budget_train == 32
+    assert list(cfg.eval.budgets) == [64] and cfg.callbacks.decode_eval.budget == 64
+    assert [cfg.stages[s].max_steps for s in STAGES] == [20000, 10000]
+    assert [settings.stage_module_args(cfg, s)["anchors_per_seq"] for s in STAGES] == [32, 32]
+    assert settings.check_fit_config(cfg).stages == list(STAGES)
+    plan = make_plan(["+recipe=code", f"+experiment={name}", f"paths.output_dir={tmp_path}"], device_memory="80GiB")
+    assert plan.world["world_size"] == 8 and plan.verdict == "fits"  # docs/multi_gpu.md: 8 x 80 GiB
 
 
 def test_serve_dflash_trains_what_the_format_holds(tmp_path):
