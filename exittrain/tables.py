@@ -3,14 +3,18 @@
 :func:`markdown_table` takes a header and rows of cells and returns the lines of a GitHub
 markdown table; :func:`cell` formats one value, with ``-`` for a missing one. The report, the
 held-out tables and every benchmark's ``to_markdown`` build their tables with these two.
+:func:`write_results` writes a result and its table as ``<out>.json`` and ``<out>.md`` (every
+benchmark and the serving check).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
-__all__ = ["markdown_table", "cell", "paired_cell"]
+__all__ = ["markdown_table", "cell", "paired_cell", "write_results"]
 
 MISSING = "-"
 
@@ -43,3 +47,12 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list
             raise ValueError(f"table row {i} has {len(row)} cells for {width} columns: {row!r}")
         lines.append("| " + " | ".join(map(str, row)) + " |")
     return lines
+
+
+def write_results(out: str, result: dict, markdown: str) -> None:
+    """Write ``<out>.json`` and ``<out>.md`` (creating the folder) and print the table."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    path.with_suffix(".md").write_text(markdown)
+    print(markdown)

@@ -468,7 +468,7 @@ def main(argv=None) -> None:
         settings = replace(settings, verifier_domain=settings.domains[0])
     out = Path(args.out)
     result = run(settings, out)
-    from exittrain.bench.registry import write_results
+    from exittrain.tables import write_results
 
     write_results(str(out / "ablation"), result, to_markdown(result))
 

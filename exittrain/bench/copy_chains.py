@@ -25,8 +25,8 @@ import statistics
 
 import torch
 
-from exittrain.bench.registry import write_results
 from exittrain.core.copy_tail import copy_chain
+from exittrain.tables import write_results
 
 RULES = ("latest", "earliest", "both", "prompt lookup")
 COPY_NGRAMS = (3, 2)  # the decoder's copy_ngrams default

@@ -22,10 +22,9 @@ import time
 
 import torch
 
-from exittrain.bench.registry import write_results
 from exittrain.core import build_tree, build_tree_reference, exit_law, exit_law_reference
 from exittrain.core.verify import verify_predraw, verify_sequential, verify_tev
-from exittrain.tables import markdown_table
+from exittrain.tables import markdown_table, write_results
 
 
 def median_seconds(fn, repeats: int, warmup: int = 1, sync=lambda: None) -> float:

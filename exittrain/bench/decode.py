@@ -64,14 +64,13 @@ import time
 import torch
 
 from exittrain import progress as progress_log
-from exittrain.bench.registry import write_results
 from exittrain.decoding import ROUND_PARTS, DecodeSetting, SpeculativeDecoder, auto_decoder
 from exittrain.decoding.draft_vocab import load_draft_vocabulary, load_token_counts
 from exittrain.decoding.drafter_context import drafter_context
 from exittrain.decoding.speculative import rounds_by_kind
 from exittrain.models.packed_linears import unpacked
 from exittrain.models.row_matmul import layout_choices, linear_only
-from exittrain.tables import markdown_table
+from exittrain.tables import markdown_table, write_results
 
 
 def host() -> dict:

@@ -43,7 +43,6 @@ import logging
 import torch
 
 from exittrain import progress as progress_log
-from exittrain.bench.registry import write_results
 from exittrain.heldout.measures import (
     analytic_block_lengths,
     answer_rows,
@@ -52,7 +51,7 @@ from exittrain.heldout.measures import (
     paired_difference,
     summary,
 )
-from exittrain.tables import markdown_table, paired_cell
+from exittrain.tables import markdown_table, paired_cell, write_results
 
 __all__ = ["answer_with_features", "chain_table", "greedy_block_lengths", "greedy_block_lengths_by_budget",
            "paired_difference", "run", "to_markdown", "main"]

@@ -33,8 +33,7 @@ import time
 
 import torch
 
-from exittrain.bench.registry import write_results
-from exittrain.tables import markdown_table
+from exittrain.tables import markdown_table, write_results
 
 
 def run(prompts: int, max_new_tokens: int, batch: int, domain: str) -> dict:

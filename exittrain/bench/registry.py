@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import sys
-from pathlib import Path
 
 from exittrain.host_memory import keep_freed_host_memory
 
@@ -23,15 +21,6 @@ BENCHES = {
     "exittrain": "exittrain.bench.exittrain_arms",
     "vllm": "exittrain.bench.vllm_acceptance",
 }
-
-
-def write_results(out: str, result: dict, markdown: str) -> None:
-    """Write ``<out>.json`` and ``<out>.md`` (creating the folder) and print the table."""
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    path.with_suffix(".md").write_text(markdown)
-    print(markdown)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -35,9 +35,9 @@ import time
 
 import torch
 
-from exittrain.bench.registry import write_results
 from exittrain.core.copy_tail import copy_only_tree
 from exittrain.models.grouped_attention import repeated_keys
+from exittrain.tables import write_results
 from exittrain.models.packed_linears import unpacked
 
 DEFAULT_ROWS = (1, 2, 3, 4, 6, 8, 11, 17)

@@ -48,8 +48,7 @@ from pathlib import Path
 
 import torch
 
-from exittrain.bench.registry import write_results
-from exittrain.tables import markdown_table
+from exittrain.tables import markdown_table, write_results
 
 DEPTH = 7  # K, the tree depth: drafted tokens per block (block_size 8, the drafter default)
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4)

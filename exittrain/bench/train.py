@@ -18,9 +18,8 @@ import statistics
 
 import torch
 
-from exittrain.bench.registry import write_results
 from exittrain.objective import OBJECTIVE_PARTS
-from exittrain.tables import markdown_table
+from exittrain.tables import markdown_table, write_results
 
 PARTS = (*OBJECTIVE_PARTS, "backward")  # where a step's time goes
 

@@ -11,7 +11,7 @@ as ``fit`` exports it (a drafter the format cannot hold is refused with the reas
 prompts ``skip .. skip + prompts`` (``fit``'s table decodes the first ``eval.num_prompts`` = 16:
 ``--skip 0 --prompts 16 --max-new-tokens 64`` are its prompts) greedily in vLLM, in fp32, one
 prompt at a time: once without speculation, then once per drafter with DFlash speculation of K =
-``block_size - 1`` tokens (:func:`exittrain.serve.check.run_vllm`, each run a fresh worker of
+``block_size - 1`` tokens (:func:`exittrain.serve.vllm_run.run_vllm`, each run a fresh worker of
 ``.venv-vllm``). vLLM's counters after each prompt give that prompt's drafts and accepted tokens.
 
 **What it reports,** per drafter: vLLM's mean acceptance length ``1 + accepted / drafts`` pooled
@@ -33,8 +33,7 @@ import logging
 import time
 from pathlib import Path
 
-from exittrain.bench.registry import write_results
-from exittrain.tables import markdown_table, paired_cell
+from exittrain.tables import markdown_table, paired_cell, write_results
 
 __all__ = ["dflash_folder", "main", "measure_vllm", "parse_args", "run", "to_markdown"]
 
@@ -70,8 +69,8 @@ def measure_vllm(vllm_python: str, target_dir: str, dflash_dirs: dict[str, Path]
     Returns ``{"drafters": {label: {"tau", "ci95", "vs_first", "lossless", "prompts_equal", "K",
     "per_prompt", "seconds"}}, "plain_s", "vllm_version"}``.
     """
-    from exittrain.serve.check import run_vllm
     from exittrain.serve.compare import acceptance_interval, paired_acceptance
+    from exittrain.serve.vllm_run import run_vllm
 
     out, plain, first = {}, None, None
     version = None

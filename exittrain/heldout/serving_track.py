@@ -13,7 +13,7 @@ recipe's budget. For every drafter row of the table this module adds:
   called by :func:`exittrain.fit.evaluate_held_out`);
 - ``vllm`` (the exported drafter's row only, ``eval.vllm``): vLLM's mean acceptance length with
   the DFlash export on the same prompts, and whether vLLM's greedy outputs with speculation equal
-  its outputs without (:func:`vllm_track`, through :func:`exittrain.serve.check.run_vllm`).
+  its outputs without (:func:`vllm_track`, through :func:`exittrain.serve.vllm_run.run_vllm`).
 
 ``+serve=dflash`` (conf/serve/dflash.yaml) is checked by :func:`check_serve_config`.
 
@@ -163,13 +163,13 @@ def vllm_track(vllm_python: str | os.PathLike, target_dir: str, drafter_dir: str
                timeout: float = 1800.0, max_model_len: int = 2048) -> dict:
     """vLLM with the DFlash drafter in ``drafter_dir`` on ``prompts`` (token ids): ``{vllm_tau,
     vllm_ci95, vllm_per_prompt, vllm_matches_plain, vllm_version, drafts, prompts_equal, prompts}``
-    (see :func:`exittrain.serve.check.run_vllm`, run one prompt at a time: ``vllm_per_prompt`` holds
+    (see :func:`exittrain.serve.vllm_run.run_vllm`, run one prompt at a time: ``vllm_per_prompt`` holds
     each prompt's drafts and accepted tokens, ``vllm_ci95`` the interval over prompts, and two
     drafters' tables on the same prompts pair with :func:`exittrain.serve.compare.paired_acceptance`).
     ``max_model_len``: vLLM's context, at most the target's ``max_position_embeddings`` (vLLM refuses
     more). A mismatch of speculative and plain outputs is logged as an error."""
-    from exittrain.serve.check import run_vllm
     from exittrain.serve.compare import acceptance_interval
+    from exittrain.serve.vllm_run import run_vllm
 
     result = run_vllm(vllm_python, target_dir, drafter_dir, [list(p) for p in prompts], max_tokens=max_new_tokens,
                       workdir=workdir, timeout=timeout, max_model_len=max_model_len, per_prompt=True)

@@ -10,8 +10,8 @@ target's chat template, passed to vLLM as token ids):
    (:func:`~exittrain.models.target.convert_embedded_target`);
 2. take the drafter folder, or write a random-weight DFlash drafter for that target into the
    output folder (:func:`~exittrain.serve.dflash_reference.write_random_dflash_drafter`);
-3. run vLLM twice in ``.venv-vllm``, each a fresh subprocess of
-   :mod:`exittrain.serve.vllm_worker`: plain greedy decoding, then DFlash speculative decoding
+3. run vLLM twice in ``.venv-vllm`` (:func:`~exittrain.serve.vllm_run.run_vllm`), each a fresh
+   subprocess of :mod:`exittrain.serve.vllm_worker`: plain greedy decoding, then DFlash speculative decoding
    with ``num_speculative_tokens`` K = block_size - 1 (the block the drafter was trained on);
 4. in this process: the target's own greedy decoding, and our chain decoder
    (:class:`~exittrain.decoding.chain_decoder.ChainDecoder`, a chain of budget K with the greedy verifier)
@@ -34,21 +34,18 @@ ours against vLLM rather than hiding it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from exittrain.serve.vllm_run import VLLM_SETUP, run_vllm
 from exittrain.vllm_interpreter import default_vllm_python
 
-__all__ = ["WORKER", "check_args", "main", "parse_args", "run", "run_vllm", "run_worker"]
+__all__ = ["check_args", "main", "parse_args", "run"]
 
-WORKER = Path(__file__).with_name("vllm_worker.py")
 # exittrain: our BlockDrafter reading the DFlash folder; reference: the dflash package's module
 OURS = ("exittrain", "reference")
-_SETUP = "make vllm-setup"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -81,7 +78,7 @@ def check_args(args: argparse.Namespace) -> None:
     """Validate the arguments before any model loads; ``ValueError`` names the flag and the fix."""
     python = Path(args.vllm_python)
     if not (python.is_file() and os.access(python, os.X_OK)):
-        raise ValueError(f"--vllm-python {python}: no such interpreter; build the vLLM venv with `{_SETUP}`")
+        raise ValueError(f"--vllm-python {python}: no such interpreter; build the vLLM venv with `{VLLM_SETUP}`")
     if not isinstance(args.prompts, int) or args.prompts < 1:
         raise ValueError(f"--prompts {args.prompts}: need at least 1 prompt")
     if not isinstance(args.max_tokens, int) or args.max_tokens < 2:
@@ -96,30 +93,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--timeout {args.timeout}: need a positive number of seconds")
     if args.drafter is not None and not Path(args.drafter, "config.json").is_file():
         raise ValueError(f"--drafter {args.drafter}: no config.json there; pass a DFlash-format drafter folder")
-
-
-def run_worker(vllm_python: str, request: dict, workdir: Path, name: str, timeout: float) -> dict:
-    """Run :mod:`exittrain.serve.vllm_worker` on ``request`` in a fresh process; its result dict.
-
-    The worker's output goes to ``workdir/<name>.log``; a failure raises ``RuntimeError`` with
-    the log's tail.
-    """
-    workdir.mkdir(parents=True, exist_ok=True)
-    req, res, log = workdir / f"{name}_request.json", workdir / f"{name}_result.json", workdir / f"{name}.log"
-    req.write_text(json.dumps(request))
-    res.unlink(missing_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    # absolute, not resolved: a venv's python is a symlink whose target would lose the venv
-    python = os.path.abspath(vllm_python)
-    with open(log, "w") as out:
-        proc = subprocess.run(
-            [python, str(WORKER), str(req), str(res)],
-            stdout=out, stderr=subprocess.STDOUT, cwd=workdir, env=env, timeout=timeout, check=False,
-        )
-    if proc.returncode != 0 or not res.is_file():
-        tail = log.read_text(errors="replace").splitlines()[-25:]
-        raise RuntimeError(f"vLLM {name} run failed (exit {proc.returncode}); {log} ends with:\n" + "\n".join(tail))
-    return json.loads(res.read_text())
 
 
 def _host() -> dict:
@@ -166,79 +139,6 @@ def _ours(drafter_dir: Path, prompts: list[list[int]], max_tokens: int, K: int, 
             accepts.append([r.accept_length for r in rounds])
         result["runs"][kind] = {"chain": chain, "accept_lengths": accepts, "seconds": time.perf_counter() - start}
     return result
-
-
-def run_vllm(
-    vllm_python: str | os.PathLike,
-    target_dir: str | os.PathLike,
-    drafter_dir: str | os.PathLike,
-    prompts: list[list[int]],
-    *,
-    max_tokens: int,
-    workdir: Path,
-    timeout: float = 1800.0,
-    num_speculative_tokens: int | None = None,
-    max_model_len: int = 2048,
-    memory_fraction: float = 0.5,
-    kv_cache_gib: float = 1.0,
-    per_prompt: bool = False,
-    plain: dict | None = None,
-) -> dict:
-    """vLLM's greedy decoding of ``prompts`` (token ids) twice, plain and with the DFlash drafter in
-    ``drafter_dir``, each in a fresh ``vllm_python`` worker process (what ``fit``'s finish calls).
-
-    K (``num_speculative_tokens``) defaults to the drafter's ``block_size - 1``; another K raises
-    ValueError (vLLM would draft a block the drafter never saw). Returns ``plain`` and ``dflash``
-    (the workers' results), ``agreement`` (:func:`~exittrain.serve.compare.compare_outputs` of the
-    two: ``equal`` is the check that speculation changed no output), ``acceptance``
-    (:func:`~exittrain.serve.compare.acceptance_from_metrics`: ``mean_acceptance_length``),
-    ``num_speculative_tokens`` and ``vllm_version``. Worker logs go to ``workdir``.
-
-    ``per_prompt``: both runs generate one prompt at a time (batches of one, so plain and
-    speculative decoding see the same batch shapes), and the result adds ``per_prompt`` (each
-    prompt's drafts and accepted tokens, :func:`~exittrain.serve.compare.per_prompt_counts`), from
-    which intervals and paired differences follow. ``plain``: the ``plain`` of an earlier call on
-    the same prompts, target and settings, reused instead of a second plain run (comparing several
-    drafters needs one).
-    """
-    from exittrain.serve.compare import acceptance_from_metrics, compare_outputs, per_prompt_counts
-    from exittrain.serve.dflash_reference import read_dflash_config
-
-    python = Path(vllm_python)
-    if not (python.is_file() and os.access(python, os.X_OK)):
-        raise ValueError(f"vLLM interpreter {python}: no such executable; build the vLLM venv with `{_SETUP}`")
-    block_k = int(read_dflash_config(Path(drafter_dir))["block_size"]) - 1
-    K = block_k if num_speculative_tokens is None else int(num_speculative_tokens)
-    if K != block_k:
-        raise ValueError(
-            f"num_speculative_tokens={K}: the drafter's block holds K = {block_k}; vLLM drafts a block of root + K "
-            "masks, so another K runs a block the drafter never saw"
-        )
-    if not prompts:
-        raise ValueError("no prompts for vLLM: pass at least one list of token ids")
-    request = {
-        "target": str(target_dir), "prompts": [list(p) for p in prompts], "max_tokens": int(max_tokens),
-        "max_model_len": max_model_len, "memory_fraction": memory_fraction, "dtype": "float32",
-        "kv_cache_gib": kv_cache_gib or None, "per_prompt": bool(per_prompt),
-    }
-    workdir = Path(workdir)
-    if plain is None:
-        plain = run_worker(str(python), {**request, "drafter": None}, workdir, "vllm_plain", timeout)
-    elif len(plain["outputs"]) != len(prompts):
-        raise ValueError(f"the reused plain run answered {len(plain['outputs'])} prompts, not these {len(prompts)}")
-    spec = run_worker(
-        str(python), {**request, "drafter": str(Path(drafter_dir).resolve()), "num_speculative_tokens": K},
-        workdir, "vllm_dflash", timeout,
-    )
-    return {
-        "plain": plain,
-        "dflash": spec,
-        "agreement": compare_outputs(plain["outputs"], spec["outputs"]),
-        "acceptance": acceptance_from_metrics(spec["metrics"]),
-        "num_speculative_tokens": K,
-        "vllm_version": spec["vllm_version"],
-        **({"per_prompt": per_prompt_counts(spec["metrics_after_prompt"])} if per_prompt else {}),
-    }
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -308,8 +208,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from exittrain.bench.registry import write_results
     from exittrain.serve.compare import to_markdown
+    from exittrain.tables import write_results
 
     args = parse_args(argv)
     result = run(args)

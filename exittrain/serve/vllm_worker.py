@@ -4,7 +4,7 @@
 
 vLLM pins an older transformers than exittrain, so it lives in its own virtual environment and
 this file runs there as a plain script: it imports the standard library and vLLM only, never
-``exittrain`` (whose stack that venv lacks). :mod:`exittrain.serve.check` writes the request,
+``exittrain`` (whose stack that venv lacks). :mod:`exittrain.serve.vllm_run` writes the request,
 starts this script once per mode and reads the result.
 
 Request (JSON object): ``target`` (HF folder), ``drafter`` (DFlash-format folder, or null for
@@ -43,7 +43,7 @@ def _read_request(path: str) -> dict:
         raise ValueError(f"{path}: the request must be a JSON object")
     missing = [k for k in REQUIRED if k not in request]
     if missing:
-        raise ValueError(f"{path}: request lacks {missing}; exittrain.serve.check writes all of {list(REQUIRED)}")
+        raise ValueError(f"{path}: request lacks {missing}; exittrain.serve.vllm_run writes all of {list(REQUIRED)}")
     if request["drafter"] is not None and not isinstance(request.get("num_speculative_tokens"), int):
         raise ValueError(f"{path}: a request with a drafter needs an integer num_speculative_tokens")
     return request

@@ -12,6 +12,7 @@ import json
 
 from exittrain.bench import scoring_memory as bench_memory
 from exittrain.bench.registry import BENCHES
+from exittrain.tables import write_results
 
 LENGTH, BUDGET, ANCHORS, CHUNK = 256, 64, 32, 4
 
@@ -42,6 +43,6 @@ def test_chunked_scoring_has_a_lower_peak(tmp_path):
     assert chunked["peak_mb"] < 0.5 * full["peak_mb"], (chunked, full)
     assert full["logits_mb"] == chunked["logits_mb"] == rows * bench_memory.TINY["vocab_size"] * 4 / 2**20
 
-    bench_memory.write_results(str(tmp_path / "mem"), result, bench_memory.to_markdown(result))
+    write_results(str(tmp_path / "mem"), result, bench_memory.to_markdown(result))
     assert json.loads((tmp_path / "mem.json").read_text())["rows"][1]["chunk"] == CHUNK
     assert "| 256 | 64 | 32 | all | 2080 |" in (tmp_path / "mem.md").read_text()

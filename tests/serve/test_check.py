@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from exittrain.serve.check import WORKER, parse_args, run_worker
+from exittrain.serve.check import parse_args
 from exittrain.serve.dflash_reference import read_dflash_config
+from exittrain.serve.vllm_run import WORKER, run_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("EXITTRAIN_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
@@ -128,7 +129,7 @@ def test_serve_check_end_to_end(tmp_path):
 def test_run_vllm_checks_before_starting_vllm(tmp_path):
     """What fit's finish calls: a missing interpreter, another K than the drafter's block and no prompts
     are refused before any worker starts."""
-    from exittrain.serve.check import run_vllm
+    from exittrain.serve.vllm_run import run_vllm
 
     drafter = tmp_path / "drafter_dflash"
     drafter.mkdir()
