@@ -366,7 +366,7 @@ def load_domain(
     """Training and evaluation prompts of a domain, with overlaps removed from the training side.
 
     ``train`` / ``eval`` override the domain's defaults (:data:`DOMAIN_SOURCES`, the lists of its data
-    config); with both given, ``domain`` is only a label and no data config is read. Keyword
+    config); with both given, ``domain`` is only a label. Keyword
     arguments go to :func:`load_prompts`.
     """
     train_specs, eval_specs = train, eval
