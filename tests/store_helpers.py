@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from exittrain.data.feature_store import RowLayout, token_fingerprint
-from exittrain.data.regenerate import features_file, top_logprobs_file
+from exittrain.data.regen_cache import features_file, top_logprobs_file
 
 
 def synthetic_rows(n: int, *, seed: int = 0, vocab: int = 64, min_len: int = 12, max_len: int = 20):

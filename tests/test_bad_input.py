@@ -28,7 +28,9 @@ from exittrain.configs import CONF_DIR, RECIPES_DIR, register_recipes
 from exittrain.core import build_tree
 from exittrain.data import chat_prompt_ids
 from exittrain.data.datamodule import ExitTrainDataModule
-from exittrain.data.regenerate import GenerationConfig, cache_path, read_meta, regenerate
+from exittrain.data.generation import GenerationConfig
+from exittrain.data.regen_cache import cache_path, read_meta
+from exittrain.data.regenerate import regenerate
 from exittrain.data.sources import load_domain, load_prompts
 from exittrain.evaluate import run_eval
 from exittrain.lit import ExitTrainModule
@@ -639,7 +641,7 @@ def test_saved_drafter_with_a_bad_config_json_names_the_file_and_the_fix(tmp_pat
 def test_corrupt_cache_tensors_name_the_file_and_say_to_delete_the_entry(tmp_path, kind):
     from safetensors.torch import save_file
 
-    from exittrain.data.regenerate import features_file, load_features, load_top_logprobs, top_logprobs_file
+    from exittrain.data.regen_cache import features_file, load_features, load_top_logprobs, top_logprobs_file
 
     entry = tmp_path / "tiny-0123456789abcdef0123"
     entry.mkdir()

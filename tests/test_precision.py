@@ -10,7 +10,8 @@ import torch
 from omegaconf import OmegaConf
 
 from exittrain import precision
-from exittrain.data.regenerate import GenerationConfig, cache_key
+from exittrain.data.generation import GenerationConfig
+from exittrain.data.regen_cache import cache_key
 from exittrain.lit.trainer import build_trainer
 
 

@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
 from exittrain.configs import CONF_DIR, register_recipes
-from exittrain.data.regenerate import load_features, load_top_logprobs, read_meta
+from exittrain.data.regen_cache import load_features, load_top_logprobs, read_meta
 from exittrain.prepare import run_prepare, target_identity
 from tests.lit.crash_helpers import subprocess_env, tiny_run_overrides, write_prompts, write_tiny_target
 

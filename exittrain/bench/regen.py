@@ -3,7 +3,7 @@
 ``python -m exittrain bench regen [--prompts 64] [--max-new-tokens 48] [--batch 32]``
 
 Side by side in one process, on the same training prompts of a domain (default code), each arm
-answers every prompt greedily through :func:`exittrain.data.regenerate.generate_batch`, in the
+answers every prompt greedily through :func:`exittrain.data.generation.generate_batch`, in the
 batches :func:`~exittrain.data.regenerate.regenerate` would form (sorted by templated length):
 
 - ``float32``: the target as loaded (the reference answers);
@@ -38,8 +38,7 @@ from exittrain.tables import markdown_table, write_results
 
 def run(prompts: int, max_new_tokens: int, batch: int, domain: str) -> dict:
     from exittrain.data import chat_prompt_ids
-    from exittrain.data.prompt_plan import PromptPlan
-    from exittrain.data.regenerate import (
+    from exittrain.data.generation import (
         GenerationConfig,
         answering_model,
         eos_token_ids,
@@ -47,6 +46,7 @@ def run(prompts: int, max_new_tokens: int, batch: int, domain: str) -> dict:
         padding_token_id,
         shared_prefix_length,
     )
+    from exittrain.data.prompt_plan import PromptPlan
     from exittrain.models import load_target
     from exittrain.models.drafter_init import default_layer_ids
 

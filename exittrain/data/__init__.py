@@ -7,16 +7,10 @@ on first access, so a command that only prepares the data (:class:`PromptPlan`) 
 from typing import TYPE_CHECKING, Any
 
 from exittrain.data.collate import Collator, TruncationStats, truncation_stats
-from exittrain.data.generation import chat_prompt_ids
+from exittrain.data.generation import GenerationConfig, chat_prompt_ids, split_response
 from exittrain.data.prompt_plan import PromptPlan
-from exittrain.data.regenerate import (
-    GenerationConfig,
-    cache_key,
-    cache_path,
-    read_meta,
-    regenerate,
-    split_response,
-)
+from exittrain.data.regen_cache import cache_key, cache_path, read_meta
+from exittrain.data.regenerate import regenerate
 from exittrain.data.sources import (
     BUILTIN_SOURCES,
     DOMAIN_SOURCES,

@@ -36,8 +36,9 @@ from torch.utils.data import DataLoader
 
 from exittrain.data.collate import Collator
 from exittrain.data.feature_store import FeatureStore, check_store_settings, open_entry_store
+from exittrain.data.generation import GenerationConfig
 from exittrain.data.prompt_plan import PromptPlan, SourceSpecs
-from exittrain.data.regenerate import GenerationConfig, TargetProvider
+from exittrain.data.regenerate import TargetProvider
 from exittrain.data.sampler import ResumableSampler, resume_point
 from exittrain.data.sources import DEFAULT_MAX_CHARS, DomainPrompts
 from exittrain.data.split import check_loader_settings, split_entry, split_rows

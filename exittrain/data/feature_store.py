@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from exittrain.data.regenerate import features_file, load_features, load_top_logprobs, top_logprobs_file
+from exittrain.data.regen_cache import features_file, load_features, load_top_logprobs, top_logprobs_file
 from exittrain.safe_io import check_safetensors
 
 __all__ = ["STORE_MODES", "FeatureStore", "RowLayout", "check_store_settings", "open_entry_store", "token_fingerprint"]

@@ -193,7 +193,7 @@ class PromptPlan:
         target_name: the target's hub id or path, or None for the embedded SmolLM2 target
             (:data:`~exittrain.models.target_loading.EMBEDDED_TARGET_NAME`); it keys the cache.
         cache_dir: folder of regenerated datasets.
-        generation: :class:`~exittrain.data.regenerate.GenerationConfig` or a mapping of its fields.
+        generation: :class:`~exittrain.data.generation.GenerationConfig` or a mapping of its fields.
         max_train_prompts: keep a seeded random sample of at most this many training prompts.
         seed: seed of the prompt sample.
         exclude_seed: leave out every task of the sample that ``max_train_prompts`` draws under this

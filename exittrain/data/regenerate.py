@@ -3,10 +3,8 @@
 :func:`regenerate` is the run: it answers the prompts in batches (:mod:`exittrain.data.generation`:
 the chat template, one batch, what is kept while the target answers) and writes the answers, and
 optionally the target's features and top-k log-probabilities, to the cache
-(:mod:`exittrain.data.regen_cache`: the row format, the key, the folders and files). This module
-is also the public face of both: import their names from here, but for the chat template of a
-prompt, :func:`~exittrain.data.generation.chat_prompt_ids`, which the package exports
-(``from exittrain.data import chat_prompt_ids``).
+(:mod:`exittrain.data.regen_cache`: the row format, the key, the folders and files). Import each
+name from the module that defines it.
 
 Prompts whose templated length exceeds ``GenerationConfig.max_prompt_tokens`` are not answered; they
 are counted in the cache metadata (``rejected_too_long``) and logged. Prompts the answering engine
@@ -52,27 +50,17 @@ from tqdm.auto import tqdm
 from exittrain import progress as progress_log
 from exittrain.data.answerers import Answerer, ProcessShard, open_answerer, process_shard, resolve_backend
 from exittrain.data.generation import (
-    GENERATION_DTYPES,
-    MIN_SHARED_PREFIX,
-    Answer,
     GenerationConfig,
-    answering_model,
     chat_prompt_ids,
     eos_token_ids,
-    generate_batch,
     padding_token_id,
-    shared_prefix_length,
-    split_response,
 )
 from exittrain.data.regen_cache import (
     CACHE_VERSION,
     FEATURES,
-    META_FILE,
     batch_dir,
     batch_record,
-    cache_key,
     cache_path,
-    features_file,
     load_features,
     load_top_logprobs,
     make_row,
@@ -83,39 +71,9 @@ from exittrain.data.regen_cache import (
     read_meta,
     safetensors_files,
     save_atomic,
-    top_logprobs_file,
 )
 
-__all__ = [
-    # the run
-    "RegenReport",
-    "TargetProvider",
-    "regenerate",
-    # how the target answers (exittrain.data.generation)
-    "GENERATION_DTYPES",
-    "MIN_SHARED_PREFIX",
-    "Answer",
-    "GenerationConfig",
-    "answering_model",
-    "eos_token_ids",
-    "generate_batch",
-    "padding_token_id",
-    "shared_prefix_length",
-    "split_response",
-    # the cache (exittrain.data.regen_cache)
-    "CACHE_VERSION",
-    "FEATURES",
-    "META_FILE",
-    "cache_key",
-    "cache_path",
-    "features_file",
-    "load_features",
-    "load_top_logprobs",
-    "make_row",
-    "prompts_digest",
-    "read_meta",
-    "top_logprobs_file",
-]
+__all__ = ["RegenReport", "TargetProvider", "regenerate"]
 
 logger = logging.getLogger(__name__)
 

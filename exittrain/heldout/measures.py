@@ -71,7 +71,7 @@ def answer_rows(
     ``batch`` prompts under ``torch.manual_seed(seed + i)`` (as regeneration seeds), so the same
     call gives the same answers. Answers stop after EOS or ``max_new_tokens`` tokens.
     """
-    from exittrain.data.regenerate import GenerationConfig, eos_token_ids, generate_batch, padding_token_id
+    from exittrain.data.generation import GenerationConfig, eos_token_ids, generate_batch, padding_token_id
 
     _check_temperature(temperature)
     sample = temperature > 0

@@ -176,7 +176,7 @@ def test_kept_features_reach_the_batches_and_the_module_never_computes_them(
 ):
     from safetensors.torch import load_file, save_file
 
-    from exittrain.data.regenerate import features_file, load_features
+    from exittrain.data.regen_cache import features_file, load_features
     from exittrain.lit import ExitTrainModule
     from exittrain.models import TargetModel, new_drafter
 
@@ -240,7 +240,7 @@ def test_kept_top_logprobs_are_aligned_with_the_rows_and_are_the_modules_soft_la
 ):
     from safetensors.torch import load_file, save_file
 
-    from exittrain.data.regenerate import load_top_logprobs, top_logprobs_file
+    from exittrain.data.regen_cache import load_top_logprobs, top_logprobs_file
     from exittrain.lit import ExitTrainModule
     from exittrain.models import TargetModel, new_drafter
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from exittrain.data.collate import Collator
 from exittrain.data.feature_store import FeatureStore, RowLayout, check_store_settings, open_entry_store
-from exittrain.data.regenerate import features_file, top_logprobs_file
+from exittrain.data.regen_cache import features_file, top_logprobs_file
 from tests.models.helpers import tiny_target
 from tests.store_helpers import dataset_rows, layouts, synthetic_rows, write_entry
 

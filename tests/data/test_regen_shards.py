@@ -11,16 +11,9 @@ import torch
 
 from exittrain.data import vllm_backend
 from exittrain.data.answerers import HFAnswerer, ProcessShard, process_shard
-from exittrain.data.regenerate import (
-    Answer,
-    GenerationConfig,
-    cache_path,
-    chat_prompt_ids,
-    load_features,
-    load_top_logprobs,
-    read_meta,
-    regenerate,
-)
+from exittrain.data.generation import Answer, GenerationConfig, chat_prompt_ids
+from exittrain.data.regen_cache import cache_path, load_features, load_top_logprobs, read_meta
+from exittrain.data.regenerate import regenerate
 from tests.data.helpers import CountingTarget, tiny_llama
 
 PROMPTS = ["Hi there", "What is 2+2?", "Write a poem about the sea.", "Name three colours.", "Why is the sky blue?"]

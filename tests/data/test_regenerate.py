@@ -8,18 +8,16 @@ import pytest
 import torch
 
 from exittrain.data import chat_prompt_ids
-from exittrain.data.regenerate import (
-    MIN_SHARED_PREFIX,
-    GenerationConfig,
+from exittrain.data.generation import MIN_SHARED_PREFIX, GenerationConfig, shared_prefix_length
+from exittrain.data.regen_cache import (
     cache_path,
     features_file,
     load_features,
     load_top_logprobs,
     read_meta,
-    regenerate,
-    shared_prefix_length,
     top_logprobs_file,
 )
+from exittrain.data.regenerate import regenerate
 from exittrain.models import TargetModel
 from tests.data.helpers import CountingTarget, tiny_llama
 

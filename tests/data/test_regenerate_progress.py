@@ -8,7 +8,8 @@ import re
 import pytest
 
 from exittrain import progress
-from exittrain.data.regenerate import GenerationConfig, regenerate
+from exittrain.data.generation import GenerationConfig
+from exittrain.data.regenerate import regenerate
 from tests.data.helpers import CountingTarget, tiny_llama
 
 PROMPTS = ["Hi there", "What is 2+2?", "Name three colours.", "Why is the sky blue?", "Hello"]

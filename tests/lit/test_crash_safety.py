@@ -33,7 +33,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file
 
 from exittrain.data import ExitTrainDataModule
-from exittrain.data.regenerate import GenerationConfig, cache_path, regenerate
+from exittrain.data.generation import GenerationConfig
+from exittrain.data.regen_cache import cache_path
+from exittrain.data.regenerate import regenerate
 from exittrain.data.sampler import ResumableSampler
 from exittrain.lit import ExitTrainModule, save_drafter
 from exittrain.lit.checkpoint_io import AtomicCheckpointIO
