@@ -11,12 +11,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from exittrain.build import build_target
-from exittrain.heldout.decode_eval import auto_reasons, evaluate_prompts, format_table, summarize
-from exittrain.heldout.heldout_law import held_out_law
+from exittrain.cpu_decode.auto_settings import auto_probe
+from exittrain.heldout.evaluator import HeldOutEvaluator, format_report
 from exittrain.heldout.tree_example import tree_example
 from exittrain.lit.run_logging import close_logger, log_table, make_logger
 from exittrain.models import load_drafter
-from exittrain.run_dir import RunDir
+from exittrain.run_dir import RunDir, write_json_atomic
 from exittrain.settings import check_eval_config
 
 __all__ = ["run_eval"]
@@ -50,21 +50,18 @@ def run_eval(cfg: DictConfig, *, target=None) -> dict:
     )
     prompts = datamodule.eval_prompts(cfg.eval.num_prompts)
     _check_prompt_lengths(prompts, target, settings)
+    # the evaluator fit's final table comes from: the same measures and columns
+    auto = auto_probe(target, settings["verifier"]) if settings["decode"] == "auto" else None
+    evaluator = HeldOutEvaluator(target, prompts, settings, checked.analytic, auto=auto, reference=None)
     logger = make_logger(cfg, f"{cfg.recipe_name}-eval")
     try:
-        rows = evaluate_prompts(target, drafter, prompts, label=cfg.recipe_name, **settings)
-        table = summarize(rows)
-        law = held_out_law(target, prompts, checked.analytic, max_new_tokens=settings["max_new_tokens"],
-                           seed=settings["seed"])
-        if law is not None:
-            law.attach(table, law.measure(drafter, settings["budgets"]))
+        table, rows, chain = evaluator.measure(drafter, cfg.recipe_name)
         log_table(logger, "eval", table)
     finally:
         close_logger(logger)
     json_path, csv_path = out.write_results(rows, table, path)
+    write_json_atomic(out.path / "chain.json", chain)
     out.write_tree_example(tree_example(target, drafter, prompts[0], budget=max(settings["budgets"])))
-    print(f"\n{cfg.recipe_name}: held-out decoding with {path}\n" + format_table(table))
-    for reason in auto_reasons(table):
-        print(f"\n{reason}")
+    print(f"\n{cfg.recipe_name}: held-out decoding with {path} (docs/metrics.md)\n" + format_report(table))
     print(f"\nResults: {json_path}, {csv_path}")
     return {"rows": rows, "summary": table}

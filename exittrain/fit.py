@@ -41,20 +41,11 @@ from exittrain.build import (
     build_target,
     prepare_data,
 )
-from exittrain.decoding.draft_vocab import count_answer_tokens, save_token_counts
+from exittrain.cpu_decode.auto_settings import auto_probe
+from exittrain.cpu_decode.draft_vocab import count_answer_tokens, save_token_counts
 from exittrain.export import export_beside
-from exittrain.heldout.decode_eval import auto_reasons, evaluate_prompts, format_table, summarize
-from exittrain.heldout.heldout_law import format_differences, held_out_law
-from exittrain.heldout.serving_track import (
-    attach_chain,
-    chain_rows,
-    check_servable,
-    check_serve_config,
-    summarize_chain,
-    target_folder,
-    vllm_enabled,
-    vllm_track,
-)
+from exittrain.heldout.evaluator import HeldOutEvaluator, format_report
+from exittrain.heldout.serving_track import check_servable, check_serve_config, target_folder, vllm_enabled
 from exittrain.heldout.tree_example import tree_example
 from exittrain.lit import full_drafter, save_drafter
 from exittrain.lit.checkpoint_io import AtomicCheckpointIO
@@ -73,10 +64,9 @@ class FitRun:
     """What the stages of one fit share: the built objects, the held-out prompts and what is recorded.
 
     ``full`` is what rank 0 evaluates and saves: the drafter itself, or after a ``trainer=fsdp``
-    stage its gathered copy. ``ar_cache`` holds one autoregressive baseline per prompt, so both
-    held-out tables share their denominator. ``law`` (or None) gives the analytic tau at
-    ``eval.analytic_temperatures``; ``analytic`` keeps each table's per-anchor values, for the
-    paired differences against the warm start. ``serve``: the checked ``+serve=dflash`` settings (or
+    stage its gathered copy. ``evaluator`` measures every drafter row of the final table on the
+    held-out prompts (:class:`~exittrain.heldout.evaluator.HeldOutEvaluator`, the one ``eval`` uses
+    too). ``serve``: the checked ``+serve=dflash`` settings (or
     None); ``vllm_python``: the vLLM interpreter the finish runs (None: ``eval.vllm`` is off or found none);
     ``vllm_required``: ``eval.vllm=true``, where a failed vLLM run fails the fit (once metrics.json is written).
     """
@@ -93,10 +83,7 @@ class FitRun:
     full: Any = None
     summary: dict = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
-    ar_cache: dict = field(default_factory=dict)
-    law: Any = None
-    analytic: dict = field(default_factory=dict)
-    analytic_chain: dict = field(default_factory=dict)
+    evaluator: HeldOutEvaluator | None = None
     serve: dict | None = None
     vllm_python: str | None = None
     vllm_required: bool = False
@@ -134,43 +121,25 @@ def setup_run(cfg: DictConfig, target: TargetArg = None) -> FitRun:
         datamodule=datamodule, eval_prompts=eval_prompts, started=started, full=drafter, serve=serve,
         vllm_python=vllm_python, vllm_required=vllm_mode == "true",
     )
-    run.law = held_out_law(target, eval_prompts[: cfg.eval.num_prompts], checked.analytic,
-                           max_new_tokens=settings["max_new_tokens"], seed=settings["seed"])
+    auto = None
+    if settings["decode"] == "auto":  # the CPU's decode probe, asked for: it tries a draft vocabulary of the answers
+        auto = auto_probe(target, settings["verifier"], run.answer_token_counts())
+    run.evaluator = HeldOutEvaluator(target, eval_prompts[: cfg.eval.num_prompts], settings, checked.analytic,
+                                     auto=auto)
     run.summary = {"recipe": cfg.recipe_name, "stages": stages, "target": target.name, "tables": {}, "serve": serve}
     run.timings["regeneration_and_setup_s"] = time.perf_counter() - started
     return run
 
 
-def warm_start_reference(measured: dict, label: str) -> dict | None:
-    """The warm start's measure to pair ``label``'s against: None for the warm start itself (a drafter
-    paired with itself is no comparison) or when it was not measured."""
-    return None if label == "warm_start" else measured.get("warm_start")
-
-
 def evaluate_held_out(run: FitRun, label: str, drafter=None) -> list[dict]:
-    """Decode the held-out prompts with ``drafter`` (default ``run.full``); records the table and
-    writes ``eval_<label>.json``.
+    """Measure ``drafter`` (default ``run.full``) on the held-out prompts (``run.evaluator``); records
+    the table and writes ``eval_<label>.json`` and ``chain_<label>.json``.
 
     Global rank 0's work: the other ranks go on to the next stage and wait for rank 0 in its first
     collective (the evaluation must finish within the process group's timeout, 30 min by default)."""
     t0 = time.perf_counter()
-    prompts = run.eval_prompts[: run.cfg.eval.num_prompts]
-    drafter = run.full if drafter is None else drafter
-    counts = run.answer_token_counts() if run.settings.get("decode") == "auto" else None  # auto tries a draft vocab
-    rows = evaluate_prompts(run.target, drafter, prompts, label=label, ar_cache=run.ar_cache, token_counts=counts,
-                            **run.settings)
-    table = summarize(rows)
-    if run.law is not None:
-        run.analytic[label] = run.law.measure(drafter, run.settings["budgets"])
-        run.law.attach(table, run.analytic[label], warm_start_reference(run.analytic, label))
-    # the serving track: the greedy chain of K nodes that vLLM and SGLang verify, on the same prompts
-    chain = chain_rows(run.target, drafter, prompts, max_new_tokens=run.settings["max_new_tokens"],
-                       seed=run.settings["seed"], label=label, ar_cache=run.ar_cache)
-    attach_chain(table, summarize_chain(chain))
+    table, rows, chain = run.evaluator.measure(run.full if drafter is None else drafter, label)
     write_json_atomic(run.run_dir.path / f"chain_{label}.json", chain)  # not eval_*.json: another row layout
-    if run.law is not None:  # the analytic chain tau at eval.analytic_temperatures, paired against the warm start
-        run.analytic_chain[label] = run.law.measure_chain(drafter)
-        run.law.attach_chain(table, run.analytic_chain[label], warm_start_reference(run.analytic_chain, label))
     run.summary["tables"][label] = table
     run.run_dir.write_eval_rows(label, rows)
     run.timings[f"eval_{label}_s"] = time.perf_counter() - t0
@@ -214,14 +183,10 @@ def attach_vllm(run: FitRun, dflash_dir: str, label: str) -> dict:
     """vLLM's acceptance of the DFlash export in ``dflash_dir`` on the held-out prompts, added to the
     ``label`` rows of the table (``vllm``) and logged under ``final/<label>`` by the run's logger; a
     mismatch of vLLM's outputs with and without speculation is printed as a failure."""
-    prompts = run.eval_prompts[: run.cfg.eval.num_prompts]
-    positions = getattr(getattr(run.target.model, "config", None), "max_position_embeddings", None) or 2048
-    result = vllm_track(run.vllm_python, target_folder(run.target, run.cfg.target.get("name_or_path")), dflash_dir,
-                        prompts, max_new_tokens=run.settings["max_new_tokens"], workdir=run.run_dir.path / "vllm",
-                        max_model_len=min(2048, int(positions)))
     table = run.summary["tables"][label]
-    for row in table:
-        row["vllm"] = result
+    target_dir = target_folder(run.target, run.cfg.target.get("name_or_path"))
+    result = run.evaluator.measure_vllm(table, run.vllm_python, target_dir, dflash_dir,
+                                        workdir=run.run_dir.path / "vllm")
     logger = make_logger(run.cfg, f"{run.cfg.recipe_name}-serve")
     try:
         log_table(logger, f"final/{label}", table)
@@ -276,14 +241,9 @@ def finish_run(run: FitRun) -> dict:
     out.write_fit_summary(run.summary)
     tables = [row for table in run.summary["tables"].values() for row in table]
     print("\nHeld-out decoding (tau = tokens per round, bonus included; chain tau = the greedy chain of K a serving "
-          "engine verifies):\n" + format_table(tables))
+          "engine verifies; docs/metrics.md):\n" + format_report(tables))
     if any(not r["vllm"]["vllm_matches_plain"] for r in tables if "vllm" in r):
         print("\nFAILED: vLLM's greedy outputs with speculation differ from those without (see vllm/ in the run)")
-    for reason in auto_reasons(tables):
-        print(f"\n{reason}")
-    differences = format_differences(tables)
-    if differences:
-        print("\n" + "\n".join(differences))
     print(f"\nRun directory: {out.path}\nDrafter: {drafter_dir}  (python -m exittrain eval drafter={drafter_dir})")
     if vllm_error is not None and run.vllm_required:
         raise RuntimeError(f"eval.vllm=true and vLLM failed (metrics.json is written): {vllm_error}")

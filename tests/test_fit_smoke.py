@@ -96,7 +96,7 @@ def test_fit_smoke_on_the_embedded_target(tmp_path):
 
     assert (run_dir / "drafter" / "config.json").is_file()
     # the training answers' tokens by frequency, for a decoder's draft vocabulary
-    from exittrain.decoding.draft_vocab import load_token_counts
+    from exittrain.cpu_decode.draft_vocab import load_token_counts
 
     counts = load_token_counts(run_dir / "drafter")
     assert counts["rows"] > 0 and counts["counts"] == sorted(counts["counts"], reverse=True)

@@ -10,20 +10,20 @@ Side by side in one run, on the same held-out prompts and the same fp32 target, 
 - Hugging Face ``model.generate(do_sample=False)``: plain greedy decoding, the baseline;
 - Hugging Face prompt lookup, ``generate(do_sample=False, prompt_lookup_num_tokens=N)``: a free
   drafter that copies n-grams of the prompt and the text so far;
-- with ``--decode fixed`` (the default), our :class:`~exittrain.decoding.SpeculativeDecoder`
+- with ``--decode fixed`` (the default), our :class:`~exittrain.cpu_decode.fast_products.FastCpuDecoder`
   (TEV) at each budget, with the drafter cache on and/or off (``--cache``; off is the full
   re-read, the reference twin), with the LM head in the layout timed fastest on this host and/or
-  plain ``F.linear`` (``--head-layout auto linear``; :mod:`exittrain.models.row_matmul`;
+  plain ``F.linear`` (``--head-layout auto linear``; :mod:`exittrain.cpu_decode.row_layouts`;
   ``linear`` is the reference twin), with the tree forward's linears packed for its rows where
   that times faster here and/or all through ``F.linear`` (``--packed on off``;
-  :mod:`exittrain.models.packed_linears`; ``off`` is the reference twin), and with each ``--copy-tail`` length
+  :mod:`exittrain.cpu_decode.packed_linears`; ``off`` is the reference twin), and with each ``--copy-tail`` length
   (:mod:`exittrain.core.copy_tail`; 0 is off) with the chain of the latest n-gram match grafted,
   or the earliest match's as well (``--copy-chains latest both``), each
   ``--copy-lead`` n-gram length (copy-led rounds: where the root's last n tokens occurred
   before, the round verifies the copy alone, without the drafter; 0 is off) and each ``--draft-vocab`` size
-  (:mod:`exittrain.decoding.draft_vocab`, read from the drafter folder's ``draft_vocab.json``; 0
+  (:mod:`exittrain.cpu_decode.draft_vocab`, read from the drafter folder's ``draft_vocab.json``; 0
   is the whole vocabulary);
-- with ``--decode auto``, our decoder at the setting :mod:`exittrain.decoding.auto_settings`
+- with ``--decode auto``, our decoder at the setting :mod:`exittrain.cpu_decode.auto_settings`
   probes fastest on this host for each prompt set (budgets up to the largest of ``--budgets``, a
   draft vocabulary when the drafter folder has token counts, a copy tail of prompt lookup's
   length, copy-led rounds, or greedy decoding without the drafter when nothing beats it),
@@ -64,12 +64,15 @@ import time
 import torch
 
 from exittrain import progress as progress_log
-from exittrain.decoding import ROUND_PARTS, DecodeSetting, SpeculativeDecoder, auto_decoder
-from exittrain.decoding.draft_vocab import load_draft_vocabulary, load_token_counts
+from exittrain.cpu_decode.auto_settings import auto_decoder
+from exittrain.cpu_decode.decode_settings import DecodeSetting
+from exittrain.cpu_decode.draft_vocab import load_draft_vocabulary, load_token_counts
+from exittrain.cpu_decode.fast_products import FastCpuDecoder
+from exittrain.cpu_decode.packed_linears import packed_choices, unpacked
+from exittrain.cpu_decode.row_layouts import layout_choices, linear_only
+from exittrain.decoding import ROUND_PARTS
 from exittrain.decoding.drafter_context import drafter_context
 from exittrain.decoding.speculative import rounds_by_kind
-from exittrain.models.packed_linears import unpacked
-from exittrain.models.row_matmul import layout_choices, linear_only
 from exittrain.tables import markdown_table, write_results
 
 
@@ -234,15 +237,15 @@ def _fixed_decoders(target, drafter, drafter_path, budgets, caches, head_layouts
     vocabs = {n: load_draft_vocabulary(drafter_path, n, target) for n in vocab_sizes}
     return [({"budget": b, "drafter_cache": c, "head_layout": h, "packed": k, "copy_tail": t, "draft_vocab": n,
               "copy_lead": m, "copy_earliest": e, "miss_steps": st, "auto": False},
-             SpeculativeDecoder(target, drafter, budget=b, verifier="tev", drafter_cache=c, copy_tail=t,
-                                draft_vocab=vocabs[n], copy_lead=m, copy_earliest=e, miss_steps=st))
+             FastCpuDecoder(target, drafter, budget=b, verifier="tev", drafter_cache=c, copy_tail=t,
+                            draft_vocab=vocabs[n], copy_lead=m, copy_earliest=e, miss_steps=st))
             for b in budgets for c in caches for h in head_layouts for k in packed for t in copy_tails
             for n in vocab_sizes for m in copy_leads for e in (copy_earliest if t else copy_earliest[:1])
             for st in miss_steps]
 
 
 def _auto_decoder(target, drafter, drafter_path, probe_prompts, max_budget: int,
-                  new_tokens: int) -> tuple[dict, SpeculativeDecoder]:
+                  new_tokens: int) -> tuple[dict, FastCpuDecoder]:
     """``(row settings, decoder)`` at the setting the probe finds fastest on ``probe_prompts``,
     whose answers it scores as long as the bench decodes them (``new_tokens``)."""
     counts = load_token_counts(drafter_path) if drafter_path else None
@@ -337,7 +340,7 @@ def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int,
     return {"host": host(), "skip": skip, "new_tokens": new_tokens, "drafter": drafter_path or "fresh",
             "context_window": drafter.config.context_window, "lookup_tokens": lookup_tokens, "sets": measured,
             "round_positions": round_positions, "drafter_round": micro, "head_layout": layout_choices(),
-            "packed_buckets": target.packed_linears.choices() if target.packed_linears is not None else []}
+            "packed_buckets": packed_choices(target.model)}
 
 
 def _row_label(r: dict) -> str:
@@ -422,7 +425,7 @@ def packed_lines(buckets: list[dict] | None) -> list[str]:
     """The table of the target's packed row buckets (``PackedLinears.choices()``), or nothing."""
     if not buckets:
         return []
-    return ["", "Row buckets of the target's packed linears (exittrain.models.packed_linears; every linear once, "
+    return ["", "Row buckets of the target's packed linears (exittrain.cpu_decode.packed_linears; every linear once, "
             "median ms, on the fewest rows the bucket serves, padded up for the packed product):", "",
             *markdown_table(["bucket", "timed on rows", "F.linear ms", "packed ms", "kept"],
                             ([b["rows"], b.get("timed_rows", b["rows"]), f"{b['linear_ms']:.1f}",

@@ -5,7 +5,7 @@
 
 A decoding round pays one target forward over the tree's rows (the root and its B nodes, and
 the copy tail's); a greedy step pays one over one row. How the cost grows with the rows decides
-which budget and copy tail pay (:mod:`exittrain.decoding.auto_settings` measures it through real
+which budget and copy tail pay (:mod:`exittrain.cpu_decode.auto_settings` measures it through real
 decodes; this bench isolates it). For each context length C, the target prefills C tokens of a
 held-out prompt (a set of ``bench decode``; prompts are joined until C tokens are reached),
 then at each row count R times ``repeats`` forwards after one untimed warm-up:
@@ -16,8 +16,8 @@ then at each row count R times ``repeats`` forwards after one untimed warm-up:
   under the root (:func:`~exittrain.core.copy_tail.copy_only_tree`), as a round runs it.
 
 Tree forwards run with the decoder layers' linears packed for their rows where that times
-faster here (``--packed on``: :meth:`~exittrain.models.target.TargetModel.prepare_tree_rows`,
-:mod:`exittrain.models.packed_linears`), with ``F.linear`` (``off``), or both side by side; and
+faster here (``--packed on``: :func:`~exittrain.cpu_decode.fast_products.fast_products`,
+:mod:`exittrain.cpu_decode.packed_linears`), with ``F.linear`` (``off``), or both side by side; and
 with grouped query heads reading the cached keys in place (``--attention grouped``,
 :mod:`exittrain.models.grouped_attention`), sdpa's keys repeated per head (``repeated``), or both.
 After each forward the cache is cut back to C, so every forward sees the same context. The
@@ -36,9 +36,10 @@ import time
 import torch
 
 from exittrain.core.copy_tail import copy_only_tree
+from exittrain.cpu_decode.fast_products import fast_products
+from exittrain.cpu_decode.packed_linears import packed_choices, unpacked
 from exittrain.models.grouped_attention import repeated_keys
 from exittrain.tables import write_results
-from exittrain.models.packed_linears import unpacked
 
 DEFAULT_ROWS = (1, 2, 3, 4, 6, 8, 11, 17)
 
@@ -97,7 +98,6 @@ def forward_ms(target, ids: list[int], rows: list[int], repeats: int, packed: tu
     with sdpa's repeated keys (``attention``, :data:`ATTENTION_MODES`); see the module docstring."""
     device = target.device
     ids_1T = torch.tensor([ids], device=device)
-    target.prepare_tree_rows(max(rows))
     cache = target.prefill(ids_1T[:, :-1]).cache
     root = ids_1T[:, -1]
     # the chain's tokens: the context's own, so the tree holds ordinary text ids
@@ -117,11 +117,12 @@ def forward_ms(target, ids: list[int], rows: list[int], repeats: int, packed: tu
         return seconds
 
     laps = {key: [] for key in keys}
-    for repeat in range(repeats + 1):
-        for key in keys:
-            seconds = forward(*key)
-            if repeat:  # the first pass is the warm-up
-                laps[key].append(seconds)
+    with fast_products(target, max_rows=max(rows)):  # a CPU decode's products, made before the first lap
+        for repeat in range(repeats + 1):
+            for key in keys:
+                seconds = forward(*key)
+                if repeat:  # the first pass is the warm-up
+                    laps[key].append(seconds)
     return {_key(*key): 1e3 * statistics.median(v) for key, v in laps.items()}
 
 
@@ -143,7 +144,7 @@ def run(rows: list[int], contexts: list[int], repeats: int, set_name: str, targe
         ms = forward_ms(target, context_ids(prompts, C + 1), rows, repeats, packed, attention)
         measured.append({"context": C, "ms": {str(r): v for r, v in ms.items()}})
         ticker.update(i)
-    packs = target.packed_linears.choices() if target.packed_linears is not None else []
+    packs = packed_choices(target.model)
     return {"host": host(), "set": set_name, "repeats": repeats, "rows": rows, "packed": list(packed),
             "attention": list(attention),
             "packed_buckets": packs, "contexts": measured}

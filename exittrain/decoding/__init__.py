@@ -1,7 +1,6 @@
-"""Decoding: tree speculative decoding, the autoregressive baseline, oracle trees, and the probe of
-the fastest setting on this host (``decode: auto``)."""
+"""Decoding: tree speculative decoding with plain products, the autoregressive baseline and oracle
+trees. What makes a decode fast on a CPU (``decode: auto``) lives in :mod:`exittrain.cpu_decode`."""
 
-from .auto_settings import AutoChoice, DecodeSetting, auto_decoder, probe_decode_settings
 from .oracle import oracle_generate
 from .speculative import (
     ROUND_KINDS,
@@ -14,16 +13,12 @@ from .speculative import (
 )
 
 __all__ = [
-    "AutoChoice",
-    "DecodeSetting",
     "ROUND_KINDS",
     "ROUND_PARTS",
     "GenerationResult",
     "GreedyDecoder",
     "RoundStats",
     "SpeculativeDecoder",
-    "auto_decoder",
     "autoregressive_generate",
     "oracle_generate",
-    "probe_decode_settings",
 ]

@@ -18,7 +18,7 @@ that position (docs/algorithm.md section 7). Two interchangeable implementations
   which re-projects the whole context (the last W positions with a window).
 
 Both keep the committed token ids for the drafter's copy branch, and pass ``vocab_ids``, a draft
-vocabulary (:mod:`exittrain.decoding.draft_vocab`) or None, to the drafter's head. The two give
+vocabulary (:mod:`exittrain.cpu_decode.draft_vocab`) or None, to the drafter's head. The two give
 the same draft logits up to float rounding: attention scores depend only on position
 differences, and the full re-read places the context at 0..C-1 where the cache keeps absolute
 positions. The decoder tests compare them.

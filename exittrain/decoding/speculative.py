@@ -18,6 +18,7 @@ target's own greedy decoding, and at temperature > 0 it is a sample from the war
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -27,7 +28,6 @@ from exittrain.core import VERIFIERS, DraftTree, build_tree, check_ngrams
 from exittrain.core.copy_tail import copy_chain, copy_only_tree, graft_copy_tail
 from exittrain.core.verify import sample_categorical, warp_probs
 from exittrain.decoding.drafter_context import drafter_context
-from exittrain.models.packed_linears import packed_for
 
 __all__ = ["RoundStats", "GenerationResult", "GreedyDecoder", "SpeculativeDecoder", "autoregressive_generate",
            "COPY_LED", "DRAFTED", "ROUND_KINDS", "ROUND_PARTS", "STEP", "rounds_by_kind"]
@@ -197,7 +197,7 @@ class SpeculativeDecoder:
     current round's target scores, so every verifier stays exact.
 
     ``draft_vocab`` (default None: every token) is a draft vocabulary, (S,) token ids
-    (:func:`exittrain.decoding.draft_vocab.draft_vocabulary`): the drafter's LM head scores only
+    (:func:`exittrain.cpu_decode.draft_vocab.draft_vocabulary`): the drafter's LM head scores only
     those, which on a CPU saves most of the drafter's time; the verifiers still see the whole
     vocabulary, so decoding stays exact. S must be at least the budget.
     """
@@ -237,7 +237,7 @@ class SpeculativeDecoder:
         self.copy_ngrams = check_ngrams(copy_ngrams, key="copy_ngrams")
         self.draft_vocab = _check_vocab(draft_vocab, target.vocab_size, budget)
         self.layers = list(drafter.config.target_layer_ids)
-        self.auto_choice = None  # set by auto_settings.auto_decoder: what the probe measured and why it chose this
+        self.auto_choice = None  # set by cpu_decode's auto_decoder: what the probe measured and why it chose this
 
     @property
     def lead_length(self) -> int:
@@ -284,13 +284,14 @@ class SpeculativeDecoder:
         copy_rows = self.copy_tail * (2 if self.copy_earliest else 1)
         tree_rows = max(self.budget + copy_rows, self.lead_length if self.copy_lead else 0) + 1
         ids, generator, eos = _prepare(self.target, input_ids, max_new_tokens, temperature, seed, tree_rows)
-        # one-offs per process, before the clock starts: the target head's layout for every tree
-        # size, the target's and the drafter's linears packed for the rows a round gives them (the
-        # drafter's block, and the positions a round commits: up to a tree's rows)
-        self.target.prepare_tree_rows(tree_rows)
-        drafter_packs = packed_for(self.drafter, max(tree_rows, int(self.drafter.config.block_size)))
-        with drafter_packs.active():
+        with self.products(tree_rows):
             return self._generate(ids, max_new_tokens, temperature, top_k, top_p, generator, eos)
+
+    def products(self, tree_rows: int):
+        """The context the rounds run in, entered before the clock starts: plain ``F.linear`` products
+        here; :class:`exittrain.cpu_decode.fast_products.FastCpuDecoder` enters the CPU's faster
+        ones (made once per process for up to ``tree_rows`` rows)."""
+        return contextlib.nullcontext()
 
     def _generate(self, ids, max_new_tokens, temperature, top_k, top_p, generator, eos) -> GenerationResult:
         device = self.target.device
@@ -385,7 +386,7 @@ def autoregressive_generate(
 class GreedyDecoder:
     """Decoding without a drafter, behind :class:`SpeculativeDecoder`'s ``generate``: what
     ``decode: auto`` falls back to when no drafting setting is expected to beat greedy decoding
-    on this host (:mod:`exittrain.decoding.auto_settings`). ``generate`` is
+    on this host (:mod:`exittrain.cpu_decode.auto_settings`). ``generate`` is
     :func:`autoregressive_generate`; ``budget``, ``copy_tail``, ``copy_lead`` and ``miss_steps`` read 0."""
 
     budget = copy_tail = copy_lead = miss_steps = 0

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from exittrain import progress as progress_log
 from exittrain.core import resampled_ratios
-from exittrain.decoding import SpeculativeDecoder, auto_decoder, autoregressive_generate, oracle_generate
+from exittrain.decoding import SpeculativeDecoder, autoregressive_generate, oracle_generate
 
 __all__ = [
     "DECODE_MODES", "evaluate_prompts", "summarize", "format_table", "auto_reasons", "bootstrap_ci", "optional_cell",
@@ -40,23 +40,12 @@ log = logging.getLogger("exittrain")
 DECODE_MODES = ("fixed", "auto")  # eval.decode
 
 
-def _auto_decoder(target, drafter, prompts, budgets, verifier: str, token_counts: dict | None, label: str,
-                  answer_tokens: int):
-    """The decoder at the setting this host decodes fastest (``decode="auto"``): probed once on
-    ``prompts`` (answers of ``answer_tokens``, the decode's length), up to the recipe's largest
-    budget, its choice logged with the reason."""
-    decoder = auto_decoder(target, drafter, prompts, max_budget=max(budgets), verifier=verifier,
-                           token_counts=token_counts, answer_tokens=answer_tokens)
-    log.info("eval %s: %s", label or "-", decoder.auto_choice.reason)
-    return decoder
-
-
-def _speed_keys(result, prefix: str = "") -> dict:
-    """The speed columns of one decode: tokens, wall seconds, tokens/s and stage times."""
+def _speed_keys(result, prefix: str = "", speed: bool = True) -> dict:
+    """The speed facts of one decode: tokens, wall seconds and stage times, and with ``speed`` its tokens/s."""
     return {
         f"{prefix}new_tokens": len(result.tokens),
         f"{prefix}seconds": result.seconds,
-        f"{prefix}tokens_per_s": result.tokens_per_second,
+        **({f"{prefix}tokens_per_s": result.tokens_per_second} if speed else {}),
         **{f"{prefix}time_{k}": v for k, v in result.stage_seconds().items()},
     }
 
@@ -81,26 +70,31 @@ def evaluate_prompts(
     label: str = "",
     progress: bool = True,
     ar_cache: dict | None = None,
-    decode: str = "fixed",
-    token_counts: dict | None = None,
+    auto=None,
+    speed: bool = True,
 ) -> list[dict]:
     """One row per (prompt, budget, temperature): tau, rounds, speed, stage times, block lengths.
 
     ``ar_cache``: a dict to reuse autoregressive baselines across calls on the same ``prompts``,
     ``max_new_tokens`` and ``seed`` (keyed by temperature and prompt index); None = a fresh one.
 
-    ``decode`` (``eval.decode``): ``"fixed"`` decodes at each budget as given. ``"auto"`` first
-    probes, once per call, the setting this host decodes fastest with this drafter
-    (:mod:`exittrain.decoding.auto_settings`: budgets up to the largest of ``budgets``, a draft
-    vocabulary when ``token_counts`` or the drafter's folder has its ``draft_vocab.json``, a copy
-    tail), logs the choice with its reason, and decodes every prompt twice: at the row's budget
-    for the quality columns, and at the auto setting for the speed columns.
+    Every decode runs the plain :class:`~exittrain.decoding.SpeculativeDecoder` (``eval.decode=fixed``)
+    unless ``auto`` is given (``eval.decode=auto``): a function ``auto(drafter, prompts, max_budget,
+    answer_tokens)`` that returns a decoder with its ``auto_choice``
+    (:func:`exittrain.cpu_decode.auto_settings.auto_decoder`, bound by the command that asked for it:
+    this layer does not import the CPU's decode layer). It is called once, its choice logged with
+    its reason, and every prompt is decoded twice: at the row's budget for the quality columns, and
+    at the auto setting for the speed columns.
+
+    ``speed``: whether the rows carry tokens/s and speedup (with ``auto``, always). Where a plain
+    decode's speed says nothing a user can act on (a CPU target: the plain decoder is not the
+    fast one) the evaluator leaves them out.
 
     Row keys, both modes:
     - quality, the decode at ``budget``: ``tau``, ``rounds``, ``block_lengths``;
     - speed, the decode at the speed setting (the budget with ``"fixed"``, the auto setting with
-      ``"auto"``): ``new_tokens``, ``seconds``, ``tokens_per_s``, ``time_<stage>``, and with
-      ``baseline`` ``ar_tokens_per_s`` and ``speedup`` (over the autoregressive baseline);
+      ``"auto"``): ``new_tokens``, ``seconds``, ``time_<stage>``, and with ``speed`` ``tokens_per_s``
+      and, with ``baseline``, ``ar_tokens_per_s`` and ``speedup`` (over the autoregressive baseline);
     - ``matches_target`` (T = 0 with ``baseline``): every decode of the row equals greedy's;
     - ``decode``: ``"fixed"`` or ``"auto"``.
     With ``"auto"`` also: ``auto_setting`` (e.g. ``"B=4, draft vocab 4096, copy tail 10"``),
@@ -115,11 +109,10 @@ def evaluate_prompts(
     for b in budgets:
         if not isinstance(b, int) or b < 1:
             raise ValueError(f"budgets must be integers >= 1 (tree nodes), got {list(budgets)}")
-    if decode not in DECODE_MODES:
-        raise ValueError(f"decode={decode!r} (eval.decode): use fixed (the budgets as given) or auto (probe this "
-                         "host's fastest setting for the speed columns)")
-    auto = (_auto_decoder(target, drafter, prompts, budgets, verifier, token_counts, label, max_new_tokens)
-            if decode == "auto" else None)
+    if auto is not None:  # eval.decode=auto: the speed columns decode at the probe's choice
+        auto = auto(drafter, prompts, max(budgets), max_new_tokens)
+        log.info("eval %s: %s", label or "-", auto.auto_choice.reason)
+        speed = True
     auto_results: dict = {}  # (temperature, prompt index) -> the auto decode
     rows: list[dict] = []
     jobs = [(b, t, i) for t in temperatures for b in budgets for i in range(len(prompts))]
@@ -140,11 +133,11 @@ def evaluate_prompts(
             "budget": budget,
             "temperature": temperature,
             "verifier": verifier,
-            "decode": decode,
+            "decode": "fixed" if auto is None else "auto",
             "rounds": len(result.rounds),
             "tau": result.mean_block_length,
             "block_lengths": [r.block_length for r in result.rounds],
-            **_speed_keys(result),
+            **_speed_keys(result, speed=speed),
         }
         decoded = [result]
         if auto is not None:
@@ -166,8 +159,9 @@ def evaluate_prompts(
             if key not in ar_cache:  # the baseline does not depend on the budget
                 ar_cache[key] = autoregressive_generate(target, prompt, max_new_tokens, temperature, seed=run_seed)
             ar = ar_cache[key]
-            row["ar_tokens_per_s"] = ar.tokens_per_second
-            row["speedup"] = row["tokens_per_s"] / ar.tokens_per_second if ar.tokens_per_second else 0.0
+            if speed:
+                row["ar_tokens_per_s"] = ar.tokens_per_second
+                row["speedup"] = row["tokens_per_s"] / ar.tokens_per_second if ar.tokens_per_second else 0.0
             if auto is not None:
                 row["fixed_speedup"] = result.tokens_per_second / ar.tokens_per_second if ar.tokens_per_second else 0.0
             if temperature == 0:  # lossless check on every greedy evaluation
@@ -211,8 +205,9 @@ def summarize(rows: list[dict]) -> list[dict]:
             "prompts": len(items),
             "tau": sum(map(sum, lengths)) / n_rounds,
             "ci95": bootstrap_ci(lengths),
-            "tokens_per_s": tokens / seconds,
         }
+        if all("tokens_per_s" in r for r in items):
+            out["tokens_per_s"] = tokens / seconds
         if all("ar_tokens_per_s" in r for r in items):
             ar_seconds = sum(r["new_tokens"] / r["ar_tokens_per_s"] for r in items if r["ar_tokens_per_s"])
             out["ar_tokens_per_s"] = tokens / ar_seconds if ar_seconds else 0.0
@@ -273,10 +268,12 @@ def format_table(table: list[dict]) -> str:
     chain = any("chain_tau" in r for r in table)
     vllm = any("vllm" in r for r in table)
     auto = any("auto_setting" in r for r in table)
+    speed = any("tokens_per_s" in r for r in table)
     header = ["run", "B", "T", "prompts", "tau", "95% CI", *(f"E[tau] T={t} (95% CI)" for t in analytic),
               *(["chain tau (K)"] if chain else []), *(f"E[chain tau] T={t} (95% CI)" for t in chain_analytic),
               *(["vLLM tau"] if vllm else []),
-              "tau_oracle", "tau/oracle", *(["speed decoded at (tau)"] if auto else []), "tok/s", "AR tok/s", "speedup"]
+              "tau_oracle", "tau/oracle", *(["speed decoded at (tau)"] if auto else []),
+              *(["tok/s", "AR tok/s", "speedup"] if speed else [])]
     rows = (
         [r["label"] or "-", r["budget"], f"{r['temperature']:g}", r["prompts"], f"{r['tau']:.2f}",
          f"{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}", *(_analytic_cell(r, t) for t in analytic),
@@ -285,7 +282,8 @@ def format_table(table: list[dict]) -> str:
          *([_vllm_cell(r)] if vllm else []),
          optional_cell(r, "tau_oracle"), optional_cell(r, "efficiency"),
          *([f"{r['auto_setting']} ({r['auto_tau']:.2f})" if "auto_setting" in r else "-"] if auto else []),
-         f"{r['tokens_per_s']:.1f}", optional_cell(r, "ar_tokens_per_s", "{:.1f}"), optional_cell(r, "speedup") + "x"]
+         *([optional_cell(r, "tokens_per_s", "{:.1f}"), optional_cell(r, "ar_tokens_per_s", "{:.1f}"),
+            optional_cell(r, "speedup") + "x"] if speed else [])]
         for r in table
     )
     return "\n".join(markdown_table(header, rows))

@@ -65,7 +65,7 @@ from exittrain.models.drafter_copy import copy_logits, copy_terms, init_copy_gat
 from exittrain.models.drafter_init import copy_target_layers
 from exittrain.models.drafter_io import check_saved_files
 from exittrain.models.drafter_layers import ContextKV, DrafterLayer, DrafterRMSNorm
-from exittrain.models.row_matmul import head_rows, is_plain_head
+from exittrain.models.head_product import head_product, is_plain_head
 from exittrain.models.vocab_head import vocab_logits, vocab_logits_reference
 
 logger = logging.getLogger(__name__)
@@ -212,10 +212,10 @@ class BlockDrafter(PreTrainedModel):
         lm_head = self._target_module("lm_head")
         hidden = hidden_NKH.to(lm_head.weight.dtype)
         if is_plain_head(lm_head):
-            # a few rows at decode time, in the layout this host runs faster (row_matmul.py); the
+            # a few rows at decode time, through the head product a CPU decode may install; the
             # weight is in place (no accelerate hook), so the rows go to its device
             hidden, weight = hidden.to(lm_head.weight.device), lm_head.weight
-            logits = head_rows(hidden, weight) if vocab_ids is None else vocab_logits(hidden, weight, vocab_ids)
+            logits = head_product(hidden, weight) if vocab_ids is None else vocab_logits(hidden, weight, vocab_ids)
         else:  # a hooked head moves its inputs itself (its weight may be offloaded until its forward)
             logits = lm_head(hidden)
             logits = logits if vocab_ids is None else vocab_logits_reference(logits, vocab_ids)

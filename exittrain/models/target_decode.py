@@ -93,7 +93,7 @@ class TargetDecoding:
         key_positions = None
         if any(w is not None for w in self.attention_windows.values()):  # the cached context sits at 0..C-1
             key_positions = torch.cat([torch.arange(C, device=device).expand(N, C), position_ids], dim=1)
-        with self._capture(layers) as captured, self._packed_rows(), self._tree_attention():
+        with self._capture(layers) as captured, self._row_kernels_active(), self._tree_attention():
             logits = self._causal_lm_logits(
                 input_ids=input_ids,
                 attention_mask=self._additive(allowed, position_ids, key_positions),

@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 from exittrain.models.grouped_attention import grouped_query_attention
-from exittrain.models.packed_linears import PackedLinears, packed_for
-from exittrain.models.row_matmul import choose_layouts, head_rows, is_plain_head
+from exittrain.models.head_product import head_product, is_plain_head
 from exittrain.models.target_decode import TargetDecoding
 from exittrain.models.target_scoring import TreeScoring
 
@@ -170,7 +169,10 @@ class TargetModel(TargetDecoding, TreeScoring):
         self.tokenizer = tokenizer
         self.name = name
         self.config = config
-        self.packed_linears: PackedLinears | None = None  # prepare_tree_rows makes it
+        # faster products for a tree forward's few rows, set for the length of a CPU decode by
+        # exittrain.cpu_decode.fast_products (an object with active() and apply(module, x) -> Tensor
+        # or None); None: every linear runs F.linear, as in training and the plain decoder
+        self.row_kernels = None
         model.requires_grad_(False)
         model.eval()
 
@@ -292,28 +294,20 @@ class TargetModel(TargetDecoding, TreeScoring):
             return None
         return torch.cat([captured[x].to(self.device) for x in layers], dim=-1)
 
-    def _plain_head(self) -> nn.Module | None:
+    def plain_head(self) -> nn.Module | None:
         """The LM head where the logits are it applied to the decoder's last hidden state
-        (:data:`PLAIN_HEAD_MODEL_TYPES`, :func:`~exittrain.models.row_matmul.is_plain_head`), else None."""
+        (:data:`PLAIN_HEAD_MODEL_TYPES`, :func:`~exittrain.models.head_product.is_plain_head`), else None."""
         head = self.lm_head
         plain = getattr(self.config, "model_type", None) in PLAIN_HEAD_MODEL_TYPES and is_plain_head(head)
         return head if plain else None
 
-    def prepare_tree_rows(self, max_rows: int) -> None:
-        """Make now, outside any timed round, what tree forwards of 2 to ``max_rows`` rows use:
-        the LM head's layout for each row count, where :meth:`_causal_lm_logits` would choose it on
-        first use (:func:`~exittrain.models.row_matmul.choose_layouts`), and the decoder layers'
-        linears and the LM head packed for those rows
-        (:class:`~exittrain.models.packed_linears.PackedLinears`, kept where they time faster
-        here). Both persist on this object for later calls."""
-        head = self._plain_head()
-        if head is not None:
-            choose_layouts(head.weight, range(2, max_rows + 1))
-        self.packed_linears = packed_for(self.model, max_rows, [*self._decoder.layers.modules(), self.lm_head])
+    def tree_linears(self) -> list[nn.Module]:
+        """The modules a tree forward runs on its few rows: the decoder layers' and the LM head."""
+        return [*self._decoder.layers.modules(), self.lm_head]
 
-    def _packed_rows(self):
-        """The packed linears' forwards while open, where :meth:`prepare_tree_rows` made them."""
-        return contextlib.nullcontext() if self.packed_linears is None else self.packed_linears.active()
+    def _row_kernels_active(self):
+        """The row kernels' forwards while open, where a CPU decode set :attr:`row_kernels`."""
+        return contextlib.nullcontext() if self.row_kernels is None else self.row_kernels.active()
 
     def _tree_attention(self):
         """Open around a forward under a 4D tree mask: on sdpa, grouped query heads read their
@@ -324,17 +318,16 @@ class TargetModel(TargetDecoding, TreeScoring):
     def _causal_lm_logits(self, **kwargs) -> torch.Tensor:
         """``self.model(**kwargs).logits``. Where the model's logits are its plain LM head applied to
         the decoder's last hidden state (:data:`PLAIN_HEAD_MODEL_TYPES`, a plain head:
-        :func:`~exittrain.models.row_matmul.is_plain_head`), the decoder runs alone and the head is
-        applied here: from its pack inside :meth:`_packed_rows`
-        (:class:`~exittrain.models.packed_linears.PackedLinears`), else through
-        :func:`~exittrain.models.row_matmul.head_rows`, a few tree rows in the layout this host
-        runs faster. Same numbers up to float summation order."""
-        head = self._plain_head()
+        :func:`~exittrain.models.head_product.is_plain_head`), the decoder runs alone and the head is
+        applied here: by :attr:`row_kernels` where a CPU decode set them, else through
+        :func:`~exittrain.models.head_product.head_product` (``F.linear`` unless a CPU decode
+        installed a faster layout). Same numbers up to float summation order."""
+        head = self.plain_head()
         if head is None:
             return self.model(**kwargs).logits
         hidden = self._decoder(**kwargs).last_hidden_state.to(head.weight.device)
-        packed = None if self.packed_linears is None else self.packed_linears.apply(head, hidden)
-        return head_rows(hidden, head.weight) if packed is None else packed
+        fast = None if self.row_kernels is None else self.row_kernels.apply(head, hidden)
+        return head_product(hidden, head.weight) if fast is None else fast
 
     def _mask_value(self) -> float:
         return torch.finfo(self.dtype).min

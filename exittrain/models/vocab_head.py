@@ -1,4 +1,4 @@
-"""The drafter's LM head over a draft vocabulary (:mod:`exittrain.decoding.draft_vocab`).
+"""The drafter's LM head over a draft vocabulary (:mod:`exittrain.cpu_decode.draft_vocab`).
 
 Shape legend: N blocks, K drafter positions, H hidden width, V the target's vocabulary, S the
 draft vocabulary's size.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from exittrain.models.row_matmul import head_rows
+from exittrain.models.head_product import head_product
 
 __all__ = ["vocab_logits", "vocab_logits_reference"]
 
@@ -39,7 +39,7 @@ def _scatter(sub_NKS: torch.Tensor, ids_S: torch.Tensor, vocab_size: int) -> tor
 
 def vocab_logits(hidden_NKH: torch.Tensor, weight_VH: torch.Tensor, ids_S: torch.Tensor) -> torch.Tensor:
     """(N, K, V) head logits on the draft tokens ``ids_S`` (S,) long, -inf on every other token."""
-    sub_NKS = head_rows(hidden_NKH, _vocab_rows(weight_VH, ids_S))
+    sub_NKS = head_product(hidden_NKH, _vocab_rows(weight_VH, ids_S))
     return _scatter(sub_NKS, ids_S, weight_VH.shape[0])
 
 

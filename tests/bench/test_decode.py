@@ -8,7 +8,8 @@ import torch
 
 from exittrain.bench import decode as bench_decode
 from exittrain.bench.registry import BENCHES
-from exittrain.decoding import ROUND_PARTS, auto_decoder
+from exittrain.cpu_decode.auto_settings import auto_decoder
+from exittrain.decoding import ROUND_PARTS
 from exittrain.models import new_drafter
 from tests.models.helpers import tiny_target
 

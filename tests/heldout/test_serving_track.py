@@ -209,9 +209,10 @@ def test_fit_measures_vllm_acceptance_of_the_export(one_thread, tmp_path, monkey
 
 def test_the_warm_start_is_not_paired_with_itself():
     """fit printed "warm_start - warm_start ... +0.000" for the chain: the warm start gets no reference."""
-    from exittrain.fit import warm_start_reference
+    from exittrain.heldout.evaluator import paired_reference
 
     measured = {"warm_start": {(7, 0.6): [torch.ones(2)]}}
-    assert warm_start_reference(measured, "warm_start") is None
-    assert warm_start_reference(measured, "exittrain") is measured["warm_start"]
-    assert warm_start_reference({}, "exittrain") is None
+    assert paired_reference(measured, "warm_start", "warm_start") is None
+    assert paired_reference(measured, "exittrain", "warm_start") is measured["warm_start"]
+    assert paired_reference({}, "exittrain", "warm_start") is None
+    assert paired_reference(measured, "exittrain", None) is None  # eval: one drafter, no pairing

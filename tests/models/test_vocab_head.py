@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from exittrain.cpu_decode import row_layouts as rm
 from exittrain.models import new_drafter
-from exittrain.models import row_matmul as rm
 from exittrain.models import vocab_head as vh
 from tests.models.helpers import tiny_target
 

@@ -9,16 +9,18 @@ import torch
 import torch.nn.functional as F
 
 from exittrain.core import DraftTree
-from exittrain.models import new_drafter
-from exittrain.models import row_matmul as rm
+from exittrain.cpu_decode import row_layouts as rm
+from exittrain.models import head_product, new_drafter
 from tests.models.helpers import random_context, random_trees, tiny_target
 
 
 @pytest.fixture
 def forced(monkeypatch):
-    """force(True | False): every head_rows call takes the transposed layout, or F.linear."""
+    """force(True | False): every head_rows call takes the transposed layout, or F.linear; and
+    head_rows is the installed head product, as inside a CPU decode's rounds."""
     def force(transposed: bool):
         monkeypatch.setattr(rm, "_choose", lambda x, w: transposed)
+        monkeypatch.setattr(head_product, "_INSTALLED", [rm.head_rows])
     return force
 
 
@@ -135,15 +137,15 @@ def test_the_drafter_head_equals_the_target_head_module(forced, transposed):
 
 
 def test_only_a_plain_head_of_a_known_model_type_is_computed_here(monkeypatch):
-    assert rm.is_plain_head(torch.nn.Linear(4, 9, bias=False))
-    assert not rm.is_plain_head(torch.nn.Linear(4, 9, bias=True))
+    assert head_product.is_plain_head(torch.nn.Linear(4, 9, bias=False))
+    assert not head_product.is_plain_head(torch.nn.Linear(4, 9, bias=True))
     hooked = torch.nn.Linear(4, 9, bias=False)
     hooked._hf_hook = object()  # accelerate dispatched or offloaded it: the weight may not be in place
-    assert not rm.is_plain_head(hooked)
+    assert not head_product.is_plain_head(hooked)
 
     target = tiny_target("llama")
     called = []
-    monkeypatch.setattr("exittrain.models.target_model.head_rows", lambda *a: called.append(1) or F.linear(*a))
+    monkeypatch.setattr("exittrain.models.target_model.head_product", lambda *a: called.append(1) or F.linear(*a))
     tree = random_trees(1, k=3, budget=6, seed=1)
     target.tree_forward(target.prefill(torch.tensor([random_context(3, 7)])).cache, 5, tree)
     assert called == [1]
@@ -153,8 +155,10 @@ def test_only_a_plain_head_of_a_known_model_type_is_computed_here(monkeypatch):
 
 
 def test_choices_are_made_up_front_for_every_tree_size_a_decoder_can_verify(monkeypatch):
-    """choose_layouts times each count the fast path can take, once; a decoder calls it through
-    prepare_tree_rows before its first round, for 2 .. its tree rows (scripted timer)."""
+    """choose_layouts times each count the fast path can take, once; the CPU's fast decoder calls it
+    through fast_products before its first round, for 2 .. its tree rows (scripted timer). The plain
+    decoder, the one training's decode check runs, times nothing."""
+    from exittrain.cpu_decode.fast_products import FastCpuDecoder
     from exittrain.decoding import SpeculativeDecoder
 
     timed = []
@@ -174,7 +178,10 @@ def test_choices_are_made_up_front_for_every_tree_size_a_decoder_can_verify(monk
     target = tiny_target("llama")
     drafter = new_drafter(target, block_size=4, num_layers=1, hidden_size=32, seed=0).eval()
     vocab = target.lm_head.weight.shape[0]
-    SpeculativeDecoder(target, drafter, budget=3, copy_tail=2).generate([5, 6, 7, 8, 5, 6], 4)
+    plain = SpeculativeDecoder(target, drafter, budget=3, copy_tail=2).generate([5, 6, 7, 8, 5, 6], 4).tokens
+    assert timed == [] and rm.layout_choices() == []
+    fast = FastCpuDecoder(target, drafter, budget=3, copy_tail=2).generate([5, 6, 7, 8, 5, 6], 4).tokens
+    assert fast == plain
     head_counts = [rows for rows, v in timed if v == vocab]
     assert head_counts[:5] == [2, 3, 4, 5, 6]  # 3 nodes + a tail of 2 + the root: chosen before any round
     assert len(head_counts) == len(set(head_counts))  # and none of them again during the rounds

@@ -1,11 +1,11 @@
 """tau of every ``decode: auto`` candidate at T = 0, from one drafter pass per probe row (no decoding).
 
 :func:`candidate_block_lengths` builds, at every answer position of a probe row, the tree each
-candidate setting (an :class:`~exittrain.decoding.auto_settings.DecodeSetting`: budget, draft
+candidate setting (an :class:`~exittrain.cpu_decode.auto_settings.DecodeSetting`: budget, draft
 vocabulary, copy tail, copy lead) would verify there, exactly as the decoder builds it, and
 returns the block a T = 0 verifier accepts; :func:`round_starts` and :func:`along_the_rounds` walk
 those blocks the way a T = 0 decoder's rounds do, which gives the decoded tau. The module
-docstring of :mod:`exittrain.decoding.auto_settings` says how the probe uses them.
+docstring of :mod:`exittrain.cpu_decode.auto_settings` says how the probe uses them.
 
 Shape legend: A anchors (answer positions of a probe row), K drafter horizon, V vocabulary, D
 continuation depth checked (K plus the longest copy tail), T tokens of the row, F target feature

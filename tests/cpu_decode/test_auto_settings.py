@@ -8,11 +8,14 @@ import pytest
 import torch
 
 from exittrain.core import resampled_ratios
-from exittrain.decoding import GreedyDecoder, SpeculativeDecoder, auto_decoder, autoregressive_generate
-from exittrain.decoding import auto_settings as auto
-from exittrain.decoding.auto_settings import DecodeSetting
-from exittrain.decoding.draft_vocab import count_answer_tokens, draft_vocabulary, save_token_counts
+from exittrain.cpu_decode import auto_settings as auto
+from exittrain.cpu_decode import decode_settings, probe_tau
+from exittrain.cpu_decode.auto_settings import auto_decoder
+from exittrain.cpu_decode.decode_settings import GREEDY, PROMPT_LOOKUP_TOKENS, DecodeSetting, candidate_settings
+from exittrain.cpu_decode.draft_vocab import count_answer_tokens, draft_vocabulary, save_token_counts
+from exittrain.decoding import GreedyDecoder, SpeculativeDecoder, autoregressive_generate
 from exittrain.heldout.decode_eval import evaluate_prompts
+from exittrain.heldout.evaluator import HeldOutEvaluator, format_report
 from exittrain.models import load_drafter, new_drafter
 from tests.models.helpers import tiny_target
 
@@ -37,10 +40,10 @@ def drafter(target):
 
 
 def test_candidates_are_capped_by_the_recipe_budget_and_need_token_counts_for_a_vocabulary():
-    got = auto.candidate_settings(8, 64, has_token_counts=False, budgets=(2, 4, 16), copy_tails=(0, 10),
+    got = candidate_settings(8, 64, has_token_counts=False, budgets=(2, 4, 16), copy_tails=(0, 10),
                                   copy_leads=(0,), miss_steps=(0,))
     assert got == [DecodeSetting(b, 0, t) for b in (2, 4, 8) for t in (0, 10)]  # 16 dropped, the recipe's 8 added
-    got = auto.candidate_settings(4, 64, has_token_counts=True, budgets=(2, 4), vocab_sizes=(0, 3, 16, 64),
+    got = candidate_settings(4, 64, has_token_counts=True, budgets=(2, 4), vocab_sizes=(0, 3, 16, 64),
                                   copy_tails=(0,), miss_steps=())  # no tail: no copy lead either; steps 0 always
     # 64 is the whole vocabulary (no saving), 3 is smaller than budget 4
     assert got == [DecodeSetting(2, 0), DecodeSetting(2, 3), DecodeSetting(2, 16), DecodeSetting(4, 0),
@@ -48,28 +51,28 @@ def test_candidates_are_capped_by_the_recipe_budget_and_need_token_counts_for_a_
     assert DecodeSetting(4, 4096, 10).label == "B=4, draft vocab 4096, copy tail 10"
     assert DecodeSetting(16).label == "B=16"
     assert DecodeSetting(2, 0, 10, 4).label == "B=2, copy tail 10, copy lead 4"
-    assert auto.GREEDY.label == "greedy, no drafter"
+    assert GREEDY.label == "greedy, no drafter"
     # a copy lead only beside a tail, and always with its drafting twin
-    got = auto.candidate_settings(2, 64, has_token_counts=False, budgets=(2,), copy_tails=(0, 10), copy_leads=(4,),
+    got = candidate_settings(2, 64, has_token_counts=False, budgets=(2,), copy_tails=(0, 10), copy_leads=(4,),
                                   miss_steps=(0,))
     assert got == [DecodeSetting(2), DecodeSetting(2, 0, 10), DecodeSetting(2, 0, 10, 4)]
     # miss steps: every value with every setting; each variant's rounds are its setting without steps
-    got = auto.candidate_settings(2, 64, has_token_counts=False, budgets=(2,), copy_tails=(0,), miss_steps=(3, 1))
+    got = candidate_settings(2, 64, has_token_counts=False, budgets=(2,), copy_tails=(0,), miss_steps=(3, 1))
     assert got == [DecodeSetting(2), DecodeSetting(2, 0, 0, 0, 1), DecodeSetting(2, 0, 0, 0, 3)]
     assert {s.rounds for s in got} == {DecodeSetting(2)}
     assert DecodeSetting(2, 4096, 10, 0, 2).label == "B=2, draft vocab 4096, copy tail 10, miss steps 2"
     with pytest.raises(ValueError, match="miss_steps"):
-        auto.candidate_settings(4, 64, has_token_counts=False, miss_steps=(-1,))
+        candidate_settings(4, 64, has_token_counts=False, miss_steps=(-1,))
     with pytest.raises(ValueError, match="max_budget"):
-        auto.candidate_settings(0, 64, has_token_counts=False)
+        candidate_settings(0, 64, has_token_counts=False)
     with pytest.raises(ValueError, match="copy_tails"):
-        auto.candidate_settings(4, 64, has_token_counts=False, copy_tails=(-1,))
+        candidate_settings(4, 64, has_token_counts=False, copy_tails=(-1,))
 
 
 def test_the_prompt_lookup_length_is_a_copy_tail_candidate():
     """Prompt lookup copies 10 tokens; the tail appends after the tree's own copy, so 10 reaches at
     least as far."""
-    assert auto.PROMPT_LOOKUP_TOKENS == 10 and auto.PROMPT_LOOKUP_TOKENS in auto.DEFAULT_COPY_TAILS
+    assert PROMPT_LOOKUP_TOKENS == 10 and PROMPT_LOOKUP_TOKENS in decode_settings.DEFAULT_COPY_TAILS
 
 
 @pytest.mark.parametrize(("setting", "earliest"), [(DecodeSetting(4), False), (DecodeSetting(3, 0, 5), False),
@@ -86,7 +89,7 @@ def test_the_block_length_estimate_equals_each_round_of_a_real_decode(target, dr
     vocab = None if setting.draft_vocab == 0 else draft_vocabulary(COUNTS, setting.draft_vocab, target.vocab_size)
     answer = autoregressive_generate(target, REPEATING, 30).tokens
     row = (torch.tensor(REPEATING + answer), len(REPEATING))
-    lengths, nodes, kinds = auto.candidate_block_lengths(target, drafter, [row], [setting],
+    lengths, nodes, kinds = probe_tau.candidate_block_lengths(target, drafter, [row], [setting],
                                                          {setting.draft_vocab: vocab},
                                                          copy_earliest=earliest)[setting]
     assert len(lengths) == len(answer) and len(nodes) == len(answer) and len(kinds) == len(answer)
@@ -103,7 +106,7 @@ def test_the_block_length_estimate_equals_each_round_of_a_real_decode(target, dr
             assert (r.block_length, r.tree_nodes, r.kind) == (lengths[anchor], nodes[anchor], kinds[anchor])
         anchor += r.block_length
     # the probe's tau walks the same rounds: its blocks are the decoding's, round for round
-    walked, walked_nodes, walked_kinds = auto.along_the_rounds([(lengths, nodes, kinds)], setting.miss_steps)
+    walked, walked_nodes, walked_kinds = probe_tau.along_the_rounds([(lengths, nodes, kinds)], setting.miss_steps)
     n = len(result.rounds) - 1
     assert walked[:n] == [r.block_length for r in result.rounds[:-1]] and len(walked) >= n
     assert walked_nodes[:n] == [r.tree_nodes for r in result.rounds[:-1]]
@@ -119,9 +122,9 @@ def test_the_block_length_estimate_equals_each_round_of_a_real_decode(target, dr
 
 
 def test_round_starts_walk_one_block_at_a_time():
-    assert auto.round_starts([3, 1, 1, 2, 1, 1, 4]) == [0, 3, 5, 6]
-    assert auto.round_starts([]) == []
-    assert auto.along_the_rounds([([2, 9, 1], [4, 4, 5]), ([1, 1], [3, 3])]) == ([2, 1, 1, 1], [4, 5, 3, 3])
+    assert probe_tau.round_starts([3, 1, 1, 2, 1, 1, 4]) == [0, 3, 5, 6]
+    assert probe_tau.round_starts([]) == []
+    assert probe_tau.along_the_rounds([([2, 9, 1], [4, 4, 5]), ([1, 1], [3, 3])]) == ([2, 1, 1, 1], [4, 5, 3, 3])
 
 
 def scripted_timer(round_ms: dict, greedy_ms: float):
@@ -176,8 +179,8 @@ def test_when_no_setting_beats_greedy_auto_decodes_greedily_and_says_why(target,
     timer, _ = scripted_timer(lambda s: 100.0 + s.budget, greedy_ms=5.0)
     choice = auto.probe_decode_settings(target, drafter, PROMPTS[:1], max_budget=4, answer_tokens=8, timer=timer,
                                         copy_tails=(0,))
-    assert choice.setting == auto.GREEDY and not choice.beats_greedy and choice.chosen.speedup == 1.0
-    best = max((c for c in choice.candidates if c.setting != auto.GREEDY), key=lambda c: c.speedup)
+    assert choice.setting == GREEDY and not choice.beats_greedy and choice.chosen.speedup == 1.0
+    best = max((c for c in choice.candidates if c.setting != GREEDY), key=lambda c: c.speedup)
     assert best.speedup < 1 and choice.candidates[-1] is choice.chosen
     assert choice.reason.startswith("decode auto -> greedy, no drafter: no setting is expected to beat greedy on "
                                     "this host by the 1.05x that timing noise allows")
@@ -187,7 +190,7 @@ def test_when_no_setting_beats_greedy_auto_decodes_greedily_and_says_why(target,
     # the decoder auto builds then has no drafter, and decodes what greedy decoding does
     decoder = auto_decoder(target, drafter, PROMPTS[:1], max_budget=4, answer_tokens=8, copy_tails=(0,),
                            timer=scripted_timer(lambda s: 100.0 + s.budget, greedy_ms=5.0)[0])
-    assert isinstance(decoder, GreedyDecoder) and decoder.auto_choice.setting == auto.GREEDY
+    assert isinstance(decoder, GreedyDecoder) and decoder.auto_choice.setting == GREEDY
     assert decoder.generate(REPEATING, 12).tokens == autoregressive_generate(target, REPEATING, 12).tokens
     # without the fallback, the least slow candidate is chosen and the reason says it is slower
     kept = auto.probe_decode_settings(target, drafter, PROMPTS[:1], max_budget=4, answer_tokens=8, copy_tails=(0,),
@@ -206,9 +209,9 @@ def test_an_expected_gain_within_timing_noise_decodes_greedily(target, drafter):
                                           timer=scripted_timer(lambda s: 100.0, greedy_ms)[0])
 
     best_tau = max(c.tau for c in probe(50.0).candidates)  # every round costs 100 ms: the best has the top tau
-    assert probe(1.02 * 100.0 / best_tau).setting == auto.GREEDY
+    assert probe(1.02 * 100.0 / best_tau).setting == GREEDY
     clear = probe(1.08 * 100.0 / best_tau)
-    assert clear.setting != auto.GREEDY and clear.chosen.speedup == pytest.approx(1.08)
+    assert clear.setting != GREEDY and clear.chosen.speedup == pytest.approx(1.08)
 
 
 def test_the_fastest_first_timing_is_timed_again_and_a_flattering_one_loses(target, drafter):
@@ -337,7 +340,7 @@ def test_a_setting_fast_on_few_prompts_is_passed_over_and_without_another_auto_d
             in passed.reason)
     monkeypatch.setattr(auto, "speedup_bound", lambda rows, g, d, l: 0.9)
     none_left = probe()
-    assert none_left.setting == auto.GREEDY and not none_left.beats_greedy
+    assert none_left.setting == GREEDY and not none_left.beats_greedy
     assert none_left.reason.startswith("decode auto -> greedy, no drafter: no setting is expected to beat greedy on "
                                        f"most prompts: the best, {best.setting.label}, expected {best.speedup:.2f}x, "
                                        "0.90x at the 10% bound for other prompts")
@@ -360,7 +363,7 @@ def test_copy_led_rounds_weigh_their_own_cost(target, drafter):
     assert led.round_ms == pytest.approx((1 - led.copy_led) * 40.0 + led.copy_led * 10.0)
     assert led.speedup == pytest.approx(led.tau * 9.0 / led.round_ms)
     assert all(c.copy_led == 0 and c.round_ms == 30.0 for c in choice.candidates
-               if not c.setting.copy_lead and c.setting != auto.GREEDY)
+               if not c.setting.copy_lead and c.setting != GREEDY)
 
     def no_led_round(setting):
         return 9.0 if setting is None else ((None, None) if setting.copy_lead else 30.0)
@@ -430,7 +433,7 @@ def test_the_drafter_folder_gives_its_token_counts(tmp_path, target, drafter):
 
 def test_evaluate_prompts_auto_rows_carry_the_quality_and_the_speed_setting(target, drafter):
     rows = evaluate_prompts(target, drafter, PROMPTS[:2], budgets=[4], max_new_tokens=12, progress=False,
-                            decode="auto", label="x")
+                            auto=auto.auto_probe(target), label="x")
     fixed = evaluate_prompts(target, drafter, PROMPTS[:2], budgets=[4], max_new_tokens=12, progress=False)
     for row, plain in zip(rows, fixed):
         assert row["decode"] == "auto" and plain["decode"] == "fixed" and "auto_setting" not in plain
@@ -443,5 +446,21 @@ def test_evaluate_prompts_auto_rows_carry_the_quality_and_the_speed_setting(targ
         assert row["speedup"] == pytest.approx(row["tokens_per_s"] / row["ar_tokens_per_s"])
         assert row["fixed_speedup"] == pytest.approx(row["fixed_tokens_per_s"] / row["ar_tokens_per_s"])
         assert row["auto_reason"].startswith("decode auto -> ")
-    with pytest.raises(ValueError, match="eval.decode"):
-        evaluate_prompts(target, drafter, PROMPTS[:1], budgets=[4], decode="fast", progress=False)
+    settings = dict(budgets=[4], temperatures=[0.0], max_new_tokens=12, verifier="tev", baseline=True, oracle=False,
+                    seed=0, decode="auto")
+    with pytest.raises(ValueError, match="eval.decode=auto needs the CPU decode probe"):
+        HeldOutEvaluator(target, PROMPTS[:1], settings, ([], 4))
+
+
+def test_the_evaluator_shows_speed_on_a_cpu_only_at_decode_auto(target, drafter):
+    """The plain decoder's speed on a CPU is no figure a user can act on: its rows carry no tokens/s
+    and the report says why; with the probe the speed columns are there."""
+    settings = dict(budgets=[4], temperatures=[0.0], max_new_tokens=8, verifier="tev", baseline=True, oracle=False,
+                    seed=0, decode="fixed")
+    plain, _, _ = HeldOutEvaluator(target, PROMPTS[:1], settings, ([], 4), chain=False).measure(drafter, "x")
+    assert "tokens_per_s" not in plain[0] and "speedup" not in plain[0] and plain[0]["lossless"] is True
+    assert "tok/s" not in format_report(plain) and "Speed: not measured" in format_report(plain)
+    fast, _, _ = HeldOutEvaluator(target, PROMPTS[:1], {**settings, "decode": "auto"}, ([], 4),
+                                  auto=auto.auto_probe(target), chain=False).measure(drafter, "x")
+    assert fast[0]["speedup"] > 0 and "tok/s" in format_report(fast)
+    assert "Speed: not measured" not in format_report(fast)

@@ -17,7 +17,7 @@ answers (loss-masked tokens of the regenerated rows), never from evaluation prom
 ``{"ids": [...], "counts": [...], "rows": R, "tokens": N, "source": "..."}`` with ``ids`` every
 answer token in decreasing frequency (ties: lower id first). :func:`draft_vocabulary` takes the
 first S of them, fills up with the lowest unseen ids when fewer were seen, and always adds the
-target's stop tokens. ``python -m exittrain.decoding.draft_vocab CACHE_ENTRY DRAFTER_DIR``
+target's stop tokens. ``python -m exittrain.cpu_decode.draft_vocab CACHE_ENTRY DRAFTER_DIR``
 writes the file for a drafter trained before ``fit`` wrote it.
 """
 
@@ -78,7 +78,7 @@ def load_token_counts(folder: str | Path) -> dict | None:
         ids = [int(t) for t in record["ids"]]
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{path}: not a draft vocabulary ({err}); delete it or rewrite it with "
-                         "python -m exittrain.decoding.draft_vocab") from err
+                         "python -m exittrain.cpu_decode.draft_vocab") from err
     return {**record, "ids": ids}
 
 
@@ -109,7 +109,7 @@ def load_draft_vocabulary(folder: str | Path | None, size: int, target) -> torch
     if record is None:
         raise ValueError(
             f"a draft vocabulary of {size} tokens: the drafter folder {str(folder)!r} has no {FILE_NAME} (fit writes "
-            "it); for a drafter trained before, run python -m exittrain.decoding.draft_vocab CACHE_ENTRY DRAFTER_DIR"
+            "it); for a drafter trained before, run python -m exittrain.cpu_decode.draft_vocab CACHE_ENTRY DRAFTER_DIR"
         )
     return draft_vocabulary(record, size, target.vocab_size, target.eos_token_ids)
 

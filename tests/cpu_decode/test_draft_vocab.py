@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
+from exittrain.cpu_decode import draft_vocab as dv
 from exittrain.decoding import SpeculativeDecoder
-from exittrain.decoding import draft_vocab as dv
 from exittrain.models import new_drafter
 from tests.models.helpers import tiny_target
 

@@ -7,11 +7,11 @@ one probe row (prompt + answer), F target feature width, H drafter width.
 Why: a round's yield (tau, tokens per round) grows with the budget B, its cost grows too, and by
 how much depends on the host: on a memory-bound 2-core CPU the drafter's LM head and the tree's
 extra rows cost as much as the tokens they add, on a GPU a tree of 16 nodes costs what one token
-does. A draft vocabulary (:mod:`exittrain.decoding.draft_vocab`) cuts the drafter's cost at a
+does. A draft vocabulary (:mod:`exittrain.cpu_decode.draft_vocab`) cuts the drafter's cost at a
 small loss of tau; a copy tail (:mod:`exittrain.core.copy_tail`) adds tau at the cost of its
 rows; a copy-led round (``copy_lead``) skips the drafter where the text is restating itself and
 verifies the copy alone, as prompt lookup does. So the setting is measured, not assumed. The settings
-and the candidates tried are :mod:`exittrain.decoding.decode_settings`.
+and the candidates tried are :mod:`exittrain.cpu_decode.decode_settings`.
 
 What :func:`probe_decode_settings` measures, on a few held-out prompts:
 
@@ -29,7 +29,7 @@ What :func:`probe_decode_settings` measures, on a few held-out prompts:
 - **steps after a miss** (``miss_steps``, :data:`DEFAULT_MISS_STEPS`): each setting's variants
   are walked over the same per-anchor blocks (:func:`along_the_rounds` with the decoder's step
   rule), a step yielding one token at the greedy step's cost; they share the setting's timing.
-- **the cost of a round** of every candidate (:mod:`exittrain.decoding.round_cost`): the mean
+- **the cost of a round** of every candidate (:mod:`exittrain.cpu_decode.round_cost`): the mean
   round time of short real decodes of a few probe prompts (draft, tree, target forward of the
   tree's rows, verify, commit: what a round pays), drafted and copy-led rounds apart, weighed by
   how often the walk above met each; and of a greedy step (one target forward of one token),
@@ -64,37 +64,24 @@ from pathlib import Path
 import torch
 
 from exittrain.core import resampled_ratios
-from exittrain.decoding.decode_settings import (
+from exittrain.cpu_decode.decode_settings import (
     DEFAULT_BUDGETS,
     DEFAULT_COPY_LEADS,
     DEFAULT_COPY_TAILS,
     DEFAULT_MISS_STEPS,
     DEFAULT_VOCAB_SIZES,
     GREEDY,
-    PROMPT_LOOKUP_TOKENS,
     DecodeSetting,
     candidate_settings,
 )
-from exittrain.decoding.draft_vocab import draft_vocabulary, load_token_counts
-from exittrain.decoding.probe_tau import along_the_rounds, candidate_block_lengths, round_starts
-from exittrain.decoding.round_cost import HostTimer, round_costs
-from exittrain.decoding.speculative import COPY_LED, DRAFTED, STEP
+from exittrain.cpu_decode.draft_vocab import draft_vocabulary, load_token_counts
+from exittrain.cpu_decode.fast_products import FastCpuDecoder
+from exittrain.cpu_decode.probe_tau import along_the_rounds, candidate_block_lengths
+from exittrain.cpu_decode.round_cost import HostTimer, round_costs
+from exittrain.decoding.speculative import COPY_LED, DRAFTED, STEP, GreedyDecoder, autoregressive_generate
 
-__all__ = [
-    "AutoChoice",
-    "along_the_rounds",
-    "auto_decoder",
-    "CandidateResult",
-    "DecodeSetting",  # re-exported from decode_settings, with GREEDY, PROMPT_LOOKUP_TOKENS, candidate_settings
-    "GREEDY",
-    "HostTimer",  # re-exported from round_cost: the real timer of the probe
-    "PROMPT_LOOKUP_TOKENS",
-    "round_starts",
-    "candidate_block_lengths",
-    "candidate_settings",
-    "drafter_token_counts",
-    "probe_decode_settings",
-]
+__all__ = ["AutoChoice", "CandidateResult", "auto_decoder", "auto_probe", "drafter_token_counts",
+           "probe_decode_settings"]
 
 log = logging.getLogger("exittrain")
 
@@ -308,7 +295,6 @@ def probe_decode_settings(
     it did not see; ``timer(None)`` a greedy step's ms (default :class:`HostTimer`).
     Deterministic given the timer's values.
     """
-    from exittrain.decoding.speculative import autoregressive_generate
 
     if not prompts:
         raise ValueError("the decode probe needs at least one held-out prompt")
@@ -406,7 +392,7 @@ def probe_decode_settings(
 
 def auto_decoder(target, drafter, prompts, *, max_budget: int = 16, verifier: str = "tev",
                  token_counts: dict | None = None, **probe):
-    """A :class:`~exittrain.decoding.speculative.SpeculativeDecoder` at the setting this host and
+    """A :class:`~exittrain.cpu_decode.fast_products.FastCpuDecoder` at the setting this host and
     drafter decode fastest (``decode: auto``).
 
     :func:`probe_decode_settings` measures the candidate budgets (up to ``max_budget``, the
@@ -418,14 +404,22 @@ def auto_decoder(target, drafter, prompts, *, max_budget: int = 16, verifier: st
     one) lets the probe try a draft vocabulary. The returned decoder's ``auto_choice`` holds the
     verdict and its one-line ``reason``.
     """
-    from exittrain.decoding.speculative import GreedyDecoder, SpeculativeDecoder
-
     counts = token_counts if token_counts is not None else drafter_token_counts(drafter)
     choice = probe_decode_settings(target, drafter, prompts, max_budget=max_budget, token_counts=counts,
                                    verifier=verifier, **probe)
     if choice.setting == GREEDY:
         decoder = GreedyDecoder(target)
     else:
-        decoder = SpeculativeDecoder(target, drafter, verifier=verifier, **choice.decoder_kwargs())
+        decoder = FastCpuDecoder(target, drafter, verifier=verifier, **choice.decoder_kwargs())
     decoder.auto_choice = choice
     return decoder
+
+
+def auto_probe(target, verifier: str = "tev", token_counts: dict | None = None) -> Callable:
+    """The ``auto`` argument of :class:`~exittrain.heldout.evaluator.HeldOutEvaluator` for
+    ``eval.decode=auto``: ``probe(drafter, prompts, max_budget, answer_tokens)`` returns
+    :func:`auto_decoder`'s decoder for that drafter (``token_counts``: as there)."""
+    def probe(drafter, prompts, max_budget: int, answer_tokens: int):
+        return auto_decoder(target, drafter, prompts, max_budget=max_budget, verifier=verifier,
+                            token_counts=token_counts, answer_tokens=answer_tokens)
+    return probe

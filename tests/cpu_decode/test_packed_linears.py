@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from exittrain.core import DraftTree
-from exittrain.models import packed_linears as pl
-from exittrain.models.packed_linears import PackedLinears, unpacked
+from exittrain.cpu_decode import packed_linears as pl
+from exittrain.cpu_decode.fast_products import fast_products
+from exittrain.cpu_decode.packed_linears import PackedLinears, unpacked
 from tests.models.helpers import random_context, random_trees, tiny_target
 
 pytestmark = pytest.mark.skipif(not pl.AVAILABLE, reason="this torch build has no MKL packed product")
@@ -121,18 +122,20 @@ def test_tree_forward_with_packed_linears_equals_the_unpacked_one(monkeypatch, k
     the logits F.linear gives (to float summation order)."""
     target = tiny_target(kind)
     _scripted(monkeypatch)
-    target.prepare_tree_rows(13)
-    assert target.packed_linears.packs and target.lm_head in target.packed_linears.linears
     context, root = random_context(2, 9), 5
     tree: DraftTree = random_trees(1, k=4, budget=12, seed=3)
     calls = []
     real_apply = PackedLinears.apply
     monkeypatch.setattr(PackedLinears, "apply", lambda self, m, x: calls.append(real_apply(self, m, x)) or calls[-1])
-    fast = target.tree_forward(target.prefill(torch.tensor([context])).cache, root, tree).logits
+    with fast_products(target, max_rows=13):
+        assert target.row_kernels.packs and target.lm_head in target.row_kernels.linears
+        fast = target.tree_forward(target.prefill(torch.tensor([context])).cache, root, tree).logits
     assert calls and all(c is not None for c in calls)  # every linear and the head ran packed (13 rows)
-    with unpacked():
-        reference = target.tree_forward(target.prefill(torch.tensor([context])).cache, root, tree).logits
-    torch.testing.assert_close(fast, reference, atol=1e-4, rtol=1e-4)
+    assert target.row_kernels is None  # the decode's block ended: F.linear again
+    calls.clear()
+    plain = target.tree_forward(target.prefill(torch.tensor([context])).cache, root, tree).logits
+    assert calls == []
+    torch.testing.assert_close(fast, plain, atol=1e-4, rtol=1e-4)
 
 
 @torch.no_grad()
@@ -166,7 +169,8 @@ def test_nested_blocks_over_a_shared_module_give_each_forward_back(monkeypatch):
 
 
 def test_greedy_decoding_with_packed_target_and_drafter_equals_the_targets_own(monkeypatch):
-    from exittrain.decoding import SpeculativeDecoder, autoregressive_generate
+    from exittrain.cpu_decode.fast_products import FastCpuDecoder
+    from exittrain.decoding import autoregressive_generate
     from exittrain.models import new_drafter
 
     target = tiny_target("llama", seed=3)
@@ -174,7 +178,7 @@ def test_greedy_decoding_with_packed_target_and_drafter_equals_the_targets_own(m
     drafter = new_drafter(target, block_size=4, num_layers=1, hidden_size=32, seed=0, copy_ngrams=[2, 1])
     _scripted(monkeypatch)
     prompt = [5, 17, 33, 2, 40, 41, 9, 12]
-    decoder = SpeculativeDecoder(target, drafter, budget=6, verifier="tev", copy_tail=3)
+    decoder = FastCpuDecoder(target, drafter, budget=6, verifier="tev", copy_tail=3)
     tokens = decoder.generate(prompt, max_new_tokens=24, temperature=0.0).tokens
-    assert target.packed_linears.packs and pl.packed_for(drafter, 4).packs  # both ran from packs
+    assert pl._PACKED[target.model].packs and pl.packed_for(drafter, 4).packs  # both ran from packs
     assert tokens == autoregressive_generate(target, prompt, 24).tokens

@@ -1,4 +1,4 @@
-"""The settings ``decode: auto`` chooses among (:mod:`exittrain.decoding.auto_settings`): one
+"""The settings ``decode: auto`` chooses among (:mod:`exittrain.cpu_decode.auto_settings`): one
 :class:`DecodeSetting` (budget, draft vocabulary, copy tail, copy lead, steps after a miss), the
 defaults the probe tries, and :func:`candidate_settings`, every combination to probe. No timing and
 no model here: what a setting is, not how fast it decodes.

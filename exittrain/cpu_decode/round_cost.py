@@ -1,4 +1,4 @@
-"""The cost of a decoding round on this host, for ``decode: auto`` (:mod:`exittrain.decoding.auto_settings`).
+"""The cost of a decoding round on this host, for ``decode: auto`` (:mod:`exittrain.cpu_decode.auto_settings`).
 
 :class:`HostTimer` times real decodes of a setting; :func:`round_costs` turns a timer's answer
 into the cost of a drafted round and of a copy-led one. Timings are this host's, now.
@@ -10,6 +10,9 @@ import statistics
 from collections.abc import Sequence
 
 import torch
+
+from exittrain.cpu_decode.fast_products import FastCpuDecoder
+from exittrain.decoding.speculative import COPY_LED, DRAFTED, autoregressive_generate, rounds_by_kind
 
 __all__ = ["HostTimer", "round_costs"]
 
@@ -23,7 +26,7 @@ class HostTimer:
     The mean, not the median: tokens per second is total tokens over total time, so a slow round
     counts at its cost. What would bias it is one-off work, so each setting first decodes a few
     tokens untimed (the LM head's layout choice for new row counts,
-    :mod:`exittrain.models.row_matmul`, is timed then), and each decode's first round is left out.
+    :mod:`exittrain.cpu_decode.row_layouts`, is timed then), and each decode's first round is left out.
     Several prompts, a few dozen tokens, and contexts that reach into the answers put the rounds
     at the contexts decoding sees: timed on one prompt's first 16 tokens, rounds came out 20%
     cheaper than in the decode they predicted (a round over 600 tokens of context costs 13-34 ms
@@ -38,23 +41,15 @@ class HostTimer:
         self.vocabs, self.tokens, self.verifier = vocabs, tokens, verifier
 
     def __call__(self, setting):  # a decode_settings.DecodeSetting, or None
-        from exittrain.decoding.speculative import (
-            COPY_LED,
-            DRAFTED,
-            SpeculativeDecoder,
-            autoregressive_generate,
-            rounds_by_kind,
-        )
-
         if setting is None:
             steps = [r.times for p in self.prompts for r in autoregressive_generate(self.target, p, self.tokens).rounds
                      if "target" in r.times]  # the last token needs no forward
             if not steps:
                 raise ValueError(f"the probe prompts gave no greedy step in {self.tokens} tokens: raise timed_tokens")
             return 1e3 * statistics.fmean(sum(t.values()) for t in steps)
-        decoder = SpeculativeDecoder(self.target, self.drafter, budget=setting.budget, verifier=self.verifier,
-                                     copy_tail=setting.copy_tail, copy_lead=setting.copy_lead,
-                                     draft_vocab=self.vocabs[setting.draft_vocab])
+        decoder = FastCpuDecoder(self.target, self.drafter, budget=setting.budget, verifier=self.verifier,
+                                 copy_tail=setting.copy_tail, copy_lead=setting.copy_lead,
+                                 draft_vocab=self.vocabs[setting.draft_vocab])
         decoder.generate(self.prompts[0], self.WARM_UP_TOKENS)
         rounds = [r for p in self.prompts for r in decoder.generate(p, self.tokens).rounds[1:]]
         if not rounds:
