@@ -7,17 +7,15 @@ on first access, so a command that only prepares the data (:class:`PromptPlan`) 
 from typing import TYPE_CHECKING, Any
 
 from exittrain.data.collate import Collator, TruncationStats, truncation_stats
+from exittrain.data.domain_sources import DOMAIN_SOURCES, HUB_SOURCES
 from exittrain.data.generation import GenerationConfig, chat_prompt_ids, split_response
 from exittrain.data.prompt_plan import PromptPlan
 from exittrain.data.regen_cache import cache_key, cache_path, read_meta
 from exittrain.data.regenerate import regenerate
+from exittrain.data.source_spec import BUILTIN_SOURCES, PromptSource
 from exittrain.data.sources import (
-    BUILTIN_SOURCES,
-    DOMAIN_SOURCES,
-    HUB_SOURCES,
     DomainPrompts,
     LoadStats,
-    PromptSource,
     find_overlap,
     load_domain,
     load_prompt_set,

@@ -45,19 +45,13 @@ from typing import Any
 from exittrain.data.answerers import resolve_backend
 from exittrain.data.brought import brought_cache_key, brought_cache_path, write_brought_entry
 from exittrain.data.conversations import Conversation, load_conversation_set
+from exittrain.data.domain_sources import DOMAIN_SOURCES
 from exittrain.data.generation import GenerationConfig, chat_prompt_ids
 from exittrain.data.prompt_selection import seeded_sample
 from exittrain.data.regen_cache import cache_key, cache_path
 from exittrain.data.regenerate import TargetProvider, regenerate
-from exittrain.data.sources import (
-    DEFAULT_MAX_CHARS,
-    DOMAIN_SOURCES,
-    DomainPrompts,
-    PromptSource,
-    load_domain,
-    load_prompt_set,
-    normalize_prompt,
-)
+from exittrain.data.source_spec import PromptSource
+from exittrain.data.sources import DEFAULT_MAX_CHARS, DomainPrompts, load_domain, load_prompt_set, normalize_prompt
 from exittrain.models.target_loading import EMBEDDED_TARGET_NAME
 
 __all__ = [
@@ -188,7 +182,7 @@ class PromptPlan:
 
     Args:
         domain: ``"dialogue"``, ``"code"`` or ``"math"`` (default sources in
-            :data:`exittrain.data.sources.DOMAIN_SOURCES`); only a label when both source lists are given.
+            :data:`exittrain.data.domain_sources.DOMAIN_SOURCES`); only a label when both source lists are given.
         train_sources, eval_sources: prompt source specs overriding the domain defaults.
         target_name: the target's hub id or path, or None for the embedded SmolLM2 target
             (:data:`~exittrain.models.target_loading.EMBEDDED_TARGET_NAME`); it keys the cache.

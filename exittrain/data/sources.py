@@ -6,9 +6,8 @@ A prompt source is named by a :class:`PromptSource` (or its spec string: the gra
 rejection reason in :class:`LoadStats`; nothing disappears silently. The readers are in
 :mod:`exittrain.data.source_readers`, the field paths and templates in
 :mod:`exittrain.data.source_fields`, the CodeI/O stubs in :mod:`exittrain.data.codeio`, and each
-domain's default sources (the lists of its data config, ``conf/data/<domain>.yaml``) in
-:mod:`exittrain.data.domain_sources`. This module is the public face of them all: import their
-names from here.
+domain's default sources in :mod:`exittrain.data.domain_sources`. Import each name from the module
+that defines it.
 
 Rejection reasons (:data:`REJECT_REASONS`): ``blank_line`` (whitespace-only line in a JSON Lines
 file), ``non_utf8`` (bytes that are not UTF-8), ``malformed`` (not valid JSON, or a row that is not an
@@ -35,26 +34,16 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from exittrain.data.codeio import codeio_stub
-from exittrain.data.domain_sources import DOMAIN_SOURCES, HUB_SOURCES, DomainSources
+from exittrain.data.domain_sources import DOMAIN_SOURCES
 from exittrain.data.source_fields import MissingField, extract
-from exittrain.data.source_readers import builtin_path, source_rows
-from exittrain.data.source_spec import BUILTIN_SOURCES, KINDS, BuiltinSource, PromptSource
+from exittrain.data.source_readers import source_rows
+from exittrain.data.source_spec import BUILTIN_SOURCES, PromptSource
 
 __all__ = [
-    "BUILTIN_SOURCES",
     "DEFAULT_MAX_CHARS",
-    "DOMAIN_SOURCES",
-    "HUB_SOURCES",
-    "KINDS",
     "REJECT_REASONS",
-    "BuiltinSource",
     "DomainPrompts",
-    "DomainSources",
     "LoadStats",
-    "PromptSource",
-    "builtin_path",
-    "codeio_stub",
     "find_overlap",
     "load_domain",
     "load_prompt_set",

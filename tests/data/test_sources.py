@@ -8,9 +8,9 @@ import json
 import pytest
 
 from exittrain.data.domain_sources import DOMAIN_SOURCES
+from exittrain.data.source_readers import builtin_path
 from exittrain.data.sources import (
     REJECT_REASONS,
-    builtin_path,
     find_overlap,
     load_domain,
     load_prompt_set,
