@@ -12,7 +12,7 @@ then at each row count R times ``repeats`` forwards after one untimed warm-up:
 
 - R = 1: the greedy step, ``target.model`` on one token with the cache, as
   :func:`~exittrain.decoding.autoregressive_generate` runs it;
-- R > 1: :meth:`~exittrain.models.target.TargetModel.tree_forward` of a chain of R - 1 nodes
+- R > 1: :meth:`~exittrain.models.target_model.TargetModel.tree_forward` of a chain of R - 1 nodes
   under the root (:func:`~exittrain.core.copy_tail.copy_only_tree`), as a round runs it.
 
 Tree forwards run with the decoder layers' linears packed for their rows where that times

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from exittrain.models.target import layer_output_hooks
+from exittrain.models.target_model import layer_output_hooks
 from exittrain.precision import AUTO, generation_dtype
 
 # Shapes: N = prompts in a batch, P = padded prompt length, G = generated length.
@@ -298,7 +298,7 @@ def generate_batch(
     numbers differ from an unshared prefill by float rounding only).
 
     Rows are padded to a common width ``P`` on the model's device. With ``feature_layers``
-    (target layer ids, the convention of :mod:`exittrain.models.target`) ``features`` is the
+    (target layer ids, the convention of :mod:`exittrain.models.target_model`) ``features`` is the
     concatenated output of those decoder layers at every position of prompt + response,
     ``(n_prompt + n_response, F)`` bf16 on the CPU, captured by hooks while the model runs: the
     shared prefix's forward and the prefill give the prompt's, each decode step the token it was

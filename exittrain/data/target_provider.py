@@ -15,10 +15,10 @@ __all__ = ["LazyTarget", "default_target_provider"]
 
 
 def default_target_provider(target_name: str | None) -> TargetProvider:
-    """A provider that builds the target with ``exittrain.models.target.load_target`` when called."""
+    """A provider that builds the target with ``exittrain.models.target_loading.load_target`` when called."""
 
     def provide() -> tuple[Any, Any]:
-        from exittrain.models.target import load_target
+        from exittrain.models.target_loading import load_target
 
         target = load_target(target_name)
         return target.model, target.tokenizer

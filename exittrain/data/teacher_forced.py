@@ -81,7 +81,7 @@ def teacher_forced(
 ) -> list[TeacherForced]:
     """One :class:`TeacherForced` per row of ``rows`` (``(input_ids, n_prompt_tokens)`` pairs), in order.
 
-    ``feature_layers``: target layer ids (the convention of :mod:`exittrain.models.target`);
+    ``feature_layers``: target layer ids (the convention of :mod:`exittrain.models.target_model`);
     ``top_logprobs``: S > 0 keeps the top-S next-token log-probabilities of every answer token.
     Rows are batched in the order given (sort them by length first for less padding).
     """

@@ -449,7 +449,7 @@ def open_answerer(gen: GenerationConfig, *, target_name: str, tokenizer: Any, mo
     """The answerer of ``gen`` (``backend="vllm"``): the server at ``gen.server_url``, else the offline engine.
 
     The offline engine serves ``target_name`` as an HF folder: the embedded target is converted
-    once (:func:`exittrain.models.target.convert_embedded_target`, into ``cache_dir`` or the
+    once (:func:`exittrain.models.target_loading.convert_embedded_target`, into ``cache_dir`` or the
     default cache), any other name is handed to vLLM as given (a local folder or a hub id). Its dtype
     is ``gen.dtype`` or the model's own; its KV cache is sized for one batch of the longest prompts
     plus ``max_new_tokens`` from ``model.config``. ``tokenizer`` is not used by vLLM (prompts arrive

@@ -150,8 +150,7 @@ def attach_chain(table: list[dict], chain: dict) -> None:
 
 def target_folder(target, name_or_path) -> str:
     """The target as vLLM loads it: the embedded SmolLM2 converted to an HF folder, else ``target.name_or_path``."""
-    from exittrain.models import EMBEDDED_TARGET_NAME
-    from exittrain.models.target import convert_embedded_target
+    from exittrain.models.target_loading import EMBEDDED_TARGET_NAME, convert_embedded_target
 
     if target.name == EMBEDDED_TARGET_NAME or name_or_path is None:
         return str(convert_embedded_target())

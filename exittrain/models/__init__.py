@@ -1,20 +1,15 @@
-"""nn.Modules and wrappers: the frozen target (target.py) and the block drafter (drafter.py)."""
+"""nn.Modules and wrappers: the frozen target (target_model.py, loaded by target_loading.py) and the block
+drafter (drafter.py)."""
 
 from exittrain.models.drafter import BlockDrafter
 from exittrain.models.drafter_build import load_drafter, new_drafter
 from exittrain.models.drafter_config import DrafterConfig, check_pairing
-from exittrain.models.target import (
-    EMBEDDED_TARGET_NAME,
-    PrefillOutput,
-    TargetModel,
-    TreeForwardOutput,
-    TreeScores,
-    convert_embedded_target,
-    load_target,
-)
+from exittrain.models.target_decode import PrefillOutput, TreeForwardOutput
+from exittrain.models.target_loading import convert_embedded_target, load_target
+from exittrain.models.target_model import TargetModel
+from exittrain.models.target_scoring import TreeScores
 
 __all__ = [
-    "EMBEDDED_TARGET_NAME",
     "BlockDrafter",
     "DrafterConfig",
     "PrefillOutput",

@@ -15,7 +15,7 @@
   embedding of M in the mask rows. The export writes it for a drafter with a learned mask.
 
 **Layer ids.** DFlash reads Hugging Face ``hidden_states[id + 1]``, the output of decoder layer
-``id``: our convention (:mod:`exittrain.models.target`), so ids are copied unchanged. vLLM logs
+``id``: our convention (:mod:`exittrain.models.target_model`), so ids are copied unchanged. vLLM logs
 them as auxiliary layers ``id + 1`` (its count starts at the input of layer 0). The last layer
 is the exception: Hugging Face's last hidden state is final-normed and ours is not, so a drafter
 reading it is refused both ways.
@@ -49,7 +49,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from exittrain.models.drafter import BlockDrafter
 from exittrain.models.drafter_config import DrafterConfig
 from exittrain.models.drafter_io import safetensors_shards
-from exittrain.models.target import as_dtype
+from exittrain.models.target_loading import as_dtype
 from exittrain.safe_io import check_safetensors, load_checkpoint, load_json_object, load_safetensors
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ Hkv key/value heads, hd head size.
 a DFlash draft model, ``dflash.DFlashDraftModel``; ``tests/models/test_dflash_format.py`` checks
 equal logits both ways). For a root token r at position p whose preceding context has target
 features ``f_j`` at positions j < p (the concatenated outputs of ``target_layer_ids``, in the
-layer-id convention of :mod:`exittrain.models.target`, which is DFlash's):
+layer-id convention of :mod:`exittrain.models.target_model`, which is DFlash's):
 
 1. ``ctx_j = hidden_norm(fc(f_j))``: the context rows (``fc`` F -> D without bias).
 2. The block input is ``[emb(r), m, ..., m]`` (S rows, positions p .. p+K): the frozen target

@@ -14,7 +14,7 @@ from exittrain.models.dflash_format import is_dflash_folder, load_dflash
 from exittrain.models.drafter import BlockDrafter
 from exittrain.models.drafter_config import DrafterConfig
 from exittrain.models.drafter_init import default_heads, default_layer_ids, layer_copy_problem, target_layer_shape
-from exittrain.models.target import as_dtype
+from exittrain.models.target_loading import as_dtype
 
 # the drafter's own logger name: its messages read as the drafter's, whichever file holds the code
 logger = logging.getLogger("exittrain.models.drafter")

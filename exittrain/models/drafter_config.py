@@ -20,7 +20,7 @@ class DrafterConfig(PreTrainedConfig):
     """Configuration of a :class:`~exittrain.models.drafter.BlockDrafter`; records its target.
 
     Target: ``target_*`` (empty/0 only in the default instance Hugging Face builds internally),
-    ``target_layer_ids`` in our convention (:mod:`exittrain.models.target`: id l = output of
+    ``target_layer_ids`` in our convention (:mod:`exittrain.models.target_model`: id l = output of
     decoder layer l). ``block_size`` S >= 2 (K = S - 1 predicted tokens).
 
     Layer shape (Qwen3 style): ``hidden_size`` D, ``num_heads`` query heads, ``num_key_value_heads``

@@ -2,7 +2,7 @@
 
 A target with grouped-query attention (several query heads share one key/value head: SmolLM2-135M
 has 9 query heads over 3) keeps its cache at the key/value heads' width. Under a 4D attention
-mask, which every tree forward passes (:mod:`exittrain.models.target`), transformers' ``sdpa``
+mask, which every tree forward passes (:mod:`exittrain.models.target_model`), transformers' ``sdpa``
 attention copies the keys and values out to every query head (``repeat_kv``) before the kernel,
 in every layer and every forward: the whole cached context, twice per layer. It does so because
 on CUDA a mask with ``enable_gqa`` falls back to the slow math kernel. On a CPU the fused kernel

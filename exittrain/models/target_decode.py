@@ -4,7 +4,7 @@ docs/algorithm.md section 3. :class:`TargetDecoding` is mixed into
 :class:`~exittrain.models.target_model.TargetModel`; it uses the wrapper's ``model``, ``device``,
 :meth:`~exittrain.models.target_model.TargetModel.check_layers`, feature capture, additive masks
 and id checks. The layer-id, tree-attention and cache conventions, the shape legend and the limits
-are stated in :mod:`exittrain.models.target`.
+are stated in :mod:`exittrain.models.target_model`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class TreeForwardOutput(NamedTuple):
 
 class TargetDecoding:
     """Decode-time operations of :class:`~exittrain.models.target_model.TargetModel` (one row per
-    cache for :meth:`commit`; see the limits in :mod:`exittrain.models.target`)."""
+    cache for :meth:`commit`; see the limits in :mod:`exittrain.models.target_model`)."""
 
     @torch.no_grad()
     def prefill(self, input_ids_NT: torch.Tensor, layers: Sequence[int] | None = None) -> PrefillOutput:

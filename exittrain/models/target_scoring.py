@@ -6,7 +6,7 @@ docs/algorithm.md section 3. :class:`TreeScoring` is mixed into
 :meth:`~exittrain.models.target_model.TargetModel.check_layers`, feature capture, additive masks,
 id checks and :meth:`~exittrain.models.target_model.TargetModel.new_cache`. The layer-id and
 tree-attention conventions, the shape legend and the limits (``score_trees`` returns
-full-vocabulary logits) are stated in :mod:`exittrain.models.target`.
+full-vocabulary logits) are stated in :mod:`exittrain.models.target_model`.
 """
 
 from __future__ import annotations

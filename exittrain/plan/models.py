@@ -230,7 +230,7 @@ def resolve_dtypes(cfg, notes: list[str]):
     where this host can decide it, else assumed bf16 (with a note)."""
     import torch
 
-    from exittrain.models.target import as_dtype
+    from exittrain.models.target_loading import as_dtype
     from exittrain.precision import target_dtype, trainer_precision
 
     node = cfg.target

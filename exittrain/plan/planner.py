@@ -104,7 +104,7 @@ def _regeneration(s: Shapes, cfg, t_bytes: int, Pd: int) -> Step:
     generation dtype, and the answering batch's K/V."""
     import torch
 
-    from exittrain.models.target import as_dtype
+    from exittrain.models.target_loading import as_dtype
     from exittrain.precision import generation_dtype
 
     gen = cfg.data.generation

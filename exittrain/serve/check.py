@@ -7,7 +7,7 @@ Steps, on the same held-out prompts (the domain's evaluation set, HumanEval for 
 target's chat template, passed to vLLM as token ids):
 
 1. convert the embedded SmolLM2 target to an HF folder
-   (:func:`~exittrain.models.target.convert_embedded_target`);
+   (:func:`~exittrain.models.target_loading.convert_embedded_target`);
 2. take the drafter folder, or write a random-weight DFlash drafter for that target into the
    output folder (:func:`~exittrain.serve.dflash_reference.write_random_dflash_drafter`);
 3. run vLLM twice in ``.venv-vllm`` (:func:`~exittrain.serve.vllm_run.run_vllm`), each a fresh
@@ -144,7 +144,7 @@ def _ours(drafter_dir: Path, prompts: list[list[int]], max_tokens: int, K: int, 
 def run(args: argparse.Namespace) -> dict:
     """The whole check (see the module docstring); returns the result dict."""
     from exittrain.data import chat_prompt_ids, load_domain
-    from exittrain.models.target import EMBEDDED_TARGET_NAME, convert_embedded_target
+    from exittrain.models.target_loading import EMBEDDED_TARGET_NAME, convert_embedded_target
     from exittrain.serve.compare import compare_outputs, our_acceptance
     from exittrain.serve.dflash_reference import read_dflash_config, write_random_dflash_drafter
 

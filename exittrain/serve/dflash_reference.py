@@ -16,7 +16,7 @@ Two things the serving check needs before a drafter is served:
   decoder can run exactly the drafter that vLLM serves.
 
 **Layer ids.** DFlash's ``target_layer_ids`` name the output of decoder layer ``l`` (Hugging
-Face ``hidden_states[l + 1]``): the convention of :mod:`exittrain.models.target`, so ids pass
+Face ``hidden_states[l + 1]``): the convention of :mod:`exittrain.models.target_model`, so ids pass
 through unchanged. (vLLM adds one internally: its auxiliary layer ``l + 1`` is the residual
 stream after ``l + 1`` decoder layers, the same tensor.)
 

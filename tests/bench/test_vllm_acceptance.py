@@ -65,7 +65,7 @@ def test_the_table_flags_a_lossy_drafter_and_pairs_against_the_first():
 def test_vllm_counts_each_prompt_and_one_drafter_twice_pairs_to_zero(tmp_path):
     """A random DFlash drafter measured twice under two labels: one shared plain run, lossless,
     identical per-prompt counts (vLLM's greedy decoding is deterministic), a paired difference of 0."""
-    from exittrain.models.target import convert_embedded_target
+    from exittrain.models.target_loading import convert_embedded_target
     from exittrain.serve.dflash_reference import write_random_dflash_drafter
 
     drafter = write_random_dflash_drafter(convert_embedded_target(), tmp_path / "random")

@@ -148,7 +148,7 @@ def test_datamodule_rejects_bad_arguments(tmp_path, sources):
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_embedded_target_answers_math_prompts(tmp_path):
-    """The default provider (exittrain.models.target.load_target) regenerates with the real SmolLM2."""
+    """The default provider (exittrain.models.target_loading.load_target) regenerates with the real SmolLM2."""
     dm = ExitTrainDataModule(
         "math",
         train_sources=["pkg:gsm_symbolic?limit=4&seed=1"],

@@ -234,7 +234,7 @@ def test_init_from_target_layers_reproduces_the_target_layer():
     assert d.config.rope_theta == target.config.rope_parameters["rope_theta"]
     ids = _ids(2, 9, seed=3)
     captured = {}
-    from exittrain.models.target import layer_output_hooks
+    from exittrain.models.target_model import layer_output_hooks
 
     with torch.no_grad(), layer_output_hooks(target.model, [1, 2], captured.__setitem__):
         target.model(input_ids=ids)
