@@ -74,7 +74,6 @@ __all__ = [
     "OBJECTIVE_PARTS",
     "SCORING_MODES",
     "STAGES",
-    "TREE_SHAPES",
     "ObjectiveOutput",
     "ObjectiveSettings",
     "batch_features",

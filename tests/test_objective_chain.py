@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import tests.objective_helpers as helpers
-from exittrain.core import anchor_generator, build_tree, chain_tree, chain_tree_reference
+from exittrain.core import TREE_SHAPES, anchor_generator, build_tree, chain_tree, chain_tree_reference
 from exittrain.lit import ExitTrainModule
 from exittrain.models import new_drafter
-from exittrain.objective import TREE_SHAPES, ObjectiveSettings, compute_losses
+from exittrain.objective import ObjectiveSettings, compute_losses
 from tests.lit.helpers import ListLogger, StepLosses, batch_of, loader, make_module, trainer
 
 pytestmark = [

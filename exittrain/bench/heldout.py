@@ -53,8 +53,8 @@ from exittrain.heldout.measures import (
 )
 from exittrain.tables import markdown_table, paired_cell, write_results
 
-__all__ = ["answer_with_features", "chain_table", "greedy_block_lengths", "greedy_block_lengths_by_budget",
-           "paired_difference", "run", "to_markdown", "main"]
+__all__ = ["answer_with_features", "chain_table", "greedy_block_lengths", "greedy_block_lengths_by_budget", "run",
+           "to_markdown", "main"]
 
 
 def answer_with_features(target, prompts: list[list[int]], layers: list[int], max_new_tokens: int, batch: int):

@@ -10,6 +10,7 @@ import torch
 
 from exittrain.bench import heldout as bench_heldout
 from exittrain.bench.registry import BENCHES
+from exittrain.heldout.measures import paired_difference
 from exittrain.models import new_drafter
 from tests.models.helpers import tiny_target
 
@@ -41,14 +42,14 @@ def test_greedy_block_lengths_read_the_drafters_own_layers_from_a_superset():
 def test_paired_difference_is_the_mean_anchor_difference_and_needs_the_same_anchors():
     first = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([2.0, 2.0])]
     better = [torch.tensor([2.0, 2.0, 3.0]), torch.tensor([2.0, 3.0])]  # +1 at 2 of the 5 anchors
-    pair = bench_heldout.paired_difference(better, first)
+    pair = paired_difference(better, first)
     assert pair["delta"] == pytest.approx(0.4)
     low, high = pair["ci95"]
     assert 0.0 <= low <= 0.4 <= high <= 0.5  # each prompt's mean gain lies in [1/3, 1/2]
-    same = bench_heldout.paired_difference(first, first)
+    same = paired_difference(first, first)
     assert same == {"delta": 0.0, "ci95": [0.0, 0.0]}
-    assert bench_heldout.paired_difference([torch.tensor([1.0, 2.0]), torch.tensor([2.0, 2.0])], first) is None
-    assert bench_heldout.paired_difference(first[:1], first) is None
+    assert paired_difference([torch.tensor([1.0, 2.0]), torch.tensor([2.0, 2.0])], first) is None
+    assert paired_difference(first[:1], first) is None
 
 
 def test_heldout_markdown_shows_the_paired_difference_after_the_first_row():
