@@ -7,6 +7,12 @@
   and nothing imports the commands' runs ``exittrain.fit`` and ``exittrain.evaluate`` (the CLI calls
   them by name); the benchmarks build through the library modules ``fit`` itself uses.
 - The import graph among ``exittrain.*`` modules has no cycle (:func:`import_graph` states the rule).
+- The package is an ordered list of layers (:data:`LAYERS`, bottom first): every import points to the
+  importer's own layer or one below it. What makes a CPU decode fast (``cpu_decode/``) sits above
+  heldout and lit, so the training path cannot reach it.
+- No two modules share a file name.
+- One import path per name: no module but a package's ``__init__`` lists in ``__all__`` a name it
+  imports, and no import takes a name from a module that only imported it.
 
 Each rule has a negative control: the scan must flag a synthetic source that breaks it.
 """
@@ -365,3 +371,247 @@ def test_the_cycle_scan_reads_package_inits_by_its_rule(tmp_path):
     assert format_cycles(import_cycles(import_graph(through_init))) == (
         "exittrain.ev -> exittrain.ev.run -> exittrain.fit -> exittrain.ev"
     )
+
+
+# -- the layers -----------------------------------------------------------------------------------
+
+# The package's layers, bottom first: a module may import (at module level or inside a function) only
+# modules of its own layer or of a layer below it. Each layer is the files it holds, relative to the
+# package: a subpackage ("core/") or a top-level module ("fit.py"). Every file has exactly one layer.
+LAYERS = (
+    # small utilities every layer may use: files, timing, progress lines, tables, dtypes, host memory,
+    # the run folder, where vLLM's interpreter is (data's vLLM backend and the serving check both ask)
+    ("foundation", ("__init__.py", "atomic.py", "safe_io.py", "timing.py", "progress.py", "tables.py",
+                    "precision.py", "host_memory.py", "run_dir.py", "vllm_interpreter.py")),
+    ("core", ("core/",)),  # pure math on tensors
+    ("models", ("models/",)),  # nn.Modules: the frozen target and the drafter
+    ("data", ("data/",)),  # prompt sources, the data step, the feature store, collate
+    ("objective", ("objective.py",)),
+    ("decoding", ("decoding/",)),  # the plain decoders: speculative (tree and chain), autoregressive, oracle
+    ("serve", ("serve/",)),  # formats and engines a drafter leaves for (DFlash, vLLM runs)
+    ("heldout", ("heldout/",)),  # the one evaluator
+    ("lit", ("lit/",)),  # Lightning glue
+    # what a command composes from a config. configs.py (where the Hydra YAML lives) sits here, not in
+    # the foundation: no layer below it reads the Hydra configs (the data layer's defaults are Python)
+    ("settings", ("settings.py", "build.py", "export.py", "configs.py")),
+    ("plan", ("plan/",)),  # the memory planner
+    # what makes a decode fast on a CPU (the auto probe, packed linears, row layouts, draft vocabulary):
+    # above heldout and lit so that the training path cannot import it, below the runs that turn it on
+    ("cpu_decode", ("cpu_decode/",)),
+    ("runs", ("fit.py", "evaluate.py", "prepare.py")),  # the commands' runs
+    ("report", ("report/",)),
+    ("bench", ("bench/",)),
+    ("entry", ("cli.py", "__main__.py")),
+)
+
+
+def layer_of(relative: str, layers=LAYERS) -> int | None:
+    """The index in ``layers`` of the package file ``relative`` (``core/tree.py``); None for a file
+    no layer holds."""
+    found = [i for i, (_, paths) in enumerate(layers) for p in paths
+             if relative == p or (p.endswith("/") and relative.startswith(p))]
+    assert len(found) <= 1, f"{relative} belongs to several layers: {[layers[i][0] for i in found]}"
+    return found[0] if found else None
+
+
+def module_files(package: Path = PACKAGE) -> dict[str, str]:
+    """Module name -> its file relative to the package (``exittrain.models`` -> ``models/__init__.py``)."""
+    return {module_name(path, package): name for name, path in package_files(package).items()}
+
+
+def unlayered(package: Path = PACKAGE, layers=LAYERS) -> list[str]:
+    return sorted(name for name in package_files(package) if layer_of(name, layers) is None)
+
+
+def upward_imports(package: Path = PACKAGE, layers=LAYERS) -> list[str]:
+    """``importer (layer) -> imported (layer)`` for every import that points up the layers."""
+    files = module_files(package)
+    out = []
+    for module, targets in import_graph(package).items():
+        here = layer_of(files[module], layers)
+        for target in sorted(targets):
+            there = layer_of(files[target], layers)
+            if here is not None and there is not None and there > here:
+                out.append(f"{module} ({layers[here][0]}) -> {target} ({layers[there][0]})")
+    return sorted(out)
+
+
+def test_every_module_has_a_layer():
+    assert not unlayered(), f"add these files to a layer of LAYERS (tests/test_architecture.py): {unlayered()}"
+    names = [name for name, _ in LAYERS]
+    held = {names[layer_of(f)] for f in package_files()}
+    # a layer may hold no file yet (cpu_decode while it is being made); the others must hold some
+    assert set(names) - held <= {"cpu_decode"}
+
+
+def test_imports_point_down_the_layers():
+    offenders = upward_imports()
+    assert not offenders, (
+        "imports that point up the layers (LAYERS in tests/test_architecture.py, bottom first):\n"
+        + "\n".join(offenders)
+        + "\nMove what the lower module needs down to its layer (or into a library module both call)"
+    )
+
+
+def test_the_layer_scan_flags_upward_imports(tmp_path):
+    """Negative controls: an upward import at module level and one inside a function are flagged, a
+    downward import is not, and a layer with no file is no error."""
+    layers = (
+        ("low", ("__init__.py", "util.py", "core/")), ("mid", ("mid/",)), ("empty", ("empty/",)), ("top", ("top.py",)),
+    )
+    fake = write_package(tmp_path, {
+        "util.py": "from exittrain.mid.a import thing\n",  # up, at module level
+        "core/__init__.py": "",
+        "core/math.py": "def f():\n    import exittrain.top\n",  # up, inside a function
+        "mid/__init__.py": "",
+        "mid/a.py": "from exittrain.core import math\nthing = 1\n",  # down
+        "top.py": "from exittrain.mid.a import thing\nfrom exittrain import util\n",  # down
+    })
+    assert unlayered(fake, layers) == []
+    assert upward_imports(fake, layers) == [
+        "exittrain.core.math (low) -> exittrain.top (top)",
+        "exittrain.util (low) -> exittrain.mid (mid)",
+        "exittrain.util (low) -> exittrain.mid.a (mid)",
+    ]
+    assert upward_imports(write_package(tmp_path / "down", {
+        "util.py": "import json\n", "core/__init__.py": "", "core/math.py": "from exittrain import util\n",
+        "mid/__init__.py": "", "mid/a.py": "from exittrain.core import math\n", "top.py": "import exittrain.mid.a\n",
+    }), layers) == []
+    assert unlayered(write_package(tmp_path / "stray", {"stray.py": ""}), layers) == ["stray.py"]
+
+
+def test_no_two_modules_share_a_file_name():
+    """A file name says what a module is: two ``chain.py`` (a tree shape and a decoder) or two
+    ``memory.py`` (a benchmark and a plan's model) make a reader open both to find out."""
+    by_name: dict[str, list[str]] = {}
+    for name in package_files():
+        if Path(name).name not in ("__init__.py", "__main__.py"):
+            by_name.setdefault(Path(name).name, []).append(name)
+    shared = {k: v for k, v in by_name.items() if len(v) > 1}
+    assert not shared, f"modules sharing a file name: {shared}; name each for its concept"
+
+
+# -- one import path per name ---------------------------------------------------------------------
+
+# Modules allowed to list in __all__ names they import, each with the reason. A package's __init__.py
+# is the one place a name may have a second path (its package's public face); no other module is a
+# re-export shim.
+REEXPORT_ALLOWED: dict[str, str] = {}
+
+
+def _module_level(tree: ast.Module):
+    """The statements of a module that run when it is imported: the top level and the bodies of
+    top-level ``if``/``try``/``with`` blocks, not functions or classes."""
+    stack = list(tree.body)
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, (ast.If, ast.Try, ast.With)):
+            for part in ("body", "orelse", "finalbody", "handlers"):
+                stack.extend(getattr(node, part, []))
+        elif isinstance(node, ast.ExceptHandler):
+            stack.extend(node.body)
+
+
+def reexports(package: Path = PACKAGE) -> dict[str, list[str]]:
+    """{file: the names it lists in ``__all__`` but imports from another exittrain module} for every
+    module but a package's ``__init__.py``: a name re-exported gets a second import path."""
+    out = {}
+    for name, path in package_files(package).items():
+        if path.name == "__init__.py":
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        listed, imported = set(), set()
+        for node in _module_level(tree):
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets) and node.value is not None:
+                    listed.update(ast.literal_eval(node.value))
+            elif isinstance(node, ast.ImportFrom) and from_base(node, path, package).split(".")[0] == package.name:
+                imported.update(alias.asname or alias.name for alias in node.names)
+        if listed & imported:
+            out[name] = sorted(listed & imported)
+    return out
+
+
+def test_no_module_reexports_a_name_it_does_not_define():
+    offenders = {k: v for k, v in reexports().items() if k not in REEXPORT_ALLOWED}
+    assert not offenders, (
+        f"modules listing in __all__ names they import from another exittrain module: {offenders}. "
+        "Import each name from the module that defines it and drop it from this module's __all__"
+    )
+
+
+def test_the_reexport_scan_flags_a_shim(tmp_path):
+    """Negative control: a module listing an imported name in ``__all__`` is flagged, at the top level
+    or under ``if``; the same name imported without being listed, a package ``__init__`` listing it,
+    and a name imported inside a function are not."""
+    fake = write_package(tmp_path, {
+        "pkg/__init__.py": "from exittrain.pkg.home import LIMIT\n__all__ = ['LIMIT']\n",
+        "pkg/home.py": "LIMIT = 3\n__all__ = ['LIMIT']\n",
+        "shim.py": (
+            "from exittrain.pkg.home import LIMIT\nfrom .pkg import home\n__all__ = ['LIMIT', 'home', 'own']\nown = 1\n"
+        ),
+        "guarded.py": "import sys\nif sys:\n    from exittrain.pkg.home import LIMIT as CAP\n__all__: list = ['CAP']\n",
+        "user.py": "from exittrain.pkg.home import LIMIT\n__all__ = ['twice']\ndef twice():\n    return 2 * LIMIT\n",
+        "lazy.py": "__all__ = ['LIMIT']\ndef f():\n    from exittrain.pkg.home import LIMIT\n",
+    })
+    assert reexports(fake) == {"guarded.py": ["CAP"], "shim.py": ["LIMIT", "home"]}
+
+
+def _imported_names(path: Path, package: Path) -> set[str]:
+    """The names a module binds at import time by importing them (``from x import a`` binds ``a``)."""
+    names = set()
+    for node in _module_level(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom):
+            names.update(alias.asname or alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+    return names
+
+
+def imports_through_a_non_owner(package: Path = PACKAGE, roots: tuple[Path, ...] = ()) -> list[str]:
+    """``file:line: from M import name`` for every import, in the package and the files under
+    ``roots``, of a name that module ``M`` (not a package's ``__init__``) only imports itself: the
+    name has a home elsewhere, and this import gives it a second path."""
+    modules = {module_name(p, package): p for p in package.rglob("*.py") if p.name != "__init__.py"}
+    bound: dict[str, set[str]] = {}
+    out = []
+    for path in sorted({*package.rglob("*.py"), *(p for r in roots for p in r.rglob("*.py"))}):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = from_base(node, path, package)
+            if base not in modules:
+                continue
+            if base not in bound:
+                bound[base] = _imported_names(modules[base], package)
+            for alias in node.names:
+                if alias.name in bound[base] and f"{base}.{alias.name}" not in modules:
+                    out.append(f"{path.relative_to(package.parent).as_posix()}:{node.lineno}: "
+                               f"from {base} import {alias.name}")
+    return out
+
+
+def test_every_name_is_imported_from_its_home():
+    offenders = imports_through_a_non_owner(roots=(PACKAGE.parent / "tests",))
+    assert not offenders, (
+        "imports of a name from a module that only imports it (import it from the module that defines it):\n"
+        + "\n".join(offenders)
+    )
+
+
+def test_the_home_scan_flags_an_import_through_another_module(tmp_path):
+    """Negative control: a name imported from a module that imported it is flagged, inside a
+    function too; the same name from its home, from a package ``__init__``, and a submodule are not."""
+    fake = write_package(tmp_path, {
+        "pkg/__init__.py": "from exittrain.pkg.home import LIMIT\n",
+        "pkg/home.py": "LIMIT = 3\n",
+        "pkg/user.py": "from exittrain.pkg.home import LIMIT\nfrom exittrain.pkg import home\n",
+        "far.py": "from exittrain.pkg.user import LIMIT\ndef f():\n    from exittrain.pkg.user import home\n",
+        "near.py": "from exittrain.pkg.home import LIMIT\nfrom exittrain.pkg import LIMIT as L, user\n",
+    })
+    assert imports_through_a_non_owner(fake) == [
+        "exittrain/far.py:1: from exittrain.pkg.user import LIMIT",
+        "exittrain/far.py:3: from exittrain.pkg.user import home",
+    ]
