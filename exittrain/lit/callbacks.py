@@ -37,8 +37,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from exittrain.atomic import fsync_dir, fsync_tree, remove_stale_temps, temp_sibling
 from exittrain.core import TREE_SHAPES, VERIFIERS
-from exittrain.decoding import SpeculativeDecoder
-from exittrain.decoding.chain_decoder import ChainDecoder
+from exittrain.heldout.evaluator import decode_check
 from exittrain.lit.heldout_callback import HeldOutBlockLengthCallback
 from exittrain.lit.sharding import drafter_and_target, full_drafter
 from exittrain.run_dir import RunDir
@@ -216,29 +215,11 @@ class DecodeEvalCallback(Callback):
         was_training = drafter.training
         drafter.eval()
         try:
-            if self.shape == "chain":
-                decoder = ChainDecoder(target, drafter, verifier=self.verifier)
-            else:
-                decoder = SpeculativeDecoder(target, drafter, budget=self.budget, verifier=self.verifier)
-            tokens = rounds = block_sum = 0
-            seconds = 0.0
-            for i, prompt in enumerate(self.prompts):
-                result = decoder.generate(
-                    prompt, max_new_tokens=self.max_new_tokens, temperature=self.temperature, seed=self.seed + i
-                )
-                tokens += len(result.tokens)
-                rounds += len(result.rounds)
-                block_sum += sum(r.block_length for r in result.rounds)
-                seconds += result.seconds
+            return decode_check(target, drafter, self.prompts, budget=self.budget, shape=self.shape,
+                                verifier=self.verifier, temperature=self.temperature,
+                                max_new_tokens=self.max_new_tokens, seed=self.seed)
         finally:
             drafter.train(was_training)
-        return {
-            "block_length": block_sum / max(rounds, 1),
-            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-            "rounds": float(rounds),
-            "tokens": float(tokens),
-            "seconds": seconds,
-        }
 
     def _run(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
         """Evaluate on rank 0, broadcast, record in the history (once per global step)."""
