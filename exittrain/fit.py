@@ -131,14 +131,15 @@ def setup_run(cfg: DictConfig, target: TargetArg = None) -> FitRun:
     return run
 
 
-def evaluate_held_out(run: FitRun, label: str, drafter=None) -> list[dict]:
+def evaluate_held_out(run: FitRun, label: str, drafter=None, *, tree: bool = True) -> list[dict]:
     """Measure ``drafter`` (default ``run.full``) on the held-out prompts (``run.evaluator``); records
-    the table and writes ``eval_<label>.json`` and ``chain_<label>.json``.
+    the table and writes ``eval_<label>.json`` and ``chain_<label>.json``; ``tree=False``: the serving
+    track alone (:meth:`~exittrain.heldout.evaluator.HeldOutEvaluator.measure`).
 
     Global rank 0's work: the other ranks go on to the next stage and wait for rank 0 in its first
     collective (the evaluation must finish within the process group's timeout, 30 min by default)."""
     t0 = time.perf_counter()
-    table, rows, chain = run.evaluator.measure(run.full if drafter is None else drafter, label)
+    table, rows, chain = run.evaluator.measure(run.full if drafter is None else drafter, label, tree=tree)
     write_json_atomic(run.run_dir.path / f"chain_{label}.json", chain)  # not eval_*.json: another row layout
     run.summary["tables"][label] = table
     run.run_dir.write_eval_rows(label, rows)
@@ -219,8 +220,9 @@ def finish_run(run: FitRun) -> dict:
     run.summary["drafter_dflash"] = exported
     served_label = "exittrain"
     if exported["path"] and exported["dropped"]:
-        # what a serving engine keeps of the drafter (no copy branch): its tau beside the full drafter's
-        evaluate_held_out(run, "served", load_dflash(exported["path"], run.target))
+        # what a serving engine keeps of the drafter (no copy branch), measured as an engine runs it: the
+        # serving track alone (its chain tau beside the full drafter's; an engine verifies no tree)
+        evaluate_held_out(run, "served", load_dflash(exported["path"], run.target), tree=False)
         served_label = "served"
     vllm_error = None
     if exported["path"] and run.vllm_python is not None:

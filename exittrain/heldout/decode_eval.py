@@ -257,7 +257,8 @@ def auto_reasons(table: list[dict]) -> list[str]:
 
 
 def format_table(table: list[dict]) -> str:
-    """A markdown table of :func:`summarize` rows; rows with ``analytic`` entries
+    """A markdown table of :func:`summarize` rows (a row of the serving track alone has ``-`` for the tree's
+    columns); rows with ``analytic`` entries
     (:meth:`~exittrain.heldout.heldout_law.HeldOutLaw.attach`) add one ``E[tau] T=..`` column per temperature;
     rows with the serving track add ``chain tau``, ``E[chain tau] T=..`` and ``vLLM tau`` columns; rows
     decoded with ``eval.decode=auto`` say at which setting the speed columns were decoded, and its tau."""
@@ -275,8 +276,8 @@ def format_table(table: list[dict]) -> str:
               "tau_oracle", "tau/oracle", *(["speed decoded at (tau)"] if auto else []),
               *(["tok/s", "AR tok/s", "speedup"] if speed else [])]
     rows = (
-        [r["label"] or "-", r["budget"], f"{r['temperature']:g}", r["prompts"], f"{r['tau']:.2f}",
-         f"{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}", *(_analytic_cell(r, t) for t in analytic),
+        [r["label"] or "-", r["budget"], f"{r['temperature']:g}", r["prompts"], optional_cell(r, "tau"),
+         f"{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}" if "ci95" in r else "-", *(_analytic_cell(r, t) for t in analytic),
          *([optional_cell(r, "chain_tau") + (f" ({r['chain_K']})" if "chain_K" in r else "")] if chain else []),
          *(_analytic_cell(r, t, "analytic_chain") for t in chain_analytic),
          *([_vllm_cell(r)] if vllm else []),

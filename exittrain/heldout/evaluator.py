@@ -30,6 +30,7 @@ The other training-time measures are cheaper relatives logged on batches and val
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,6 +40,8 @@ from exittrain.decoding.chain_decoder import ChainDecoder
 from exittrain.heldout.decode_eval import auto_reasons, evaluate_prompts, format_table, summarize
 from exittrain.heldout.heldout_law import format_differences, held_out_law
 from exittrain.heldout.serving_track import attach_chain, chain_rows, summarize_chain, vllm_track
+
+log = logging.getLogger("exittrain")
 
 __all__ = ["HeldOutEvaluator", "decode_check", "format_report", "paired_reference", "speed_note"]
 
@@ -70,17 +73,30 @@ class HeldOutEvaluator:
         self.analytic: dict[str, dict] = {}  # label -> per-anchor expected tau, for the paired differences
         self.analytic_chain: dict[str, dict] = {}
 
-    def measure(self, drafter, label: str) -> tuple[list[dict], list[dict], list[dict]]:
+    def measure(self, drafter, label: str, *, tree: bool = True) -> tuple[list[dict], list[dict], list[dict]]:
         """``(table, rows, chain)``: the drafter's table rows (one per budget and temperature), its
-        per-prompt tree rows and its per-prompt chain rows (empty without the chain track)."""
-        rows = evaluate_prompts(self.target, drafter, self.prompts, label=label, ar_cache=self.ar_cache,
-                                auto=self.auto, speed=self.speed, **self.settings)
-        table = summarize(rows)
-        if self.law is not None:
-            self.analytic[label] = self.law.measure(drafter, self.settings["budgets"])
-            self.law.attach(table, self.analytic[label], paired_reference(self.analytic, label, self.reference))
+        per-prompt tree rows and its per-prompt chain rows (empty without the chain track).
+
+        ``tree=False`` measures the serving track alone (chain tau and its expectation at T): what a
+        chain-verifying engine gets of a drafter, such as the DFlash export. Its table has one row per
+        budget at T = 0 with no tree columns."""
+        log.info("eval %s: %s on %d held-out prompts", label, "tree and chain tracks" if tree else "chain track",
+                 len(self.prompts))
+        rows = []
+        if tree:
+            rows = evaluate_prompts(self.target, drafter, self.prompts, label=label, ar_cache=self.ar_cache,
+                                    auto=self.auto, speed=self.speed, **self.settings)
+            table = summarize(rows)
+            if self.law is not None:
+                log.info("eval %s: expected tau at T = %s", label, ", ".join(f"{t:g}" for t in self.law.temperatures))
+                self.analytic[label] = self.law.measure(drafter, self.settings["budgets"])
+                self.law.attach(table, self.analytic[label], paired_reference(self.analytic, label, self.reference))
+        else:
+            table = [{"label": label, "budget": b, "temperature": 0.0, "prompts": len(self.prompts)}
+                     for b in self.settings["budgets"]]
         chain = []
         if self.chain:
+            log.info("eval %s: chain tau (the greedy chain a serving engine verifies)", label)
             chain = chain_rows(self.target, drafter, self.prompts, max_new_tokens=self.settings["max_new_tokens"],
                                seed=self.settings["seed"], label=label, ar_cache=self.ar_cache)
             attach_chain(table, summarize_chain(chain))

@@ -71,8 +71,7 @@ def log_table(logger, name: str, table: list[dict]) -> None:
     flat = {}
     for row in table:
         key = f"{name}/B{row['budget']}_T{row['temperature']:g}"
-        flat[f"{key}/tau"] = row["tau"]
-        for extra in ("tau_oracle", "speedup", "tokens_per_s", "chain_tau"):
+        for extra in ("tau", "tau_oracle", "speedup", "tokens_per_s", "chain_tau"):
             if extra in row:
                 flat[f"{key}/{extra}"] = row[extra]
         if "vllm" in row:  # the serving track: vLLM's acceptance and whether speculation kept its outputs

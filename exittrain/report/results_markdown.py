@@ -88,14 +88,16 @@ def _fit_rows(results: list[dict]) -> list[str]:
             heldout = "-"
             if held is not None and row["label"] == "warm_start":
                 heldout = f"{_f(held.get('greedy_tau'))} / {_f(held.get('analytic_tau'))}"
-            lo, hi = row["ci95"]
+            # a row of the serving track alone has no tree tau; a CPU fit at eval.decode=fixed measures no speed
+            tau = f"{row['tau']:.2f} ({row['ci95'][0]:.2f}-{row['ci95'][1]:.2f})" if "tau" in row else "-"
+            speed = (f"{row['tokens_per_s']:.1f} ({row['ar_tokens_per_s']:.1f}) | {row['speedup']:.2f}x"
+                     if "speedup" in row else "- | -")
             lines.append(
                 f"| {_json_link(res)} ({_cmd_link(res)}) | {_host_text(res['host'])} "
                 f"| {_LABELS.get(row['label'], row['label'])} | {row['budget']} | {row['temperature']:g} "
-                f"| {row['prompts']} x {row.get('new_tokens') or '-'} | {row['tau']:.2f} ({lo:.2f}-{hi:.2f}) |"
+                f"| {row['prompts']} x {row.get('new_tokens') or '-'} | {tau} |"
                 + (_serving_cells(row) if serving else "")
-                + f" {heldout} | {row['tokens_per_s']:.1f} ({row['ar_tokens_per_s']:.1f}) | {row['speedup']:.2f}x "
-                f"| {res['wall_s']['total_s'] / 60:.1f} min |"
+                + f" {heldout} | {speed} | {res['wall_s']['total_s'] / 60:.1f} min |"
             )
     return lines
 

@@ -64,7 +64,9 @@ _DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 _LOG_DATE = re.compile(r"^\[(\d{4}-\d{2}-\d{2}) ", re.M)
 _LOG_CAPABILITY = re.compile(r"CPU capability (\w+)")
 _HOST_KEYS = ("cpu_model", "cpu_capability", "gpu", "torch", "shared")
-_ROW_KEYS = ("label", "budget", "temperature", "prompts", "tau", "ci95", "tokens_per_s", "ar_tokens_per_s", "speedup")
+_ROW_KEYS = ("label", "budget", "temperature", "prompts")
+# a row's measures where it has them: a serving-track row has no tree tau, a CPU fit at eval.decode=fixed no speed
+_OPTIONAL_ROW_KEYS = ("tau", "ci95", "tokens_per_s", "ar_tokens_per_s", "speedup")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -107,6 +109,12 @@ def check_result(res: Any, where: str) -> dict:
             raise ValueError(f"{where}: 'tables' is empty; a fit result needs its decoded table")
         for i, row in enumerate(rows):
             for key in _ROW_KEYS:
+                _need(row, key, f"{where} tables[{i}]")
+            if "tau" not in row and "chain_tau" not in row:
+                raise ValueError(f"{where} tables[{i}]: neither 'tau' nor 'chain_tau'; a row needs a measured tau")
+            for key in ("ci95",) if "tau" in row else ():  # a tree tau comes with its interval
+                _need(row, key, f"{where} tables[{i}]")
+            for key in ("tokens_per_s", "ar_tokens_per_s") if "speedup" in row else ():  # and a speedup with its parts
                 _need(row, key, f"{where} tables[{i}]")
         _need(_need(res, "wall_s", where, dict), "total_s", f"{where} wall_s", (int, float))
         _need(res, "heldout", where, (dict, type(None)))
@@ -236,7 +244,8 @@ def summarize_fit_run(run_dir: str | Path, *, name: str, command: str, commit: s
     rows = []
     for label in ("warm_start", "exittrain", "served"):
         for r in tables.get(label, []):
-            row = {k: r[k] for k in (*_ROW_KEYS, "lossless", "chain_tau", "chain_K") if k in r} | {"label": label}
+            row = {k: r[k] for k in (*_ROW_KEYS, *_OPTIONAL_ROW_KEYS, "lossless", "chain_tau", "chain_K")
+                   if k in r} | {"label": label}
             if "vllm" in r:  # the serving track's engine measurement, flattened
                 row |= {k: r["vllm"][k] for k in ("vllm_tau", "vllm_ci95", "vllm_matches_plain") if k in r["vllm"]}
             rows.append(row)
