@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from exittrain.core import VERIFIERS
 from exittrain.data.prompt_plan import PromptPlan
 from exittrain.data.split import check_loader_settings
-from exittrain.heldout.decode_eval import DECODE_MODES
+from exittrain.heldout.evaluator import DECODE_MODES
 from exittrain.heldout.heldout_law import check_analytic_settings
 from exittrain.heldout.serving_track import VLLM_MODES
 from exittrain.lit.module import check_module_args
@@ -64,8 +64,8 @@ __all__ = [
 
 # keys of stages.<stage> that configure the stage itself; every other key overrides the objective
 STAGE_KEYS = ("max_steps", "eval_every")
-# the eval.* keys eval_settings reads, each set by conf/eval/default.yaml (eval.decode is read on its own)
-EVAL_KEYS = ("num_prompts", "max_new_tokens", "budgets", "temperatures", "verifier", "baseline", "oracle")
+# the eval.* keys eval_settings reads, each set by conf/eval/default.yaml
+EVAL_KEYS = ("num_prompts", "max_new_tokens", "budgets", "temperatures", "verifier", "baseline", "oracle", "decode")
 # what to do about a ckpt_path that cannot be resumed from (exittrain.safe_io adds the file and the cause)
 CKPT_FIX = (
     "point ckpt_path at another checkpoint written by exittrain (RUN_DIR/checkpoints/<stage>/last.ckpt of an "
@@ -237,7 +237,8 @@ def eval_settings(cfg: DictConfig) -> dict:
     """The keyword arguments of :func:`~exittrain.heldout.decode_eval.evaluate_prompts` from
     ``cfg.eval``, every value checked (ValueError naming ``eval.<key>``).
 
-    ``eval.decode`` (``auto`` | ``fixed``, default ``fixed`` when absent) is one of them.
+    ``eval.decode`` (``fixed`` | ``auto``) is one of them; the evaluator reads it
+    (:class:`~exittrain.heldout.evaluator.HeldOutEvaluator`).
     ``eval.vllm`` (``auto`` | ``true`` | ``false``) is checked here (:func:`vllm_mode`), so that a typo
     fails before anything loads, but is not an argument of ``evaluate_prompts``: fit takes it from
     :attr:`FitSettings.vllm`.
@@ -261,7 +262,7 @@ def eval_settings(cfg: DictConfig) -> dict:
     for key in ("baseline", "oracle"):
         if not isinstance(e[key], bool):
             raise ValueError(f"eval.{key}={e[key]!r}: need true or false")
-    decode = e.get("decode", "fixed")
+    decode = e.decode
     if decode not in DECODE_MODES:
         raise ValueError(f"eval.decode={decode!r}: use auto (probe this host's fastest budget, draft vocabulary and "
                          "copy tail for the speed columns) or fixed (decode at eval.budgets only)")

@@ -236,7 +236,7 @@ def test_fit_on_rank_one_trains_and_leaves_evaluation_and_files_to_rank_zero(ran
     def rank_zero_only_work(*args, **kwargs):
         raise AssertionError("rank 1 ran rank 0's evaluation or export")
 
-    monkeypatch.setattr("exittrain.heldout.decode_eval.evaluate_prompts", rank_zero_only_work)
+    monkeypatch.setattr("exittrain.heldout.evaluator.evaluate_prompts", rank_zero_only_work)
     monkeypatch.setattr("exittrain.lit.save_drafter", rank_zero_only_work)
     rank(1)
     cfg.data.generation.batch_size = 4  # the 8 training prompts in 2 batches: one per shard of 2

@@ -30,14 +30,14 @@ from tqdm.auto import tqdm
 from exittrain import progress as progress_log
 from exittrain.core import resampled_ratios
 from exittrain.decoding import SpeculativeDecoder, autoregressive_generate, oracle_generate
+from exittrain.decoding.chain_decoder import ChainDecoder
 
 __all__ = [
-    "DECODE_MODES", "evaluate_prompts", "summarize", "format_table", "auto_reasons", "bootstrap_ci", "optional_cell",
+    "decode_check", "evaluate_prompts", "summarize", "format_table", "auto_reasons", "bootstrap_ci", "optional_cell",
 ]
 
 log = logging.getLogger("exittrain")
 
-DECODE_MODES = ("fixed", "auto")  # eval.decode
 
 
 def _speed_keys(result, prefix: str = "", speed: bool = True) -> dict:
@@ -178,6 +178,28 @@ def evaluate_prompts(
         if as_lines:
             ticker.update(done, B=budget, T=temperature, tau=row["tau"])
     return rows
+
+
+def decode_check(target, drafter, prompts: Sequence[Sequence[int]], *, budget: int, shape: str = "ddtree",
+                 verifier: str = "tev", temperature: float = 0.0, max_new_tokens: int = 48, seed: int = 0) -> dict:
+    """Decoded tau of ``drafter`` pooled over ``prompts`` with the plain decoder: the recipe's tree of
+    ``budget`` nodes (``shape="ddtree"``) or the greedy chain a serving engine verifies (``"chain"``),
+    prompt i seeded ``seed + i``. Returns ``block_length`` (tau), ``tokens_per_s`` (the plain
+    decoder's: a trend, not a speed claim), ``rounds``, ``tokens`` and ``seconds``."""
+    if shape == "chain":
+        decoder = ChainDecoder(target, drafter, verifier=verifier)
+    else:
+        decoder = SpeculativeDecoder(target, drafter, budget=budget, verifier=verifier)
+    tokens = rounds = block_sum = 0
+    seconds = 0.0
+    for i, prompt in enumerate(prompts):
+        result = decoder.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i)
+        tokens += len(result.tokens)
+        rounds += len(result.rounds)
+        block_sum += sum(r.block_length for r in result.rounds)
+        seconds += result.seconds
+    return {"block_length": block_sum / max(rounds, 1), "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+            "rounds": float(rounds), "tokens": float(tokens), "seconds": seconds}
 
 
 def bootstrap_ci(per_prompt: list[list[int]], resamples: int = 1000, seed: int = 0) -> tuple[float, float]:

@@ -22,8 +22,9 @@ named once in docs/metrics.md:
   DFlash export.
 
 The autoregressive baselines are decoded once per evaluator and shared by every drafter it measures,
-so all rows of a table have one denominator. :func:`decode_check` is the decoded tau of the
-in-training decode check (``val/block_length``): the same plain decoder on a few prompts, pooled.
+so all rows of a table have one denominator. :func:`~exittrain.heldout.decode_eval.decode_check` is
+the decoded tau of the in-training decode check (``val/block_length``): the same plain decoder on a
+few prompts, pooled (it lives beside ``evaluate_prompts``, so training imports no serving track).
 The other training-time measures are cheaper relatives logged on batches and validation rows
 (docs/metrics.md names each and where it is computed).
 """
@@ -35,15 +36,15 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from exittrain.decoding import SpeculativeDecoder
-from exittrain.decoding.chain_decoder import ChainDecoder
 from exittrain.heldout.decode_eval import auto_reasons, evaluate_prompts, format_table, summarize
 from exittrain.heldout.heldout_law import format_differences, held_out_law
 from exittrain.heldout.serving_track import attach_chain, chain_rows, summarize_chain, vllm_track
 
 log = logging.getLogger("exittrain")
 
-__all__ = ["HeldOutEvaluator", "decode_check", "format_report", "paired_reference", "speed_note"]
+DECODE_MODES = ("fixed", "auto")  # eval.decode: the plain decoder, or the CPU's decode probe for the speed columns
+
+__all__ = ["DECODE_MODES", "HeldOutEvaluator", "format_report", "paired_reference", "speed_note"]
 
 
 class HeldOutEvaluator:
@@ -59,7 +60,7 @@ class HeldOutEvaluator:
 
     def __init__(self, target, prompts: Sequence[Sequence[int]], settings: dict, analytic: tuple[list[float], int],
                  *, auto: Callable | None = None, reference: str | None = "warm_start", chain: bool = True):
-        if settings.get("decode", "fixed") == "auto" and auto is None:
+        if settings["decode"] == "auto" and auto is None:
             raise ValueError("eval.decode=auto needs the CPU decode probe (exittrain.cpu_decode.auto_settings); "
                              "the command that reads eval.decode passes it")
         self.target, self.prompts, self.reference, self.chain = target, [list(p) for p in prompts], reference, chain
@@ -117,28 +118,6 @@ class HeldOutEvaluator:
         for row in table:
             row["vllm"] = result
         return result
-
-
-def decode_check(target, drafter, prompts: Sequence[Sequence[int]], *, budget: int, shape: str = "ddtree",
-                 verifier: str = "tev", temperature: float = 0.0, max_new_tokens: int = 48, seed: int = 0) -> dict:
-    """Decoded tau of ``drafter`` pooled over ``prompts`` with the plain decoder: the recipe's tree of
-    ``budget`` nodes (``shape="ddtree"``) or the greedy chain a serving engine verifies (``"chain"``),
-    prompt i seeded ``seed + i``. Returns ``block_length`` (tau), ``tokens_per_s`` (the plain
-    decoder's: a trend, not a speed claim), ``rounds``, ``tokens`` and ``seconds``."""
-    if shape == "chain":
-        decoder = ChainDecoder(target, drafter, verifier=verifier)
-    else:
-        decoder = SpeculativeDecoder(target, drafter, budget=budget, verifier=verifier)
-    tokens = rounds = block_sum = 0
-    seconds = 0.0
-    for i, prompt in enumerate(prompts):
-        result = decoder.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i)
-        tokens += len(result.tokens)
-        rounds += len(result.rounds)
-        block_sum += sum(r.block_length for r in result.rounds)
-        seconds += result.seconds
-    return {"block_length": block_sum / max(rounds, 1), "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-            "rounds": float(rounds), "tokens": float(tokens), "seconds": seconds}
 
 
 def paired_reference(measured: dict, label: str, reference: str | None) -> dict | None:

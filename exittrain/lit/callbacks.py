@@ -37,7 +37,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from exittrain.atomic import fsync_dir, fsync_tree, remove_stale_temps, temp_sibling
 from exittrain.core import TREE_SHAPES, VERIFIERS
-from exittrain.heldout.evaluator import decode_check
+from exittrain.heldout.decode_eval import decode_check
 from exittrain.lit.heldout_callback import HeldOutBlockLengthCallback
 from exittrain.lit.sharding import drafter_and_target, full_drafter
 from exittrain.run_dir import RunDir
