@@ -208,8 +208,12 @@ def test_fit_on_rank_zero_regenerates_evaluates_and_writes(rank, tmp_path, monke
     assert (tmp_path / "run" / "drafter" / "draft_vocab.json").is_file()  # the answer tokens, for draft_vocab
     # one autoregressive baseline per prompt and temperature serves both tables
     assert len(baselines) == cfg.eval.num_prompts * len(cfg.eval.temperatures)
-    ar = {label: [r["ar_tokens_per_s"] for r in table] for label, table in summary["tables"].items()}
-    assert ar["warm_start"] == ar["exittrain"]
+    # a CPU target's table carries no speed (the plain decoder's says nothing a user can act on); the shared
+    # baselines still give every greedy row its lossless check
+    rows = [r for table in summary["tables"].values() for r in table]
+    assert all("ar_tokens_per_s" not in r and "speedup" not in r for r in rows)
+    assert all(r["lossless"] is True for r in rows if r["temperature"] == 0)
+    assert any(r["temperature"] == 0 for r in rows)
     # the analytic tau at eval.analytic_temperatures beside each decoded row, paired with the warm start's
     for label, table in summary["tables"].items():
         for row in table:
