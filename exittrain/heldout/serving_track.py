@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from exittrain.heldout.decode_eval import bootstrap_ci
+from exittrain.progress import Ticker
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +112,10 @@ def chain_rows(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tok
     from exittrain.decoding.chain_decoder import ChainDecoder, decode_after_prefill
 
     decoder = ChainDecoder(target, drafter, verifier="greedy")
+    ticker = Ticker(f"eval {label} chain".strip(), len(prompts), unit="decode", every=4)
     rows = []
     for i, prompt in enumerate(prompts):
+        ticker.update(i)
         key = (0.0, i)
         if ar_cache is None or key not in ar_cache:
             baseline = autoregressive_generate(target, list(prompt), max_new_tokens, 0.0, seed=seed + i)
@@ -129,6 +132,7 @@ def chain_rows(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tok
         rows.append({"label": label, "prompt_index": i, "budget": decoder.budget,
                      "block_lengths": [r.block_length for r in rounds], "new_tokens": len(tokens),
                      "matches_target": plain[:n] == tokens[:n]})
+    ticker.update(len(prompts))
     return rows
 
 
