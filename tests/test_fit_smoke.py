@@ -100,16 +100,18 @@ def test_fit_smoke_on_the_embedded_target(tmp_path):
 
     counts = load_token_counts(run_dir / "drafter")
     assert counts["rows"] > 0 and counts["counts"] == sorted(counts["counts"], reverse=True)
-    # the served format beside it, without the copy branch, and that drafter's own held-out table
+    # the served format beside it, without the copy branch, and that drafter's own held-out table: the
+    # serving track alone (an engine verifies the chain), so no tree columns
     served = json.loads((run_dir / "drafter_dflash" / "config.json").read_text())
     assert served["architectures"] == ["DFlashDraftModel"] and metrics["drafter_dflash"]["dropped"]
     (row,) = metrics["tables"]["served"]
-    assert row["lossless"] is True and 1.0 <= row["tau"] <= block_size
+    assert row["chain_lossless"] is True and 1.0 <= row["chain_tau"] <= block_size
+    assert "tau" not in row and "analytic" not in row
     assert list((run_dir / "checkpoints").rglob("*.ckpt"))
     assert list((run_dir / "wandb").glob("offline-run-*"))
     assert "Held-out decoding" in proc.stdout
     # beside the decoded tau, the expected TEV tau at the analytic temperatures, paired with the warm start's
-    for label in ("warm_start", "exittrain", "served"):
+    for label in ("warm_start", "exittrain"):
         (row,) = metrics["tables"][label]
         assert set(row["analytic"]) == {f"{t:g}" for t in cfg.eval.analytic_temperatures}
         for cell in row["analytic"].values():
