@@ -39,7 +39,6 @@ __all__ = [
 log = logging.getLogger("exittrain")
 
 
-
 def _speed_keys(result, prefix: str = "", speed: bool = True) -> dict:
     """The speed facts of one decode: tokens, wall seconds and stage times, and with ``speed`` its tokens/s."""
     return {

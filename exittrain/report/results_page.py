@@ -112,10 +112,11 @@ def check_result(res: Any, where: str) -> dict:
                 _need(row, key, f"{where} tables[{i}]")
             if "tau" not in row and "chain_tau" not in row:
                 raise ValueError(f"{where} tables[{i}]: neither 'tau' nor 'chain_tau'; a row needs a measured tau")
-            for key in ("ci95",) if "tau" in row else ():  # a tree tau comes with its interval
-                _need(row, key, f"{where} tables[{i}]")
-            for key in ("tokens_per_s", "ar_tokens_per_s") if "speedup" in row else ():  # and a speedup with its parts
-                _need(row, key, f"{where} tables[{i}]")
+            if "tau" in row:  # a tree tau comes with its interval
+                _need(row, "ci95", f"{where} tables[{i}]")
+            if "speedup" in row:  # and a speedup with its parts
+                for key in ("tokens_per_s", "ar_tokens_per_s"):
+                    _need(row, key, f"{where} tables[{i}]")
         _need(_need(res, "wall_s", where, dict), "total_s", f"{where} wall_s", (int, float))
         _need(res, "heldout", where, (dict, type(None)))
     elif kind == "experiment":
