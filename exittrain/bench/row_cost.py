@@ -39,6 +39,7 @@ from exittrain.core.copy_tail import copy_only_tree
 from exittrain.cpu_decode.fast_products import fast_products
 from exittrain.cpu_decode.packed_linears import packed_choices, unpacked
 from exittrain.models.grouped_attention import repeated_keys
+from exittrain.models.hf_cache import cache_kwargs
 from exittrain.tables import write_results
 
 DEFAULT_ROWS = (1, 2, 3, 4, 6, 8, 11, 17)
@@ -108,7 +109,7 @@ def forward_ms(target, ids: list[int], rows: list[int], repeats: int, packed: tu
     def forward(r: int, mode: str | None, attention: str | None) -> float:
         start = time.perf_counter()
         if r == 1:
-            target.model(input_ids=root.view(1, 1), cache=cache, use_cache=True)
+            target.model(input_ids=root.view(1, 1), use_cache=True, **cache_kwargs(cache))
         else:
             with _tree_paths(mode, attention):
                 target.tree_forward(cache, root, trees[r])

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from exittrain.models.hf_cache import cache_kwargs, output_cache
 from exittrain.models.target_model import layer_output_hooks
 from exittrain.precision import AUTO, generation_dtype
 
@@ -338,11 +339,11 @@ def generate_batch(
     head = model.get_output_embeddings() if top_logprobs > 0 else None
     with layer_output_hooks(model, layers, keep):
         if S:
-            prefix = model(input_ids=input_ids_NP[:1, :S].to(device), use_cache=True, logits_to_keep=1).cache
+            prefix = output_cache(model(input_ids=input_ids_NP[:1, :S].to(device), use_cache=True, logits_to_keep=1))
             prefix.batch_repeat_interleave(N)  # every row continues from its own copy
             for layer in layers:  # (1, S, H) -> (N, S, H): the rows share these positions
                 steps[layer][0] = steps[layer][0].expand(N, -1, -1)
-            kwargs["cache"] = prefix
+            kwargs.update(cache_kwargs(prefix))
         with _forward_hook(head, keep_top):  # generation steps only: not the extra step below
             out = model.generate(
                 input_ids=input_ids_NP.to(device),
@@ -362,8 +363,8 @@ def generate_batch(
                 input_ids=sequences_NS[:, -1:],
                 attention_mask=mask_NS,
                 position_ids=mask_NS.sum(1, keepdim=True) - 1,
-                cache=out.cache,
                 use_cache=True,
+                **cache_kwargs(output_cache(out)),
             )
     answers = [split_response(row, eos_ids) for row in sequences_NS[:, width:].tolist()]
     features_NSF = (

@@ -19,6 +19,7 @@ import torch
 
 from exittrain.core import DraftTree, verify_tev, warp_probs
 from exittrain.core.exit_law import exit_law
+from exittrain.models.hf_cache import cache_kwargs
 
 from .speculative import GenerationResult, RoundStats, _Clock, _finish, _prepare
 
@@ -38,8 +39,8 @@ def _row_forward(target, cache, token: int, position: int, context_len: int, anc
         input_ids=torch.tensor([[token]], device=device),
         attention_mask=target._additive(allowed),
         position_ids=torch.tensor([[position]], device=device),
-        cache=cache,
         use_cache=True,
+        **cache_kwargs(cache),
     )
     return out.logits[0, -1]  # (V,)
 

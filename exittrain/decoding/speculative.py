@@ -28,6 +28,7 @@ from exittrain.core import VERIFIERS, DraftTree, build_tree, check_ngrams
 from exittrain.core.copy_tail import copy_chain, copy_only_tree, graft_copy_tail
 from exittrain.core.verify import sample_categorical, warp_probs
 from exittrain.decoding.drafter_context import drafter_context
+from exittrain.models.hf_cache import cache_kwargs
 
 __all__ = ["RoundStats", "GenerationResult", "GreedyDecoder", "SpeculativeDecoder", "autoregressive_generate",
            "COPY_LED", "DRAFTED", "ROUND_KINDS", "ROUND_PARTS", "STEP", "rounds_by_kind"]
@@ -375,7 +376,7 @@ def autoregressive_generate(
         if _finish(tokens, [int(token[0])], eos, max_new_tokens):
             result.rounds[-1].times = clock.times
             break
-        out = target.model(input_ids=token.view(1, 1), cache=cache, use_cache=True)
+        out = target.model(input_ids=token.view(1, 1), use_cache=True, **cache_kwargs(cache))
         logits = out.logits[:, -1]
         clock.lap("target")
         result.rounds[-1].times = clock.times

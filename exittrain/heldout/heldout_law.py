@@ -67,7 +67,10 @@ class HeldOutLaw:
 
         if temperature not in self._rows:
             t0 = time.perf_counter()
-            with torch.random.fork_rng(devices=[]):  # answer_rows seeds the global generator
+            # answer_rows seeds the global generators (torch.manual_seed seeds CUDA's too): fork the CPU's
+            # and, on a GPU target, its device's, so the caller's random streams go on untouched
+            devices = [self.target.device] if self.target.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):
                 self._rows[temperature] = answer_rows(self.target, self.prompts, [], self.max_new_tokens,
                                                       self.batch, temperature, self.seed)
             log.info("analytic tau: %d answers sampled at T=%g (%.0f s)", len(self.prompts), temperature,

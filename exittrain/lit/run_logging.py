@@ -6,12 +6,16 @@ Kept here, in Lightning's home, so that :mod:`exittrain.fit`, :mod:`exittrain.bu
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
 
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 __all__ = ["global_rank", "seed_everything", "make_logger", "close_logger", "log_table"]
+
+log = logging.getLogger(__name__)
 
 
 def global_rank() -> int:
@@ -36,10 +40,20 @@ def seed_everything(seed: int) -> None:
 
 
 def make_logger(cfg: DictConfig, run_name: str):
-    """The configured logger (``cfg.logger``) for one stage, or None; W&B gets max/last summaries for block length."""
+    """The configured logger (``cfg.logger``) for one stage, or None; W&B gets max/last summaries for block length.
+
+    wandb is an optional extra (``pip install 'exittrain[wandb]'``): where ``logger=wandb`` is asked for
+    and wandb is not installed, the run logs to CSV in the same folder instead and says so once per stage."""
     if cfg.get("logger") is None:
         return None
     kwargs = {}
+    if "WandbLogger" in str(cfg.logger.get("_target_", "")) and importlib.util.find_spec("wandb") is None:
+        from lightning.pytorch.loggers import CSVLogger
+
+        save_dir = cfg.logger.get("save_dir", ".")
+        log.warning("logger=wandb, but wandb is not installed: logging to CSV under %s/csv instead "
+                    "(pip install 'exittrain[wandb]' for W&B, or pass logger=csv to silence this)", save_dir)
+        return CSVLogger(save_dir=save_dir, name="csv")
     if "WandbLogger" in str(cfg.logger.get("_target_", "")):
         kwargs["name"] = run_name
         os.environ.setdefault("WANDB_SILENT", "true")

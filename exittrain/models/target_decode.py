@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 
 from exittrain.core import DraftTree
+from exittrain.models.hf_cache import cache_kwargs
 
 __all__ = ["PrefillOutput", "TargetDecoding", "TreeForwardOutput"]
 
@@ -49,7 +50,7 @@ class TargetDecoding:
         layers = self.check_layers(layers)
         cache = self.new_cache()
         with self._capture(layers) as captured:
-            out = self.model(input_ids=input_ids_NT, cache=cache, use_cache=True, logits_to_keep=1)
+            out = self.model(input_ids=input_ids_NT, use_cache=True, logits_to_keep=1, **cache_kwargs(cache))
         return PrefillOutput(out.logits[:, -1].to(self.device), self._features(captured, layers), cache)
 
     @torch.no_grad()
@@ -98,8 +99,8 @@ class TargetDecoding:
                 input_ids=input_ids,
                 attention_mask=self._additive(allowed, position_ids, key_positions),
                 position_ids=position_ids,
-                cache=cache,
                 use_cache=True,
+                **cache_kwargs(cache),
             )
         return TreeForwardOutput(logits.to(device), self._features(captured, layers))
 

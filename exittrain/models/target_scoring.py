@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from exittrain.core import DraftTree
+from exittrain.models.hf_cache import cache_kwargs
 
 __all__ = ["SequencePrefix", "TreeScores", "TreeScoring"]
 
@@ -61,7 +62,7 @@ class TreeScoring:
         input_ids_LT = input_ids_LT.to(self.device)
         cache = self.new_cache()
         with self._capture(layers) as captured:
-            self._decoder(input_ids=input_ids_LT, cache=cache, use_cache=True)
+            self._decoder(input_ids=input_ids_LT, use_cache=True, **cache_kwargs(cache))
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         return SequencePrefix(input_ids_LT, kv, self._features(captured, layers), layers)
 
@@ -218,8 +219,8 @@ class TreeScoring:
                     input_ids=ids_LAB[:, a0:a1].reshape(L, Q),
                     attention_mask=self._additive(allowed, rows_pos, keys_pos),
                     position_ids=rows_pos,
-                    cache=cache,
                     use_cache=True,
+                    **cache_kwargs(cache),
                 ).logits.view(L, nA, B1, -1)  # (L, nA, B+1, V)
             del cache
             if nA == A:  # a single chunk is the whole result

@@ -76,7 +76,7 @@ def _datamodule(tmp_path, sources, target, **kwargs):
     return ExitTrainDataModule(**args)
 
 
-def test_datamodule_prepares_once_and_yields_padded_batches(tmp_path, sources, smollm2_tokenizer):
+def test_datamodule_prepares_once_and_yields_padded_batches(tmp_path, sources, smollm2_tokenizer, monkeypatch):
     tok = smollm2_tokenizer
     target = CountingTarget(tiny_llama(tok, seed=0), tok)
     prompt_len = max(len(chat_prompt_ids(tok, p)) for p in TRAIN)
@@ -93,6 +93,10 @@ def test_datamodule_prepares_once_and_yields_padded_batches(tmp_path, sources, s
 
     batches = list(dm.train_dataloader())
     assert [b["input_ids"].shape[0] for b in batches] == [4, 4]
+    assert dm.train_dataloader().pin_memory is torch.cuda.is_available()  # pinned where CUDA is, only there
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # built, not iterated: no CUDA is touched
+    assert dm.train_dataloader().pin_memory is True
+    monkeypatch.undo()
     for b in batches:
         L, T = b["input_ids"].shape
         assert T <= max_length
