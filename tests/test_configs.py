@@ -50,6 +50,7 @@ from exittrain.configs import CONF_DIR, RECIPES_DIR, largest, register_recipes
 from exittrain.data import ExitTrainDataModule, GenerationConfig
 from exittrain.lit import DecodeEvalCallback, ExitTrainModule
 from exittrain.lit.checkpoint_io import AtomicCheckpointIO
+from exittrain.lit.run_logging import build_logger
 from exittrain.lit.schedule import OptimizerSettings
 from exittrain.lit.trainer import build_trainer
 from exittrain.models import BlockDrafter, TargetModel
@@ -142,14 +143,6 @@ def cpu_overrides(primary: str, out: Path) -> list[str]:
     return overrides
 
 
-def make_logger_object(cfg: DictConfig, run_name: str):
-    """The logger as :func:`exittrain.lit.run_logging.make_logger` instantiates it, without starting W&B."""
-    if cfg.get("logger") is None:
-        return None
-    wandb = "WandbLogger" in str(cfg.logger.get("_target_", ""))
-    return instantiate(cfg.logger, **({"name": run_name} if wandb else {}))
-
-
 def build_fit(cfg: DictConfig, target: TargetModel | None, out: Path) -> dict[str, Any]:
     """Everything ``fit`` builds from ``cfg`` before its first step, as its call sites build it.
 
@@ -164,7 +157,7 @@ def build_fit(cfg: DictConfig, target: TargetModel | None, out: Path) -> dict[st
         "data": build_datamodule(cfg, target, drafter.config.target_layer_ids, list(STAGES)),
     }
     for stage in STAGES:
-        logger = make_logger_object(cfg, f"{cfg.recipe_name}-{stage}")
+        logger = build_logger(cfg, f"{cfg.recipe_name}-{stage}")
         callbacks = build_callbacks(cfg, stage, PROMPTS, out, cfg.stages[stage].eval_every)
         built[f"module/{stage}"] = build_module(cfg, stage, drafter, target)
         built[f"callbacks/{stage}"] = callbacks
@@ -189,7 +182,7 @@ def build_eval(cfg: DictConfig, target: TargetModel | None, out: Path) -> dict[s
         "data": instantiate(cfg.data)(
             target=lambda: (target.model, target.tokenizer), tokenizer=target.tokenizer, target_name=target.name
         ),
-        "logger": make_logger_object(cfg, f"{cfg.recipe_name}-eval"),
+        "logger": build_logger(cfg, f"{cfg.recipe_name}-eval"),
     }
 
 

@@ -318,7 +318,8 @@ def test_without_wandb_the_wandb_logger_falls_back_to_csv_and_says_so(tmp_path, 
 
     cfg = _compose("logger=wandb", f"paths.output_dir={tmp_path}")
     real = importlib.util.find_spec
-    monkeypatch.setattr(run_logging.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    monkeypatch.setattr(run_logging.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real(name, *a))
     with caplog.at_level("WARNING", logger=run_logging.__name__):
         logger = make_logger(cfg, "code-pretrain")
     assert type(logger).__name__ == "CSVLogger" and Path(logger.save_dir) == tmp_path

@@ -20,6 +20,7 @@ BENCHES = {
     "heldout": "exittrain.bench.heldout",
     "exittrain": "exittrain.bench.exittrain_arms",
     "vllm": "exittrain.bench.vllm_acceptance",
+    "gpu": "exittrain.bench.gpu_check",
 }
 
 

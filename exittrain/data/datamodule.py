@@ -182,15 +182,20 @@ class ExitTrainDataModule(pl.LightningDataModule):
         self.setup("fit")
         return split_rows(self.train_set, self.val_set, "input_ids", "loss_mask")
 
+    def _on_gpu(self) -> bool:
+        """Whether the trainer this DataModule serves runs on CUDA (False before one is attached)."""
+        trainer = getattr(self, "trainer", None)
+        return trainer is not None and trainer.strategy.root_device.type == "cuda"
+
     def _loader(self, rows: datasets.Dataset, **kwargs: Any) -> DataLoader:
         """Batches of ``rows`` from the :class:`Collator` (``kwargs``: the order). Batches are pinned in
-        page-locked host memory where CUDA is, so their copy to the GPU can overlap the step; nowhere else
-        (pinning needs CUDA)."""
+        page-locked host memory when the trainer runs on a GPU, so their copy to it can overlap the step;
+        nowhere else (a CPU run on a GPU host would start a CUDA context for nothing)."""
         if self.pad_token_id is None:
             raise ValueError("the DataModule is not set up; call setup() first")
         collate = Collator(pad_token_id=self.pad_token_id, max_length=self.max_length, store=self.store)
         workers = {"num_workers": self.num_workers, "persistent_workers": self.num_workers > 0}
-        return DataLoader(rows, batch_size=self.batch_size, collate_fn=collate, pin_memory=torch.cuda.is_available(),
+        return DataLoader(rows, batch_size=self.batch_size, collate_fn=collate, pin_memory=self._on_gpu(),
                           **workers, **kwargs)
 
     def train_dataloader(self) -> DataLoader:

@@ -29,6 +29,7 @@ from exittrain.core.copy_tail import copy_chain, copy_only_tree, graft_copy_tail
 from exittrain.core.verify import sample_categorical, warp_probs
 from exittrain.decoding.drafter_context import drafter_context
 from exittrain.models.hf_cache import cache_kwargs
+from exittrain.timing import device_now
 
 __all__ = ["RoundStats", "GenerationResult", "GreedyDecoder", "SpeculativeDecoder", "autoregressive_generate",
            "COPY_LED", "DRAFTED", "ROUND_KINDS", "ROUND_PARTS", "STEP", "rounds_by_kind"]
@@ -148,13 +149,12 @@ class _Clock:
     """Stage timer; synchronises an accelerator before reading the clock so times are real."""
 
     def __init__(self, device: torch.device):
-        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.device = torch.device(device)
         self.times: dict[str, float] = {}
-        self._t = time.perf_counter()
+        self._t = device_now(self.device)
 
     def lap(self, stage: str) -> None:
-        self.sync()
-        now = time.perf_counter()
+        now = device_now(self.device)  # the target's own GPU, not the current one
         self.times[stage] = self.times.get(stage, 0.0) + now - self._t
         self._t = now
 

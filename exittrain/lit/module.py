@@ -47,7 +47,7 @@ from exittrain.lit.drafter_checkpoint import (
     drafter_from_checkpoint,
 )
 from exittrain.lit.schedule import OptimizerSettings, adamw_with_schedule
-from exittrain.lit.sharding import shard_drafter
+from exittrain.lit.sharding import is_sharded, shard_drafter
 from exittrain.models import BlockDrafter, TargetModel
 from exittrain.objective import OBJECTIVE_PARTS, ObjectiveSettings, compute_losses
 from exittrain.timing import device_now
@@ -176,6 +176,13 @@ class ExitTrainModule(pl.LightningModule):
         # A drafter from load_drafter (from_pretrained) comes in eval mode, and Lightning trains
         # modules in the mode it finds them; the stages train the drafter, dropout included.
         self.drafter.train()
+
+    def on_fit_end(self) -> None:
+        # Lightning's strategy teardown moves the module to the CPU before this hook (a single device
+        # and DDP; FSDP's keeps it), while the target, no submodule, stays where it was loaded: put the
+        # drafter back beside it, where the held-out evaluation after a stage runs them together.
+        if not is_sharded(self.drafter):
+            self.drafter.to(self.target.device)
 
     def configure_optimizers(self):
         """AdamW over the drafter's parameters; warmup + cosine, stepped every optimizer step."""

@@ -13,7 +13,7 @@ import os
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["global_rank", "seed_everything", "make_logger", "close_logger", "log_table"]
+__all__ = ["global_rank", "seed_everything", "build_logger", "make_logger", "close_logger", "log_table"]
 
 log = logging.getLogger(__name__)
 
@@ -39,25 +39,29 @@ def seed_everything(seed: int) -> None:
     L.seed_everything(seed, workers=True)
 
 
-def make_logger(cfg: DictConfig, run_name: str):
-    """The configured logger (``cfg.logger``) for one stage, or None; W&B gets max/last summaries for block length.
+def build_logger(cfg: DictConfig, run_name: str):
+    """The configured logger (``cfg.logger``) for one stage, or None, built but not started (no W&B run yet).
 
     wandb is an optional extra (``pip install 'exittrain[wandb]'``): where ``logger=wandb`` is asked for
     and wandb is not installed, the run logs to CSV in the same folder instead and says so once per stage."""
     if cfg.get("logger") is None:
         return None
-    kwargs = {}
-    if "WandbLogger" in str(cfg.logger.get("_target_", "")) and importlib.util.find_spec("wandb") is None:
+    if "WandbLogger" not in str(cfg.logger.get("_target_", "")):
+        return instantiate(cfg.logger)
+    if importlib.util.find_spec("wandb") is None:
         from lightning.pytorch.loggers import CSVLogger
 
         save_dir = cfg.logger.get("save_dir", ".")
         log.warning("logger=wandb, but wandb is not installed: logging to CSV under %s/csv instead "
                     "(pip install 'exittrain[wandb]' for W&B, or pass logger=csv to silence this)", save_dir)
         return CSVLogger(save_dir=save_dir, name="csv")
-    if "WandbLogger" in str(cfg.logger.get("_target_", "")):
-        kwargs["name"] = run_name
-        os.environ.setdefault("WANDB_SILENT", "true")
-    logger = instantiate(cfg.logger, **kwargs)
+    os.environ.setdefault("WANDB_SILENT", "true")
+    return instantiate(cfg.logger, name=run_name)
+
+
+def make_logger(cfg: DictConfig, run_name: str):
+    """:func:`build_logger`, and on a W&B run max/last summaries for block length and the run's config."""
+    logger = build_logger(cfg, run_name)
     # The W&B run exists on global rank 0 only: on the other ranks `experiment` is Lightning's
     # dummy, whose `config` is a method, so `config.update` would raise AttributeError there.
     if "WandbLogger" in type(logger).__name__ and global_rank() == 0:

@@ -62,6 +62,29 @@ def _embedded_gguf() -> tuple[Path, str]:
     return folder, ggufs[0]
 
 
+_GGUF_SPECIAL_TOKENS = {"eos": "tokenizer.ggml.eos_token_id", "bos": "tokenizer.ggml.bos_token_id",
+                        "pad": "tokenizer.ggml.padding_token_id"}
+
+
+def embedded_tokenizer():
+    """The embedded SmolLM2's tokenizer, read offline from its GGUF file, with the special tokens the
+    GGUF's metadata names (EOS ``<|im_end|>``, pad ``<|im_end|>``, BOS ``<|im_start|>``).
+
+    transformers 5.17 reads that file's EOS as ``<|im_start|>`` and no pad token (5.24 reads the
+    metadata's); an EOS of ``<|im_start|>`` would let every answer run on past its end. So each special
+    token is set from the metadata wherever the tokenizer disagrees with it."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    folder, gguf_name = _embedded_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_name)
+    fields = gguf.GGUFReader(str(folder / gguf_name)).fields
+    for kind, key in _GGUF_SPECIAL_TOKENS.items():
+        if key in fields and getattr(tokenizer, f"{kind}_token_id") != int(fields[key].contents()):
+            setattr(tokenizer, f"{kind}_token", tokenizer.convert_ids_to_tokens(int(fields[key].contents())))
+    return tokenizer
+
+
 def convert_embedded_target(cache_dir: str | os.PathLike | None = None) -> Path:
     """Convert the embedded SmolLM2 GGUF once to a safetensors HF folder and return its path.
 
@@ -75,12 +98,12 @@ def convert_embedded_target(cache_dir: str | os.PathLike | None = None) -> Path:
     if (final / _SOURCE_FILE).is_file():
         return final
     folder, gguf_name = _embedded_gguf()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{_EMBEDDED_DIRNAME}-", dir=root))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_name)
+        tokenizer = embedded_tokenizer()
         gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_name, dtype=torch.float32)
         config = copy.deepcopy(gguf_model.config)
         if hasattr(config, "quantization_config"):

@@ -77,8 +77,9 @@ class TreeScoring:
         """
         self._check_ids(input_ids_LT, "input_ids_LT", 2)
         layers = self.check_layers(layers)
+        mask_LT = None if attention_mask_LT is None else attention_mask_LT.to(self.device)
         with self._capture(layers) as captured:
-            self._decoder(input_ids=input_ids_LT, attention_mask=attention_mask_LT, use_cache=False)
+            self._decoder(input_ids=input_ids_LT.to(self.device), attention_mask=mask_LT, use_cache=False)
         return self._features(captured, layers)
 
     @torch.no_grad()
@@ -96,6 +97,7 @@ class TreeScoring:
         L, T = input_ids_LT.shape
         ids = torch.zeros(L, T, k, dtype=torch.int32)
         logp = torch.full((L, T, k), -torch.inf)
+        input_ids_LT = input_ids_LT.to(self.device)
         for row in range(L):
             logits_TV = self.model(input_ids=input_ids_LT[row : row + 1], use_cache=False).logits[0, :-1]
             values, index = torch.log_softmax(logits_TV.float(), dim=-1).topk(k, dim=-1)

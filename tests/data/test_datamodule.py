@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -93,9 +94,12 @@ def test_datamodule_prepares_once_and_yields_padded_batches(tmp_path, sources, s
 
     batches = list(dm.train_dataloader())
     assert [b["input_ids"].shape[0] for b in batches] == [4, 4]
-    assert dm.train_dataloader().pin_memory is torch.cuda.is_available()  # pinned where CUDA is, only there
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # built, not iterated: no CUDA is touched
+    assert dm.train_dataloader().pin_memory is False  # no trainer, or one on the CPU: nothing pinned
+    on_gpu = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)))
+    monkeypatch.setattr(dm, "trainer", on_gpu)  # built, not iterated: no CUDA is touched
     assert dm.train_dataloader().pin_memory is True
+    monkeypatch.setattr(dm, "trainer", SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu"))))
+    assert dm.train_dataloader().pin_memory is False
     monkeypatch.undo()
     for b in batches:
         L, T = b["input_ids"].shape

