@@ -64,8 +64,15 @@ arm's drafter under ``<out>/<arm>/`` (reused by a rerun with ``--resume``) and e
 per-anchor values under ``<out>/measured/`` (reused by any rerun with the same measuring settings
 and weights: adding an arm measures that arm only).
 
-Limits: one domain per call, one seed; the fresh rows are fewer than the warm start's, and every
-arm runs a few dozen steps on a CPU: a verdict here is about this scale.
+**Replicates** (``--train-seeds S1 S2 ...``): every arm is trained once per seed (the drafter
+``ARM@seedS``), each ExitTrain replicate paired with its control of the same seed. The controls'
+replicates, paired with each other, give the noise floor (:func:`noise_floor`: the largest
+control-against-control difference); :func:`~exittrain.bench.exittrain_report.replicate_verdicts`
+reads each ExitTrain arm's per-seed differences against it under the decision rule of
+docs/experiments/2026-12-05-exittrain-confirmation.md.
+
+Limits: one domain per call; the fresh rows are fewer than the warm start's, and every arm runs a
+few dozen steps on a CPU: a verdict here is about this scale.
 """
 
 from __future__ import annotations
@@ -78,8 +85,8 @@ from pathlib import Path
 import torch
 
 from exittrain.bench.ablation import compose_fit_config, train_drafter
-from exittrain.bench.exittrain_grid import ARMS, selected_arms
-from exittrain.bench.exittrain_report import plot, to_markdown, verdict, vllm_verdict
+from exittrain.bench.exittrain_grid import ARMS, replicate, selected_arms, split_replicate
+from exittrain.bench.exittrain_report import plot, replicate_verdicts, to_markdown, verdict, vllm_verdict
 from exittrain.build import build_datamodule
 from exittrain.settings import module_overrides
 
@@ -111,29 +118,42 @@ def _datamodules(args, target, layers):
 
 
 def train_arms(args, target, warm_path: Path) -> tuple[dict, dict]:
-    """Train (or, with ``--resume``, reuse) every arm; returns ``({arm: path}, {arm: train info})``."""
+    """Train (or, with ``--resume``, reuse) every arm, once per training seed; returns ``({drafter: path},
+    {drafter: train info})``, drafters named by :func:`~exittrain.bench.exittrain_grid.replicate`.
+
+    A training seed sets everything random in an arm's training and nothing else: the order of the
+    batches (:attr:`~exittrain.data.ExitTrainDataModule.order_seed`), the anchors (the objective's seed)
+    and dropout (the global generators). The rows, the split and the warm start are the same for every
+    seed. Without ``--train-seeds`` the one replicate trains under ``--seed``, as before."""
+    from omegaconf import OmegaConf
+
     from exittrain.lit import save_drafter
     from exittrain.models import load_drafter
 
     warm = load_drafter(warm_path, target)
     cfgs, dms = _datamodules(args, target, list(warm.config.target_layer_ids))
     paths, info = {}, {}
-    for arm in selected_arms(args):
-        folder = Path(args.out) / arm.name
-        if args.resume and (folder / "config.json").is_file():
-            paths[arm.name], info[arm.name] = folder, {"reused": True}
-            _log(f"{arm.name}: reused {folder}")
-            continue
-        cfg = cfgs[arm.rows]
-        stage_args = {**module_overrides(cfg, "exittrain"), **arm.module_args()}
-        drafter = load_drafter(warm_path, target)
-        t0 = time.perf_counter()
-        final = train_drafter(cfg, drafter, target, dms[arm.rows], arm.stage, args.steps, **stage_args)
-        seconds = time.perf_counter() - t0
-        paths[arm.name] = save_drafter(drafter, folder)
-        info[arm.name] = {"train_s": seconds, "s_per_step": seconds / args.steps, **asdict(arm),
-                          "final": final}
-        _log(f"{arm.name}: trained {args.steps} steps in {seconds:.0f} s")
+    for seed in args.train_seeds or [None]:
+        for arm in selected_arms(args):
+            name = replicate(arm.name, seed)
+            folder = Path(args.out) / name
+            if args.resume and (folder / "config.json").is_file():
+                paths[name], info[name] = folder, {"reused": True}
+                _log(f"{name}: reused {folder}")
+                continue
+            cfg = cfgs[arm.rows]
+            if seed is not None:  # the rows are built: the seed now reaches only the order, anchors and dropout
+                cfg = OmegaConf.merge(cfg, {"seed": seed})
+            dms[arm.rows].order_seed = seed
+            stage_args = {**module_overrides(cfg, "exittrain"), **arm.module_args()}
+            drafter = load_drafter(warm_path, target)
+            t0 = time.perf_counter()
+            final = train_drafter(cfg, drafter, target, dms[arm.rows], arm.stage, args.steps, **stage_args)
+            seconds = time.perf_counter() - t0
+            paths[name] = save_drafter(drafter, folder)
+            info[name] = {"train_s": seconds, "s_per_step": seconds / args.steps, **asdict(arm),
+                          "train_seed": seed, "final": final}
+            _log(f"{name}: trained {args.steps} steps in {seconds:.0f} s")
     return paths, info
 
 
@@ -168,10 +188,8 @@ def measure_in_vllm(args, target, drafters: dict[str, Path], warm_name: str) -> 
     measured = measure_vllm(args.vllm_python, target_folder(target, None), folders, prompts,
                             max_new_tokens=args.max_new_tokens, workdir=work)
     per = measured["drafters"]
-    arms = {a.name: a for a in ARMS}
     for name, r in per.items():
-        arm = arms.get(name)
-        control = arm.control if arm is not None and arm.stage == "exittrain" else None
+        control = matched_control(name)
         r["vs_warm_start"] = None if name == warm_name else paired_acceptance(r["per_prompt"],
                                                                               per[warm_name]["per_prompt"])
         r["control"] = control if control in per else None
@@ -263,6 +281,39 @@ def _parse_key(key: str, K: int | None) -> tuple[str, int, float]:
     return "chain", int(K), float(T)
 
 
+def matched_control(name: str) -> str | None:
+    """The drafter an ExitTrain drafter is paired with: its arm's matched control, of the same training
+    seed; None for a control, the warm start or a name outside the grid."""
+    base, seed = split_replicate(name)
+    arm = next((a for a in ARMS if a.name == base), None)
+    return replicate(arm.control, seed) if arm is not None and arm.stage == "exittrain" else None
+
+
+def noise_floor(measured: dict) -> dict[str, dict]:
+    """Per key and control arm: the paired differences between its replicates (each pair of training
+    seeds, on the same anchors), and the spread, the largest of their absolute values: how far two
+    trainings of the same arm part by training noise alone. Empty with fewer than two replicates."""
+    from exittrain.heldout.measures import paired_difference
+
+    per_row = measured["per_row"]
+    replicates: dict[str, dict[int, str]] = {}
+    for name in per_row:
+        base, seed = split_replicate(name)
+        if seed is not None and base.startswith("control-"):
+            replicates.setdefault(base, {})[seed] = name
+    floor = {}
+    for base, by_seed in replicates.items():
+        seeds = sorted(by_seed)
+        keys = set.intersection(*(set(per_row[by_seed[s]]) for s in seeds)) if seeds else set()
+        for key in sorted(keys):
+            pairs = [{"seeds": [a, b], **pair} for i, a in enumerate(seeds) for b in seeds[i + 1:]
+                     if (pair := paired_difference(per_row[by_seed[b]][key], per_row[by_seed[a]][key]))]
+            if pairs:
+                floor[f"{base}/{key}"] = {"control": base, "key": key, "pairs": pairs,
+                                          "spread": max(abs(p["delta"]) for p in pairs)}
+    return floor
+
+
 def compare(measured: dict, warm_name: str) -> list[dict]:
     """One row per (drafter, shape, budget, temperature): tau, its interval, and the paired differences.
 
@@ -274,7 +325,6 @@ def compare(measured: dict, warm_name: str) -> list[dict]:
     from exittrain.heldout.measures import paired_difference
 
     per_row, oracle = measured["per_row"], measured["oracle"]
-    arms = {a.name: a for a in ARMS}
     out = []
     for name, by_key in per_row.items():
         for key, values in by_key.items():
@@ -285,11 +335,11 @@ def compare(measured: dict, warm_name: str) -> list[dict]:
                    "vs_warm_start": None if name == warm_name or key not in per_row[warm_name]
                    else paired_difference(values, per_row[warm_name][key]),
                    "vs_control": None}
-            arm = arms.get(name)
+            control = matched_control(name)
             # a key the other lacks (a cache from a --no-chain run beside one with the chain): unpaired
-            if arm is not None and arm.stage == "exittrain" and key in per_row.get(arm.control, {}):
-                row["control"] = arm.control
-                row["vs_control"] = paired_difference(values, per_row[arm.control][key])
+            if control is not None and key in per_row.get(control, {}):
+                row["control"] = control
+                row["vs_control"] = paired_difference(values, per_row[control][key])
             if shape == "ddtree" and key in oracle:  # on the oracle's prompts (the first ones), so is the efficiency
                 n = len(oracle[key])
                 tau_oracle = float(torch.cat(oracle[key]).mean())
@@ -323,6 +373,7 @@ def run(args) -> dict:
 
     def result_of(measured: dict, vllm: dict | None = None) -> dict:
         rows = compare(measured, "warm start")
+        floor = noise_floor(measured)
         return {
             "domain": args.domain, "warm_start": str(warm_path), "steps": args.steps,
             "prompts": measured["prompts"], "skip": args.skip, "max_new_tokens": args.max_new_tokens,
@@ -332,6 +383,8 @@ def run(args) -> dict:
             "chain": args.chain, "num_draft_tokens": measured["K"],
             "temperatures": list(args.temperatures), "overrides": list(args.override),
             "arms": [{"name": a.name, "control": a.control, **asdict(a)} for a in selected_arms(args)],
+            "train_seeds": args.train_seeds, "noise_floor": floor,
+            "replicates": replicate_verdicts(rows, floor) if args.train_seeds else [],
             "train": train, "rows": rows, "verdict": verdict(rows) + vllm_verdict(vllm), "host": host_info(),
             "wall_s": {"train": train_s, "measure": time.perf_counter() - t0 - train_s},
             **({"vllm": vllm} if vllm else {}),
@@ -386,7 +439,11 @@ def parse_args(argv=None):
     parser.add_argument("--no-chain", dest="chain", action="store_false",
                         help="skip the measure of every drafter's greedy chain of K nodes (default: measured)")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.6, 1.0])
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the data's seed (which rows, the split) and the measurement's (answers, anchors)")
+    parser.add_argument("--train-seeds", type=int, nargs="+", default=None,
+                        help="train every arm once per seed (replicates: batch order, anchors, dropout), named "
+                             "ARM@seedS; the controls' replicates give the noise floor (default: one, under --seed)")
     parser.add_argument("--override", action="append", default=[], help="a Hydra override of the fit config")
     parser.add_argument("--arms", nargs="+", choices=[a.name for a in ARMS], help="run only these arms (default all)")
     parser.add_argument("--vllm", action="store_true",
@@ -407,6 +464,8 @@ def parse_args(argv=None):
             1 <= n <= args.analytic_anchors for n in args.budget_anchors):
         parser.error(f"--budget-anchors needs one count per budget ({len(args.budgets)}), each from 1 to "
                      f"--analytic-anchors ({args.analytic_anchors})")
+    if args.train_seeds is not None and len(set(args.train_seeds)) != len(args.train_seeds):
+        parser.error(f"--train-seeds {args.train_seeds}: each seed once")
     if any(T < 0 for T in args.temperatures):
         parser.error("--temperatures must be >= 0 (0 = greedy)")
     if args.warm_start is not None and not (Path(args.warm_start) / "config.json").is_file():

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from exittrain.core import TREE_SHAPES
 
-__all__ = ["ARMS", "Arm", "selected_arms"]
+__all__ = ["ARMS", "Arm", "replicate", "selected_arms", "split_replicate"]
 
 
 @dataclass(frozen=True)
@@ -99,3 +99,15 @@ ARMS = (
 def selected_arms(args) -> list[Arm]:
     """The arms of ``--arms`` (all of :data:`ARMS` by default), in the grid's order."""
     return [a for a in ARMS if args.arms is None or a.name in args.arms]
+
+
+def replicate(name: str, seed: int | None) -> str:
+    """The drafter name of ``name``'s replicate trained under ``seed`` (``name@seed<seed>``); ``name`` itself
+    for None (a run without ``--train-seeds``: one replicate, under the bench's ``--seed``)."""
+    return name if seed is None else f"{name}@seed{seed}"
+
+
+def split_replicate(name: str) -> tuple[str, int | None]:
+    """``(arm name, training seed)`` of a drafter name :func:`replicate` made; the seed is None without one."""
+    base, sep, seed = name.partition("@seed")
+    return (base, int(seed)) if sep else (name, None)

@@ -7,10 +7,57 @@ from pathlib import Path
 
 from exittrain.tables import markdown_table, paired_cell
 
-__all__ = ["NEGLIGIBLE", "plot", "to_markdown", "verdict", "vllm_verdict"]
+__all__ = ["NEGLIGIBLE", "plot", "replicate_verdicts", "to_markdown", "verdict", "vllm_verdict"]
 
 
 NEGLIGIBLE = 0.005  # tokens per round (~0.2% of tau here): an interval can exclude 0 and still mean nothing
+
+# The decision rule of docs/experiments/2026-12-05-exittrain-confirmation.md, on the per-seed paired
+# differences (ExitTrain minus its matched control of the same seed), in tokens per round:
+CONFIRM_MEAN = 0.02  # confirmed: every seed > 0, the mean >= this, and >= FLOOR_MULTIPLE x the noise floor
+FLOOR_MULTIPLE = 2.0
+REFUTE_MEAN = 0.01  # refuted: the mean < this, or any seed <= REFUTE_SEED
+REFUTE_SEED = -0.02
+
+
+def rule(deltas: list[float], spread: float | None) -> str:
+    """``confirmed``, ``refuted`` or ``inconclusive`` for per-seed differences ``deltas`` against a noise
+    floor ``spread`` (the largest control-against-control difference; None: unknown, so never confirmed)."""
+    mean = sum(deltas) / len(deltas)
+    if mean < REFUTE_MEAN or min(deltas) <= REFUTE_SEED:
+        return "refuted"
+    if min(deltas) > 0 and mean >= CONFIRM_MEAN and spread is not None and mean >= FLOOR_MULTIPLE * spread:
+        return "confirmed"
+    return "inconclusive"
+
+
+def _key(r: dict) -> str:
+    """The per-row key a result row was measured at (``<budget>/<T>``, or ``chain/<T>``)."""
+    return f"{'chain' if r.get('shape') == 'chain' else r['budget']}/{r['temperature']:g}"
+
+
+def replicate_verdicts(rows: list[dict], floor: dict[str, dict]) -> list[dict]:
+    """One entry per ExitTrain arm and setting (shape, budget, T) with replicates: the per-seed paired
+    differences against the matched control of the same seed, their mean, the noise floor of that
+    control at that setting, and :func:`rule`'s verdict."""
+    from exittrain.bench.exittrain_grid import split_replicate
+
+    groups: dict[tuple, dict[int, float]] = {}
+    for r in rows:
+        base, seed = split_replicate(r["drafter"])
+        if seed is None or not r.get("vs_control"):
+            continue
+        control = split_replicate(r["control"])[0]
+        setting = (base, control, r.get("shape", "ddtree"), r["budget"], r["temperature"], _key(r))
+        groups.setdefault(setting, {})[seed] = r["vs_control"]["delta"]
+    out = []
+    for (arm, control, shape, budget, T, key), by_seed in sorted(groups.items()):
+        deltas = [by_seed[s] for s in sorted(by_seed)]
+        spread = floor.get(f"{control}/{key}", {}).get("spread")
+        out.append({"drafter": arm, "control": control, "shape": shape, "budget": budget, "temperature": T,
+                    "seeds": sorted(by_seed), "deltas": deltas, "mean": sum(deltas) / len(deltas),
+                    "noise_floor": spread, "verdict": rule(deltas, spread)})
+    return out
 
 
 def _setting(r: dict) -> str:
@@ -78,6 +125,18 @@ def to_markdown(result: dict) -> str:
         "",
         *markdown_table(["arm", "train s", "s / step"], train),
     ]
+    if result.get("replicates"):
+        lines += ["", f"Replicates (training seeds {result['train_seeds']}): each seed's paired difference from "
+                  "its matched control of the same seed; the noise floor is the largest control-against-control "
+                  "difference between seeds at that setting; the verdict is the protocol's rule "
+                  f"(confirmed: every seed > 0, mean >= {CONFIRM_MEAN}, mean >= {FLOOR_MULTIPLE:g} x floor; "
+                  f"refuted: mean < {REFUTE_MEAN} or a seed <= {REFUTE_SEED}).", "",
+                  *markdown_table(
+                      ["arm", "B", "T", "per seed", "mean", "noise floor", "verdict"],
+                      ([v["drafter"], f"chain K={v['budget']}" if v["shape"] == "chain" else v["budget"],
+                        f"{v['temperature']:g}", " ".join(f"{d:+.3f}" for d in v["deltas"]), f"{v['mean']:+.4f}",
+                        "-" if v["noise_floor"] is None else f"{v['noise_floor']:.4f}", v["verdict"]]
+                       for v in result["replicates"]))]
     if result.get("vllm"):
         from exittrain.report.experiment_page import vllm_lines
 
@@ -87,7 +146,9 @@ def to_markdown(result: dict) -> str:
 
 def plot(result: dict, path: Path) -> None:
     """Forest plot: each ExitTrain arm's paired difference from its control, one panel per (B, T) of the
-    trees, then one per T of the chain."""
+    trees, then one per T of the chain. No file when no arm is paired (controls alone)."""
+    if not any(r.get("vs_control") for r in result["rows"]):
+        return
     import matplotlib
 
     matplotlib.use("Agg")

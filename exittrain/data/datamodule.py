@@ -117,6 +117,9 @@ class ExitTrainDataModule(pl.LightningDataModule):
         self._target = LazyTarget(target_name, target, tokenizer)
         self.max_length, self.batch_size, self.num_workers = max_length, batch_size, num_workers
         self.val_fraction, self.seed, self.progress = val_fraction, seed, progress
+        # the training order's seed, when a replicate run shuffles the same rows in its own order (bench
+        # exittrain's training seeds); None: ``seed``, which also chose the rows and the split
+        self.order_seed: int | None = None
         self.feature_layers = list(feature_layers) if feature_layers is not None else None
         self.top_logprobs, self.feature_store = top_logprobs, feature_store
         self.store: FeatureStore | None = None  # after setup, when feature_layers or top_logprobs ask for one
@@ -199,7 +202,8 @@ class ExitTrainDataModule(pl.LightningDataModule):
                           **workers, **kwargs)
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches; epoch e's order depends only on ``seed`` and e (:class:`ResumableSampler`).
+        """Shuffled training batches; epoch e's order depends only on the order's seed (:attr:`order_seed`,
+        else ``seed``) and e (:class:`ResumableSampler`).
 
         After ``load_state_dict`` (a resumed fit) the first pass continues the checkpoint's epoch
         right after the batches it had trained: a resumed run sees the same batches, in the same
@@ -213,13 +217,14 @@ class ExitTrainDataModule(pl.LightningDataModule):
         world, rank = self._world()
         trainer = self.trainer
         epoch_fn = (lambda: trainer.current_epoch) if trainer is not None else None
-        sampler = ResumableSampler(self.train_set, seed=self.seed, num_replicas=world, rank=rank, epoch_fn=epoch_fn)
+        seed = self._order_settings()["seed"]
+        sampler = ResumableSampler(self.train_set, seed=seed, num_replicas=world, rank=rank, epoch_fn=epoch_fn)
         if self._resume_order is not None:
             epoch, batches_done = self._resume_order
             sampler.resume(epoch, batches_done * self.batch_size)
             self._resume_order = None  # once: a later fit of the same DataModule starts afresh
         # its own generator, only for the workers' base seed: iterating never draws from torch's global RNG
-        return self._loader(self.train_set, sampler=sampler, generator=torch.Generator().manual_seed(self.seed))
+        return self._loader(self.train_set, sampler=sampler, generator=torch.Generator().manual_seed(seed))
 
     def _world(self) -> tuple[int, int]:
         """(world size, global rank) of the attached trainer; (1, 0) without one."""
@@ -228,7 +233,8 @@ class ExitTrainDataModule(pl.LightningDataModule):
 
     def _order_settings(self) -> dict[str, int]:
         """The settings that fix the training order besides the epoch."""
-        return {"seed": int(self.seed), "batch_size": int(self.batch_size), "world_size": self._world()[0]}
+        seed = self.seed if self.order_seed is None else self.order_seed
+        return {"seed": int(seed), "batch_size": int(self.batch_size), "world_size": self._world()[0]}
 
     def state_dict(self) -> dict[str, Any]:
         """Where training stands in the data, saved in every checkpoint of a fit (Lightning hook).

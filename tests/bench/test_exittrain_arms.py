@@ -123,6 +123,62 @@ def test_compare_pairs_the_chain_with_its_control_at_every_temperature():
         bx.compare({k: v for k, v in _chain_measured(shift=0.3).items() if k != "K"}, "warm start")
 
 
+def _replicates(shifts: dict[int, float], control_noise: float, prompts: int = 12, anchors: int = 20) -> dict:
+    """Per training seed: a control (its seed's training noise: a constant offset of ``control_noise`` x
+    the seed's index) and the ExitTrain arm ``shifts[seed]`` above its own control, at B = 16, T = 0.6."""
+    g = torch.Generator().manual_seed(2)
+    key = "16/0.6"
+    base = [1.0 + torch.rand(anchors, generator=g) for _ in range(prompts)]
+    per_row = {"warm start": {key: base}}
+    for i, (seed, shift) in enumerate(sorted(shifts.items())):
+        control = [b + control_noise * i + 0.01 * torch.randn(anchors, generator=g) for b in base]
+        per_row[f"control-soft-fresh@seed{seed}"] = {key: control}
+        per_row[f"exittrain-soft-flow-l1-fresh@seed{seed}"] = {key: [c + shift for c in control]}
+    return {"per_row": per_row, "oracle": {}}
+
+
+def test_replicates_pair_within_a_seed_and_the_controls_give_the_noise_floor():
+    from exittrain.bench.exittrain_grid import replicate, split_replicate
+
+    assert split_replicate(replicate("control-soft-fresh", 3)) == ("control-soft-fresh", 3)
+    assert split_replicate("control-soft-fresh") == ("control-soft-fresh", None) == \
+        split_replicate(replicate("control-soft-fresh", None))
+    assert bx.matched_control("exittrain-soft-flow-l1-fresh@seed1") == "control-soft-fresh@seed1"
+    assert bx.matched_control("exittrain-soft-flow-l1-fresh") == "control-soft-fresh"
+    assert bx.matched_control("control-soft-fresh@seed1") is None and bx.matched_control("warm start") is None
+
+    measured = _replicates({0: 0.05, 1: 0.06, 2: 0.04}, control_noise=0.01)
+    rows = bx.compare(measured, "warm start")
+    arm = {r["drafter"]: r for r in rows if r["drafter"].startswith("exittrain-")}
+    assert {r["control"] for r in arm.values()} == {f"control-soft-fresh@seed{s}" for s in (0, 1, 2)}
+    assert arm["exittrain-soft-flow-l1-fresh@seed1"]["vs_control"]["delta"] == pytest.approx(0.06, abs=1e-5)
+    floor = bx.noise_floor(measured)
+    (entry,) = floor.values()
+    assert [p["seeds"] for p in entry["pairs"]] == [[0, 1], [0, 2], [1, 2]]
+    assert entry["spread"] == pytest.approx(0.02, abs=0.005)  # seeds 0 and 2 part by 2 x 0.01
+    (v,) = bx.replicate_verdicts(rows, floor)
+    assert v["seeds"] == [0, 1, 2] and v["mean"] == pytest.approx(0.05, abs=1e-5)
+    assert v["noise_floor"] == entry["spread"] and v["verdict"] == "confirmed"  # 0.05 >= 0.02 and >= 2 x 0.02
+    # the same gains under a larger training noise: inside twice the floor, so not confirmed
+    noisy = _replicates({0: 0.05, 1: 0.06, 2: 0.04}, control_noise=0.02)
+    (v,) = bx.replicate_verdicts(bx.compare(noisy, "warm start"), bx.noise_floor(noisy))
+    assert v["verdict"] == "inconclusive"
+    # one seed at -0.03 refutes, whatever the mean; a mean under 0.01 refutes
+    for shifts in ({0: 0.10, 1: 0.10, 2: -0.03}, {0: 0.005, 1: 0.01, 2: 0.0}):
+        m = _replicates(shifts, control_noise=0.0)
+        (v,) = bx.replicate_verdicts(bx.compare(m, "warm start"), bx.noise_floor(m))
+        assert v["verdict"] == "refuted", shifts
+    # one replicate: no floor, so never confirmed
+    single = _replicates({0: 0.5}, control_noise=0.0)
+    assert bx.noise_floor(single) == {}
+    (v,) = bx.replicate_verdicts(bx.compare(single, "warm start"), {})
+    assert v["noise_floor"] is None and v["verdict"] == "inconclusive"
+    md = bx.to_markdown({"domain": "code", "warm_start": "W", "steps": 3, "prompts": 12, "skip": 16,
+                         "max_new_tokens": 8, "analytic_anchors": 20, "rows": rows, "verdict": [], "train": {},
+                         "train_seeds": [0, 1, 2], "replicates": bx.replicate_verdicts(rows, floor)})
+    assert "Replicates (training seeds [0, 1, 2])" in md and "| confirmed |" in md
+
+
 def test_the_report_states_the_verdict_and_plots(tmp_path):
     rows = bx.compare(_measured(shift=0.0, noise=0.3), "warm start")
     result = {"domain": "code", "warm_start": "W", "steps": 3, "prompts": 12, "skip": 16, "max_new_tokens": 8,
@@ -187,6 +243,8 @@ def test_vllm_pairs_each_arm_with_its_control_and_the_warm_start_on_the_same_pro
               "analytic_anchors": 2, "rows": [], "verdict": lines, "train": {}, "vllm": vllm}
     assert "vLLM 0.32.0's own acceptance length" in bx.to_markdown(result)
     with pytest.raises(SystemExit):
+        bx.parse_args(["--train-seeds", "1", "1"])
+    with pytest.raises(SystemExit):
         bx.parse_args(["--vllm", "--vllm-python", str(tmp_path / "none")])
     assert "make vllm-setup" in capsys.readouterr().err
 
@@ -234,3 +292,29 @@ def test_the_experiment_runs_end_to_end_on_the_embedded_target(tmp_path, monkeyp
     args.resume = True
     again = bx.run(args)
     assert again["rows"] == result["rows"]
+
+
+@pytest.mark.slow
+def test_a_training_seed_repeats_bit_for_bit_and_two_seeds_differ(tmp_path, monkeypatch):
+    """Replicates: the same arm under seeds 0 and 1 trains two different drafters from one warm start, and
+    seed 0 again (another run, another folder) trains the same drafter to the bit."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("EXITTRAIN_CACHE", str(tmp_path / "cache"))
+    common = ["--steps", "3", "--fresh-prompts", "8", "--prompts", "1", "--max-new-tokens", "8",
+              "--budgets", "4", "--temperatures", "0", "--no-chain", "--oracle-prompts", "1",
+              "--arms", "control-soft-fresh", "--override", "debug=smoke", "--override", "stages.pretrain.max_steps=2"]
+    first = bx.run(bx.parse_args([*common, "--train-seeds", "0", "1", "--out", str(tmp_path / "a")]))
+    assert set(first["train"]) == {"control-soft-fresh@seed0", "control-soft-fresh@seed1"}
+    assert [first["train"][n]["train_seed"] for n in sorted(first["train"])] == [0, 1]
+    warm = tmp_path / "a" / "warm_start"
+    bx.run(bx.parse_args([*common, "--train-seeds", "0", "--warm-start", str(warm), "--out", str(tmp_path / "b")]))
+
+    def weights(folder):
+        (path,) = (tmp_path / folder).glob("*.safetensors")
+        return load_file(path)
+
+    seed0, seed1, again = (weights(f) for f in ("a/control-soft-fresh@seed0", "a/control-soft-fresh@seed1",
+                                                  "b/control-soft-fresh@seed0"))
+    assert seed0.keys() == again.keys() and all(torch.equal(seed0[k], again[k]) for k in seed0)
+    assert any(not torch.equal(seed0[k], seed1[k]) for k in seed0)

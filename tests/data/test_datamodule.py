@@ -97,9 +97,9 @@ def test_datamodule_prepares_once_and_yields_padded_batches(tmp_path, sources, s
     assert dm.train_dataloader().pin_memory is False  # no trainer, or one on the CPU: nothing pinned
     on_gpu = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)))
     monkeypatch.setattr(dm, "trainer", on_gpu)  # built, not iterated: no CUDA is touched
-    assert dm.train_dataloader().pin_memory is True
+    assert dm.val_dataloader().pin_memory is True
     monkeypatch.setattr(dm, "trainer", SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu"))))
-    assert dm.train_dataloader().pin_memory is False
+    assert dm.val_dataloader().pin_memory is False
     monkeypatch.undo()
     for b in batches:
         L, T = b["input_ids"].shape
