@@ -314,6 +314,14 @@ def noise_floor(measured: dict) -> dict[str, dict]:
     return floor
 
 
+def per_prompt(measured: dict) -> dict[str, dict[str, list[list[float]]]]:
+    """Every drafter's per-prompt values at every key: ``[mean block length, anchors]`` per prompt, in the
+    prompts' order, so that any contrast can be recomputed on a subset of the prompts."""
+    return {name: {key: [[float(v.mean()) if v.numel() else 0.0, int(v.numel())] for v in values]
+                   for key, values in by_key.items()}
+            for name, by_key in measured["per_row"].items()}
+
+
 def compare(measured: dict, warm_name: str) -> list[dict]:
     """One row per (drafter, shape, budget, temperature): tau, its interval, and the paired differences.
 
@@ -383,7 +391,7 @@ def run(args) -> dict:
             "chain": args.chain, "num_draft_tokens": measured["K"],
             "temperatures": list(args.temperatures), "overrides": list(args.override),
             "arms": [{"name": a.name, "control": a.control, **asdict(a)} for a in selected_arms(args)],
-            "train_seeds": args.train_seeds, "noise_floor": floor,
+            "train_seeds": args.train_seeds, "noise_floor": floor, "per_prompt": per_prompt(measured),
             "replicates": replicate_verdicts(rows, floor) if args.train_seeds else [],
             "train": train, "rows": rows, "verdict": verdict(rows) + vllm_verdict(vllm), "host": host_info(),
             "wall_s": {"train": train_s, "measure": time.perf_counter() - t0 - train_s},

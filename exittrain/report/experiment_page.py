@@ -10,7 +10,11 @@ optionally ``budget_anchors`` (anchors per answer by budget), ``oracle_prompts``
 (vLLM's measured acceptance length of each drafter's DFlash export: ``prompts``, ``max_new_tokens``,
 ``vllm_version`` and ``drafters``: name -> ``tau``, ``ci95``, ``vs_control``, ``vs_warm_start``,
 ``lossless``), and ``verdict`` (its lines: the settings whose paired interval against the matched control
-excludes 0 at T > 0; empty when none does).
+excludes 0 at T > 0; empty when none does). A run with training seeds adds ``train_seeds``,
+``noise_floor``, ``replicates`` (each ExitTrain arm's per-seed differences and the pre-registered
+rule's verdict, :func:`exittrain.bench.exittrain_report.replicate_verdicts`) and ``per_prompt``
+(every drafter's per-prompt mean and anchor count at every key); the page shows the replicates'
+verdicts first and the per-seed intervals after them, uncorrected.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 from exittrain.tables import paired_cell
 
 _SUMMARY_KEYS = ("domain", "steps", "warm_start", "prompts", "analytic_anchors", "rows", "verdict")
-_OPTIONAL_KEYS = ("budget_anchors", "oracle_prompts", "vllm")
+_OPTIONAL_KEYS = ("budget_anchors", "oracle_prompts", "vllm", "train_seeds", "noise_floor", "replicates", "per_prompt")
 _ROW_KEYS = ("drafter", "budget", "temperature", "tau", "ci95", "vs_control", "vs_warm_start")
 
 
@@ -62,11 +66,22 @@ def experiment_lines(res: dict, json_link: str, cmd_link: str) -> list[str]:
         "",
         *(f"- {note}" for note in res.get("notes", [])),
         *([""] if res.get("notes") else []),
-        "Verdict:",
-        "",
-        *(f"- {line}" for line in found),
-        "",
     ]
+    if sm.get("replicates"):
+        lines += [f"Replicates (training seeds {sm['train_seeds']}) under the pre-registered rule: each seed's "
+                  "difference from its matched control of the same seed, their mean, the noise floor (the largest "
+                  "control-against-control difference between seeds) and the verdict:", "",
+                  "| arm | B | T | per seed | mean | noise floor | verdict |", "|---|---|---|---|---|---|---|"]
+        for v in sm["replicates"]:
+            size = f"chain K={v['budget']}" if v["shape"] == "chain" else v["budget"]
+            floor = "-" if v["noise_floor"] is None else f"{v['noise_floor']:.4f}"
+            seeds = " ".join(f"{d:+.3f}" for d in v["deltas"])
+            lines.append(f"| {v['drafter']} | {size} | {v['temperature']:g} | {seeds} | {v['mean']:+.4f} | {floor} "
+                         f"| {v['verdict']} |")
+        lines += ["", "Per-seed intervals that exclude 0 (each pair alone, no correction for the comparisons made):"]
+    else:
+        lines.append("Verdict:")
+    lines += ["", *(f"- {line}" for line in found), ""]
     for chain, budget in groups:
         rows = [r for r in sm["rows"] if r["budget"] == budget and (r.get("shape", "ddtree") == "chain") == chain]
         head = ["drafter"] + [f"T = {t:g}: tau, vs control, vs warm start" for t in temps]
