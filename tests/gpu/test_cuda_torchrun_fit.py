@@ -13,9 +13,6 @@ the drafter. :class:`tests.gpu.fit_probe.FitProbe` records what each stage train
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +21,7 @@ import torch
 
 from exittrain.precision import target_dtype, trainer_precision
 from tests.lit.crash_helpers import prepare_workdir, tiny_run_overrides
-from tests.lit.test_ddp import _clean_env
+from tests.lit.launch_helpers import run_group
 
 pytestmark = pytest.mark.gpu
 
@@ -68,18 +65,8 @@ def fit_command(trainer: str, workdir: Path, run_dir: Path, probe: Path, device:
 
 
 def run(cmd: list[str], cwd: Path) -> str:
-    """Run ``cmd`` in its own process group; returns its output. On timeout the group (torchrun and its
-    worker) is killed and the test fails with the output's tail."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"torchrun fit timed out after {TIMEOUT_S} s:\n{output[-4000:]}")
-    assert proc.returncode == 0, output[-6000:]
-    return output
+    """Run ``cmd`` in its own process group (torchrun and its worker); returns its output."""
+    return run_group(cmd, cwd, "torchrun fit", TIMEOUT_S, tail=6000)
 
 
 @pytest.mark.parametrize("trainer", list(STRATEGIES))

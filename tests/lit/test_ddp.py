@@ -33,9 +33,6 @@ logger, checkpoints, the drafter export and metrics_exittrain.json without trust
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,6 +41,7 @@ import pytest
 import torch
 
 from tests.lit import ddp_driver
+from tests.lit.launch_helpers import REPO, run_group
 
 pytestmark = [
     pytest.mark.slow,  # two ranks in subprocesses plus a reference fit: the slow tier (make test-slow)
@@ -51,7 +49,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:The '.*_dataloader' does not have many workers"),
 ]
 
-REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240
 # Relative errors in the norm of each tensor. Step 0 differs only by summation order (measured
 # < 1e-6). AdamW's first update, lr * g / (|g| + eps), turns the rounding of gradient entries near
@@ -64,30 +61,12 @@ TIMEOUT_S = 240
 STEP0_TOL, LATER_TOL, LATER_GRAD_TOL = 1e-5, 1e-3, 1e-2
 
 
-def _clean_env() -> dict[str, str]:
-    """This environment without launcher variables (a stale MASTER_PORT or SLURM job would hijack the run)."""
-    launcher = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK")
-    env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith(("SLURM_", "PL_"))}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    return env
-
-
 def run_two_ranks(module: str, out: Path, *args: str, label: str) -> tuple[list[dict], list[dict]]:
     """``python -m <module> --out OUT --devices 2 ARGS`` (Lightning's launcher starts rank 1); returns
     the records each rank wrote, ``([rank0.json, rank1.json], [rank0.pt, rank1.pt])``. On timeout
     the whole process group, rank 1 included, is killed and the test fails with the output's tail."""
     cmd = [sys.executable, "-m", module, "--out", str(out), "--devices", "2", *args]
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{label} driver timed out after {TIMEOUT_S} s:\n{output[-4000:]}")
-    assert proc.returncode == 0, output[-4000:]
+    run_group(cmd, REPO, f"{label} driver", TIMEOUT_S)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     tensors = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
     return ranks, tensors
