@@ -65,19 +65,23 @@ def test_sampling_verifiers_match_exact_joint_law(verifier, case):
 
     trees, batch_logits = tree.expand(N_SAMPLES), logits.expand(N_SAMPLES, -1, -1)
     verdict = VERIFIERS[verifier](trees, batch_logits, generator=torch.Generator().manual_seed(seed), **warp)
-    counts = draw_joint(verdict, V)
-    counts = torch.nn.functional.pad(counts, (0, joint.numel() - counts.numel())).double()
-    stat, df = chi_square(counts, joint.flatten(), N_SAMPLES)
-    assert stat < chi_square_critical(df), f"chi2 {stat:.1f} with {df} dof"
+    assert_draws_follow_the_law(verdict, tree, probs, joint, V, N_SAMPLES)
 
-    # the mean block length matches sum_v P(v) within its confidence interval
+
+def assert_draws_follow_the_law(verdict, tree, probs, joint, V: int, samples: int) -> None:
+    """``samples`` verdicts of one tree: the (exit node, bonus) pairs follow ``joint`` (chi-square) and the
+    mean block length is sum_v P(v) (the exit law's expectation) within 4.5 standard errors."""
+    counts = draw_joint(verdict, V).cpu()
+    counts = torch.nn.functional.pad(counts, (0, joint.numel() - counts.numel())).double()
+    stat, df = chi_square(counts, joint.flatten(), samples)
+    assert stat < chi_square_critical(df), f"chi2 {stat:.1f} with {df} dof"
     law = exit_law(tree, probs)
     lengths = (tree.positions[0] + 1).double()
     mean = float((law.exit_mass[0] * lengths).sum())
     sd = math.sqrt(float((law.exit_mass[0] * (lengths - mean) ** 2).sum()))
     assert mean == pytest.approx(float(law.expected_block_length[0]))
-    observed = verdict.block_length.double().mean().item()
-    assert abs(observed - mean) < 4.5 * sd / math.sqrt(N_SAMPLES) + 1e-9
+    observed = float(verdict.block_length.double().mean())
+    assert abs(observed - mean) < 4.5 * sd / math.sqrt(samples) + 1e-9
 
     # the verdict is self-consistent: accepted tokens are the exit node's path
     for n in range(5):

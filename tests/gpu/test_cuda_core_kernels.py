@@ -11,8 +11,6 @@ exit node and the bonus token (a chi-square test, as tests/core/test_verify.py d
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -52,7 +50,7 @@ from exittrain.core import tree as tree_module
 from exittrain.core.exit_law import edge_probabilities
 from exittrain.core.verify import warped_edge_probabilities
 from tests.core.helpers import random_logprobs, random_tree_and_probs
-from tests.core.test_verify import chi_square, chi_square_critical, draw_joint, exact_joint_law
+from tests.core.test_verify import assert_draws_follow_the_law, exact_joint_law
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("one_thread")]
 
@@ -337,13 +335,4 @@ def test_sampling_verifiers_on_the_device_draw_the_exact_law(verifier, device):
     verdict = VERIFIERS[verifier](tree_d.expand(SAMPLES), logits_d.expand(SAMPLES, -1, -1), generator=gen(device, 7),
                                   validate=False, **warp)
     assert verdict.exit_node.device.type == device.type
-    counts = draw_joint(verdict, 6).cpu()
-    counts = torch.nn.functional.pad(counts, (0, joint.numel() - counts.numel())).double()
-    stat, df = chi_square(counts, joint.flatten(), SAMPLES)
-    assert stat < chi_square_critical(df), f"chi2 {stat:.1f} with {df} dof"
-    law = exit_law(tree, probs)
-    lengths = (tree.positions[0] + 1).double()
-    mean = float((law.exit_mass[0] * lengths).sum())
-    sd = math.sqrt(float((law.exit_mass[0] * (lengths - mean) ** 2).sum()))
-    observed = float(verdict.block_length.double().mean())
-    assert abs(observed - mean) < 4.5 * sd / math.sqrt(SAMPLES) + 1e-9
+    assert_draws_follow_the_law(verdict, tree, probs, joint, 6, SAMPLES)
