@@ -28,7 +28,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from exittrain.build import build_datamodule, build_drafter, build_target
-from exittrain.data.prompt_plan import PromptPlan
+from exittrain.data.prompts.prompt_plan import PromptPlan
 from exittrain.data.regenerate import RegenReport
 from exittrain.settings import check_data, plan_stages
 

@@ -33,7 +33,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from exittrain.core import VERIFIERS
-from exittrain.data.prompt_plan import PromptPlan
+from exittrain.data.prompts.prompt_plan import PromptPlan
 from exittrain.data.split import check_loader_settings
 from exittrain.heldout.evaluator import DECODE_MODES
 from exittrain.heldout.heldout_law import check_analytic_settings

@@ -29,9 +29,9 @@ from exittrain.core import build_tree
 from exittrain.data import chat_prompt_ids
 from exittrain.data.datamodule import ExitTrainDataModule
 from exittrain.data.generation import GenerationConfig
+from exittrain.data.prompts.prompt_sets import load_domain, load_prompts
 from exittrain.data.regen_cache import cache_path, read_meta
 from exittrain.data.regenerate import regenerate
-from exittrain.data.sources import load_domain, load_prompts
 from exittrain.evaluate import run_eval
 from exittrain.lit import ExitTrainModule
 from exittrain.lit.module import check_module_args
@@ -96,7 +96,7 @@ def test_jsonl_bad_rows_are_counted_and_reported_with_file_and_line(tmp_path, ca
     bad = BAD_JSONL_LINES[reason]
     path = tmp_path / "prompts.jsonl"
     path.write_bytes(b"\n".join([GOOD[0], bad, bad + b" ", GOOD[1]]) + b"\n")  # bad rows on lines 2 and 3
-    with caplog.at_level(logging.WARNING, logger="exittrain.data.sources"):
+    with caplog.at_level(logging.WARNING, logger="exittrain.data.prompts.prompt_sets"):
         prompts, stats = load_prompts(f"jsonl:{path}:p", max_chars=80)
     assert prompts == ["first good prompt", "second good prompt"]
     assert stats.rows == 4 and stats.kept == 2 and stats.n_rejected == 2
@@ -147,7 +147,7 @@ def test_parquet_bad_rows_are_counted_and_reported(tmp_path, caplog):
     path = tmp_path / "prompts.parquet"
     texts = [b"first good prompt", None, b"", b"\xff\xfe not utf-8", b"y" * 81, b"second good prompt"]
     pq.write_table(pa.table({"p": pa.array(texts, type=pa.binary())}), path)
-    with caplog.at_level(logging.WARNING, logger="exittrain.data.sources"):
+    with caplog.at_level(logging.WARNING, logger="exittrain.data.prompts.prompt_sets"):
         prompts, stats = load_prompts(f"parquet:{path}:p", max_chars=80)
     assert prompts == ["first good prompt", "second good prompt"]
     assert {k: v for k, v in stats.rejected.items() if v} == {"not_string": 1, "empty": 1, "non_utf8": 1, "too_long": 1}

@@ -40,7 +40,7 @@ def both_backends():
     python = require_vllm_python()
     from exittrain.data import chat_prompt_ids
     from exittrain.data.generation import GenerationConfig, eos_token_ids, generate_batch, padding_token_id
-    from exittrain.data.prompt_plan import PromptPlan
+    from exittrain.data.prompts.prompt_plan import PromptPlan
     from exittrain.data.vllm_backend import open_answerer, resolve_engine
     from exittrain.models import load_target
     from exittrain.models.target_loading import EMBEDDED_TARGET_NAME

@@ -304,7 +304,7 @@ def run_domain(domain: str, settings: Settings, out: Path, target=None) -> tuple
     from exittrain.heldout.decode_eval import evaluate_prompts, summarize
     from exittrain.lit import save_drafter
     from exittrain.models import load_drafter
-    from exittrain.models.drafter_init import default_layer_ids
+    from exittrain.models.drafter.starting_points import default_layer_ids
 
     timings: dict[str, float] = {}
     t0 = time.perf_counter()

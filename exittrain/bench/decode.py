@@ -462,10 +462,10 @@ def main(argv=None) -> None:
                              "as well (both; SpeculativeDecoder(copy_earliest=True))")
     parser.add_argument("--copy-lead", type=int, nargs="+", default=[0],
                         help="copy-led rounds on n-gram matches of these lengths (0: off; "
-                             "SpeculativeDecoder(copy_lead=))")
+                             "FastCpuDecoder(copy_lead=))")
     parser.add_argument("--miss-steps", type=int, nargs="+", default=[0],
                         help="steps of the root alone after a drafted round that accepted nothing, at most this "
-                             "many in a row (0: off; SpeculativeDecoder(miss_steps=))")
+                             "many in a row (0: off; FastCpuDecoder(miss_steps=))")
     parser.add_argument("--draft-vocab", type=int, nargs="+", default=[0],
                         help="draft vocabulary sizes (0: every token; else the drafter folder's draft_vocab.json)")
     parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of the baseline")

@@ -48,15 +48,15 @@ evaluation set (from ``--skip``, past the ones ``fit`` decodes), at every ``--bu
   anchors of the first ``--oracle-prompts`` prompts (it costs a few times a drafter tree's rows per
   anchor), and each drafter's efficiency tau / tau_oracle on those prompts;
 - paired differences against the arm's matched control and against the warm start (mean over the
-  same anchors, 95% interval bootstrapping prompts), with the verdict per shape, budget and
-  temperature (T = 0 included).
+  same anchors, 95% interval bootstrapping prompts); the report lists the settings whose interval
+  excludes 0 (T = 0 included), each pair read alone, uncorrected.
 
 **vLLM** (``--vllm``): every drafter is exported to the DFlash format (``<out>/vllm/<name>/``) and
 vLLM (``.venv-vllm``, or ``--vllm-python``) decodes the first ``--vllm-prompts`` held-out prompts
 greedily with it, one prompt at a time after one plain run: vLLM's own acceptance length, its
 interval over prompts, paired against the warm start and the matched control on the same prompts,
 and whether speculation left vLLM's outputs unchanged (:mod:`exittrain.bench.vllm_acceptance`). An
-arm whose interval against its control excludes 0 joins the verdict.
+arm whose interval against its control excludes 0 joins the report's uncorrected list.
 
 Writes ``<out>/exittrain.json`` (everything; ``exittrain_partial.json``, rewritten after each
 temperature, while it runs), ``<out>/exittrain.md`` and ``<out>/exittrain_vs_control.png``, each
@@ -69,7 +69,8 @@ and weights: adding an arm measures that arm only).
 replicates, paired with each other, give the noise floor (:func:`noise_floor`: the largest
 control-against-control difference); :func:`~exittrain.bench.exittrain_report.replicate_verdicts`
 reads each ExitTrain arm's per-seed differences against it under the decision rule of
-docs/experiments/2026-12-05-exittrain-confirmation.md.
+docs/experiments/2026-12-05-exittrain-confirmation.md, and each setting under its fixed sequence
+(the primary first; the secondaries in order while each before was confirmed; the rest descriptive).
 
 Limits: one domain per call; the fresh rows are fewer than the warm start's, and every arm runs a
 few dozen steps on a CPU: a verdict here is about this scale.
@@ -86,7 +87,7 @@ import torch
 
 from exittrain.bench.ablation import compose_fit_config, train_drafter
 from exittrain.bench.exittrain_grid import ARMS, replicate, selected_arms, split_replicate
-from exittrain.bench.exittrain_report import plot, replicate_verdicts, to_markdown, verdict, vllm_verdict
+from exittrain.bench.exittrain_report import plot, replicate_verdicts, to_markdown
 from exittrain.build import build_datamodule
 from exittrain.settings import module_overrides
 
@@ -393,7 +394,7 @@ def run(args) -> dict:
             "arms": [{"name": a.name, "control": a.control, **asdict(a)} for a in selected_arms(args)],
             "train_seeds": args.train_seeds, "noise_floor": floor, "per_prompt": per_prompt(measured),
             "replicates": replicate_verdicts(rows, floor) if args.train_seeds else [],
-            "train": train, "rows": rows, "verdict": verdict(rows) + vllm_verdict(vllm), "host": host_info(),
+            "train": train, "rows": rows, "host": host_info(),
             "wall_s": {"train": train_s, "measure": time.perf_counter() - t0 - train_s},
             **({"vllm": vllm} if vllm else {}),
         }
@@ -417,7 +418,7 @@ def train_warm_start(cfg, target, out: Path) -> Path:
     from hydra.utils import instantiate
 
     from exittrain.lit import save_drafter
-    from exittrain.models.drafter_init import default_layer_ids
+    from exittrain.models.drafter.starting_points import default_layer_ids
 
     drafter = instantiate(cfg.drafter)(target)
     layers = cfg.drafter.layer_ids or default_layer_ids(target.num_layers)

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from exittrain.report.experiment_page import uncorrected, vllm_lines
 from exittrain.tables import markdown_table, paired_cell
 
-__all__ = ["NEGLIGIBLE", "plot", "replicate_verdicts", "to_markdown", "verdict", "vllm_verdict"]
-
-
-NEGLIGIBLE = 0.005  # tokens per round (~0.2% of tau here): an interval can exclude 0 and still mean nothing
+__all__ = ["SEQUENCE", "plot", "replicate_verdicts", "rule", "to_markdown", "vllm_verdict"]
 
 # The decision rule of docs/experiments/2026-12-05-exittrain-confirmation.md, on the per-seed paired
 # differences (ExitTrain minus its matched control of the same seed), in tokens per round:
@@ -18,6 +16,10 @@ CONFIRM_MEAN = 0.02  # confirmed: every seed > 0, the mean >= this, and >= FLOOR
 FLOOR_MULTIPLE = 2.0
 REFUTE_MEAN = 0.01  # refuted: the mean < this, or any seed <= REFUTE_SEED
 REFUTE_SEED = -0.02
+# The protocol's fixed sequence (gatekeeping): the primary, then the secondaries in order, each
+# (shape, budget, T) with budget None on the chain (its K nodes). vLLM's acceptance, the last
+# secondary, has no replicate row here. A setting is tested only while every one before it was confirmed.
+SEQUENCE = (("ddtree", 16, 0.6), ("ddtree", 16, 0.0), ("ddtree", 16, 1.0), ("ddtree", 64, 0.6), ("chain", None, 0.6))
 
 
 def rule(deltas: list[float], spread: float | None) -> str:
@@ -57,33 +59,32 @@ def replicate_verdicts(rows: list[dict], floor: dict[str, dict]) -> list[dict]:
         out.append({"drafter": arm, "control": control, "shape": shape, "budget": budget, "temperature": T,
                     "seeds": sorted(by_seed), "deltas": deltas, "mean": sum(deltas) / len(deltas),
                     "noise_floor": spread, "verdict": rule(deltas, spread)})
+    _gatekeep(out)
     return out
 
 
-def _setting(r: dict) -> str:
-    """Where a row was measured, in words: ``at B = 16, T = 0.6`` or ``on the chain of K = 7 at T = 0.6``."""
-    if r.get("shape", "ddtree") == "chain":  # rows of results from before the chain have no shape
-        return f"on the chain of K = {r['budget']} at T = {r['temperature']:g}"
-    return f"at B = {r['budget']}, T = {r['temperature']:g}"
+def _gatekeep(verdicts: list[dict]) -> None:
+    """Give each verdict its ``role`` in :data:`SEQUENCE` (``primary``, ``secondary k``, or None when the
+    setting is not in it) and its ``reading``: the rule's word where the setting is tested (the primary,
+    and a secondary while every setting before it, for the same arm, was confirmed), else
+    ``descriptive``."""
+    def position(v: dict) -> int | None:
+        for i, (shape, budget, T) in enumerate(SEQUENCE):
+            if v["shape"] == shape and (budget is None or v["budget"] == budget) and v["temperature"] == T:
+                return i
+        return None
 
-
-def verdict(rows: list[dict]) -> list[str]:
-    """The settings whose paired interval against their matched control excludes 0, per sign, at every
-    temperature, T = 0 included (the greedy tau at every answer position; on the chain it is the
-    acceptance length vLLM's T = 0 decoding sees), for both shapes; a difference under
-    :data:`NEGLIGIBLE` says so (a tiny lambda moves few trees, by little, consistently)."""
-    lines = []
-    for r in rows:
-        pair = r.get("vs_control")
-        if pair is None:
-            continue
-        low, high = pair["ci95"]
-        if low > 0 or high < 0:
-            word = "beats" if low > 0 else "loses to"
-            size = f" (under {NEGLIGIBLE} tokens per round: negligible)" if abs(pair["delta"]) < NEGLIGIBLE else ""
-            lines.append(f"{r['drafter']} {word} {r['control']} {_setting(r)}: "
-                         f"{pair['delta']:+.4f} ({low:+.4f} to {high:+.4f}){size}")  # 4 places: some are tiny
-    return lines
+    for v in verdicts:  # settings outside the sequence are descriptive
+        v["role"], v["reading"] = None, "descriptive"
+    for arm in {v["drafter"] for v in verdicts}:
+        placed = {position(v): v for v in verdicts if v["drafter"] == arm}
+        open_ = True  # the sequence goes on while every setting in it is confirmed; a missing one ends it
+        for i in range(len(SEQUENCE)):
+            v = placed.get(i)
+            if v is not None:
+                v["role"] = "primary" if i == 0 else f"secondary {i}"
+                v["reading"] = v["verdict"] if open_ else "descriptive"
+            open_ = open_ and v is not None and v["verdict"] == "confirmed"
 
 
 def _sort_key(r: dict) -> tuple:
@@ -106,8 +107,8 @@ def to_markdown(result: dict) -> str:
     )
     train = [[name, f"{t.get('train_s', 0):.0f}", f"{t.get('s_per_step', 0):.1f}"]
              for name, t in result["train"].items() if not t.get("reused")]
-    found = result["verdict"] or ["none: no ExitTrain setting's paired interval against its matched control "
-                                  "excludes 0"]
+    found = (uncorrected(result["rows"]) + vllm_verdict(result.get("vllm"))) or [
+        "none: no ExitTrain setting's paired interval against its matched control excludes 0"]
     lines = [
         f"{result['domain']}: {result['steps']} steps per arm from {result['warm_start']}; held out: "
         f"{result['prompts']} evaluation prompts (from #{result['skip']}), up to {result['max_new_tokens']} new "
@@ -119,7 +120,8 @@ def to_markdown(result: dict) -> str:
         "",
         *markdown_table(header, body),
         "",
-        "Settings whose interval against the matched control excludes 0 (every T, greedy T = 0 included):",
+        "Settings whose interval against the matched control excludes 0 (every T, greedy T = 0 included; each "
+        "pair read alone, uncorrected):",
         "",
         *(f"- {line}" for line in found),
         "",
@@ -132,14 +134,13 @@ def to_markdown(result: dict) -> str:
                   f"(confirmed: every seed > 0, mean >= {CONFIRM_MEAN}, mean >= {FLOOR_MULTIPLE:g} x floor; "
                   f"refuted: mean < {REFUTE_MEAN} or a seed <= {REFUTE_SEED}).", "",
                   *markdown_table(
-                      ["arm", "B", "T", "per seed", "mean", "noise floor", "verdict"],
+                      ["arm", "B", "T", "in the sequence", "per seed", "mean", "noise floor", "rule", "reading"],
                       ([v["drafter"], f"chain K={v['budget']}" if v["shape"] == "chain" else v["budget"],
-                        f"{v['temperature']:g}", " ".join(f"{d:+.3f}" for d in v["deltas"]), f"{v['mean']:+.4f}",
-                        "-" if v["noise_floor"] is None else f"{v['noise_floor']:.4f}", v["verdict"]]
+                        f"{v['temperature']:g}", v["role"] or "-", " ".join(f"{d:+.3f}" for d in v["deltas"]),
+                        f"{v['mean']:+.4f}", "-" if v["noise_floor"] is None else f"{v['noise_floor']:.4f}",
+                        v["verdict"], v["reading"]]
                        for v in result["replicates"]))]
     if result.get("vllm"):
-        from exittrain.report.experiment_page import vllm_lines
-
         lines += ["", *vllm_lines(result["vllm"])]
     return "\n".join(lines) + "\n"
 
@@ -177,7 +178,7 @@ def plot(result: dict, path: Path) -> None:
 
 def vllm_verdict(vllm: dict | None) -> list[str]:
     """The arms whose vLLM acceptance length differs from their matched control's (paired interval
-    excluding 0), in :func:`verdict`'s words."""
+    excluding 0), in the words of :func:`~exittrain.report.experiment_page.uncorrected`."""
     lines = []
     for name, r in (vllm or {}).get("drafters", {}).items():
         pair = r.get("vs_control")

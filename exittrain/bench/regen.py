@@ -46,9 +46,9 @@ def run(prompts: int, max_new_tokens: int, batch: int, domain: str) -> dict:
         padding_token_id,
         shared_prefix_length,
     )
-    from exittrain.data.prompt_plan import PromptPlan
+    from exittrain.data.prompts.prompt_plan import PromptPlan
     from exittrain.models import load_target
-    from exittrain.models.drafter_init import default_layer_ids
+    from exittrain.models.drafter.starting_points import default_layer_ids
 
     target = load_target(None)
     model, tok = target.model, target.tokenizer

@@ -1,7 +1,8 @@
 """Pure math of exit-guided draft trees: torch and the standard library only.
 
 - :mod:`.tree`     DDTree construction (batched, exact) and tree tensors
-- :mod:`.chain`    the drafter's greedy chain as a tree: the draft a serving engine verifies
+- :mod:`.chain`    the drafter's greedy chain as a tree: the draft a serving engine verifies,
+                   and the rounds of a greedy decode walked off per-position acceptance
 - :mod:`.exit_law` reach, missing probability, exit mass, expected block length
 - :mod:`.verify`   greedy, predraw-and-follow, sequential residual and TEV verifiers
 - :mod:`.losses`   block cross-entropy and the ExitTrain node losses
@@ -12,7 +13,7 @@
 """
 
 from .anchors import anchor_generator, sample_anchors, sample_anchors_reference
-from .chain import TREE_SHAPES, chain_tree, chain_tree_reference, shaped_tree
+from .chain import TREE_SHAPES, chain_tree, chain_tree_reference, greedy_walk, shaped_tree
 from .exit_law import ExitLaw, exit_law, exit_law_reference
 from .losses import (
     WEIGHT_TYPES,
@@ -51,6 +52,7 @@ __all__ = [
     "TREE_SHAPES",
     "chain_tree",
     "chain_tree_reference",
+    "greedy_walk",
     "shaped_tree",
     "ExitLaw",
     "exit_law",

@@ -9,6 +9,9 @@ target's tree scoring handle it like any other tree. On a chain the exit law's b
 ``1 + sum_k prod_{j<=k} p_j(x_j)``, the expected block length of chain verification
 (docs/algorithm.md section 4.6).
 
+:func:`greedy_walk` reads the rounds of a T = 0 decode off the acceptance of every answer
+position: the chain track's decoded tau without the decode (:mod:`exittrain.heldout.chain_walk`).
+
 :func:`chain_tree_reference` is the slow twin: the same chain through :func:`build_tree`, which on
 one-hot drafter distributions (log-probability 0 at the argmax, -inf elsewhere) keeps B of the K
 nodes of score 0, shallowest first (a child enters the heap only after its parent).
@@ -20,7 +23,7 @@ import torch
 
 from .tree import DraftTree, build_tree
 
-__all__ = ["TREE_SHAPES", "chain_tree", "chain_tree_reference", "shaped_tree"]
+__all__ = ["TREE_SHAPES", "chain_tree", "chain_tree_reference", "greedy_walk", "shaped_tree"]
 
 TREE_SHAPES = ("ddtree", "chain")
 """The draft trees exittrain trains and measures on: DDTree's best-first tree, or the greedy chain."""
@@ -79,3 +82,32 @@ def shaped_tree(logprobs_NKV: torch.Tensor, budget: int, shape: str = "ddtree", 
     if shape == "ddtree":
         return build_tree(logprobs_NKV, budget, validate=validate)
     raise ValueError(f"shape={shape!r}: the tree shape (tree.shape) must be one of {TREE_SHAPES}")
+
+
+def greedy_walk(accepted_P: torch.Tensor | list[int], stop: int) -> list[int]:
+    """The block lengths of the T = 0 rounds that decode a known greedy answer, round by round.
+
+    ``accepted_P`` (P,): the draft tokens a greedy-verified round rooted at answer position p
+    accepts; its block length is ``accepted[p] + 1`` (the accepted tokens and the bonus). The first
+    round is rooted at position 0, and a round rooted at p commits positions p + 1 .. p + block, so
+    the next is rooted at p + block. The walk ends with the first round that commits position
+    ``stop`` (p + block >= stop), where a decoder stops (its token limit, or an EOS at ``stop``);
+    that round's block is kept whole, as a decoder reports it. ``stop`` 0: no round.
+
+    Exact for a greedy verifier: its output is the answer itself, so a round's acceptance depends
+    on its root's position only, whatever rounds came before. Needs the acceptance of every root
+    the walk can visit, P >= ``stop``: ValueError otherwise, or on a negative acceptance.
+    """
+    accepted = accepted_P.tolist() if torch.is_tensor(accepted_P) else list(accepted_P)
+    if not isinstance(stop, int) or isinstance(stop, bool) or stop < 0:
+        raise ValueError(f"stop must be an answer position >= 0 (where decoding ends), got {stop!r}")
+    if len(accepted) < stop:
+        raise ValueError(f"accepted holds {len(accepted)} positions but the walk may root a round at every "
+                         f"position below stop={stop}: pass the acceptance of positions 0..{stop - 1}")
+    if any(a < 0 for a in accepted[:stop]):
+        raise ValueError("accepted must count accepted draft tokens, >= 0 at every position")
+    blocks, p = [], 0
+    while p < stop:
+        blocks.append(int(accepted[p]) + 1)
+        p += blocks[-1]
+    return blocks

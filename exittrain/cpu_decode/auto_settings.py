@@ -18,7 +18,7 @@ What :func:`probe_decode_settings` measures, on a few held-out prompts:
 - **tau of every candidate at T = 0**, without decoding it: the target answers each probe prompt
   greedily; one drafter pass (``forward_anchors``) drafts the block of every answer position at
   once, and the head is applied once per draft vocabulary. At anchor a the candidate's tree is
-  built exactly as :class:`~exittrain.decoding.SpeculativeDecoder` builds it (``build_tree`` of
+  built exactly as :class:`~exittrain.cpu_decode.fast_products.FastCpuDecoder` builds it (``build_tree`` of
   the budget, then the copy tail's graft; or the copy chain alone where the round is copy-led),
   and ``1 + followed_depth(tree, greedy continuation)``
   is exactly the block a T = 0 verifier accepts there (:func:`~exittrain.core.followed_depth`).
@@ -137,7 +137,7 @@ class AutoChoice:
 
     def decoder_kwargs(self) -> dict:
         """``budget``, ``copy_tail``, ``copy_lead``, ``miss_steps`` and ``draft_vocab`` for
-        :class:`~exittrain.decoding.SpeculativeDecoder` (not for :data:`GREEDY`)."""
+        :class:`~exittrain.cpu_decode.fast_products.FastCpuDecoder` (not for :data:`GREEDY`)."""
         return {"budget": self.setting.budget, "copy_tail": self.setting.copy_tail,
                 "copy_lead": self.setting.copy_lead, "miss_steps": self.setting.miss_steps,
                 "draft_vocab": self.vocab_ids}

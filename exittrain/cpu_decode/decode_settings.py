@@ -28,10 +28,10 @@ PROMPT_LOOKUP_TOKENS = 10
 DEFAULT_BUDGETS = (2, 4, 8, 16)
 DEFAULT_VOCAB_SIZES = (0, 4096)
 DEFAULT_COPY_TAILS = (0, PROMPT_LOOKUP_TOKENS)
-# copy-led rounds (SpeculativeDecoder(copy_lead=n)) where the root's last 4 tokens occurred
+# copy-led rounds (RoundPolicyDecoder(copy_lead=n), cpu_decode/round_policy.py) where the root's last 4 tokens occurred
 # before: a match that long is mostly a restated span, where a 2-gram match is often chance
 DEFAULT_COPY_LEADS = (0, 4)
-# steps after a round that accepted nothing (SpeculativeDecoder(miss_steps=n)); priced from the same
+# steps after a round that accepted nothing (RoundPolicyDecoder(miss_steps=n)); priced from the same
 # walk and timings as their setting without steps, so they cost the probe no decode of their own
 DEFAULT_MISS_STEPS = (0, 1, 2, 4)
 

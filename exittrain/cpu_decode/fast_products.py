@@ -1,7 +1,9 @@
 """The CPU's faster products for a decode's few rows, entered for the length of a decode.
 
 A plain :class:`~exittrain.decoding.SpeculativeDecoder` runs every linear through ``F.linear``, as
-training does. :class:`FastCpuDecoder` is the same decoder with, around its rounds:
+training does. :class:`FastCpuDecoder` is the CPU's decoder, the
+:class:`~exittrain.cpu_decode.round_policy.RoundPolicyDecoder` (copy-led rounds, steps after a
+miss) with, around its rounds:
 
 - the target's decoder linears and LM head, and the drafter's linears, packed once per row bucket
   for MKL's product (:mod:`exittrain.cpu_decode.packed_linears`), kept where they time faster here;
@@ -22,8 +24,8 @@ import contextlib
 from collections.abc import Iterator
 
 from exittrain.cpu_decode.packed_linears import packed_for
+from exittrain.cpu_decode.round_policy import RoundPolicyDecoder
 from exittrain.cpu_decode.row_layouts import choose_layouts, head_rows
-from exittrain.decoding.speculative import SpeculativeDecoder
 from exittrain.models.head_product import installed_head_product
 
 __all__ = ["FastCpuDecoder", "fast_products"]
@@ -49,8 +51,9 @@ def fast_products(target, drafter=None, max_rows: int = 2) -> Iterator[None]:
         target.row_kernels = before
 
 
-class FastCpuDecoder(SpeculativeDecoder):
-    """:class:`~exittrain.decoding.SpeculativeDecoder` whose rounds run :func:`fast_products`."""
+class FastCpuDecoder(RoundPolicyDecoder):
+    """:class:`~exittrain.cpu_decode.round_policy.RoundPolicyDecoder` (the plain decoder's
+    arguments, and ``copy_lead`` and ``miss_steps``) whose rounds run :func:`fast_products`."""
 
     def products(self, tree_rows: int):
         return fast_products(self.target, self.drafter, tree_rows)

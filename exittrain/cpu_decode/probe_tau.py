@@ -111,7 +111,8 @@ def candidate_block_lengths(
 
 def _rounds(lengths: Sequence[int], kinds: Sequence[str] | None = None, miss_steps: int = 0):
     """Yield ``(anchor, step?)`` for each round of a T = 0 decoder over one row: the decoder's own
-    rule (:class:`~exittrain.decoding.SpeculativeDecoder`'s ``miss_steps``): after a drafted round
+    rule (:class:`~exittrain.cpu_decode.round_policy.RoundPolicyDecoder`'s ``miss_steps``,
+    :func:`~exittrain.cpu_decode.round_policy.steps_due`): after a drafted round
     of block 1, up to ``miss_steps`` steps of one token follow, unless the anchor's round is
     copy-led (``kinds``), which ends them."""
     i, due = 0, 0

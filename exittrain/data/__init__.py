@@ -1,4 +1,5 @@
-"""Data layer: prompt sources per domain, target self-distillation, batching, the DataModule.
+"""Data layer: prompt choice (the subpackage prompts/, whose __init__ maps its modules), target
+self-distillation, batching, the DataModule.
 
 Importing it imports no Lightning: :class:`ExitTrainDataModule` (the one Lightning piece) is loaded
 on first access, so a command that only prepares the data (:class:`PromptPlan`) never pays for it.
@@ -7,13 +8,10 @@ on first access, so a command that only prepares the data (:class:`PromptPlan`) 
 from typing import TYPE_CHECKING, Any
 
 from exittrain.data.collate import Collator, TruncationStats, truncation_stats
-from exittrain.data.domain_sources import DOMAIN_SOURCES, HUB_SOURCES
 from exittrain.data.generation import GenerationConfig, chat_prompt_ids, split_response
-from exittrain.data.prompt_plan import PromptPlan
-from exittrain.data.regen_cache import cache_key, cache_path, read_meta
-from exittrain.data.regenerate import regenerate
-from exittrain.data.source_spec import BUILTIN_SOURCES, PromptSource
-from exittrain.data.sources import (
+from exittrain.data.prompts.domain_sources import DOMAIN_SOURCES, HUB_SOURCES
+from exittrain.data.prompts.prompt_plan import PromptPlan
+from exittrain.data.prompts.prompt_sets import (
     DomainPrompts,
     LoadStats,
     find_overlap,
@@ -23,6 +21,9 @@ from exittrain.data.sources import (
     normalize_prompt,
     remove_overlap,
 )
+from exittrain.data.prompts.source_spec import BUILTIN_SOURCES, PromptSource
+from exittrain.data.regen_cache import cache_key, cache_path, read_meta
+from exittrain.data.regenerate import regenerate
 from exittrain.data.target_provider import default_target_provider
 
 if TYPE_CHECKING:

@@ -50,9 +50,9 @@ from exittrain.data.conversations import (
     render_conversation,
 )
 from exittrain.data.generation import GenerationConfig, answering_model, eos_token_ids, padding_token_id
+from exittrain.data.prompts.prompt_sets import REJECT_REASONS, LoadStats
 from exittrain.data.regen_cache import CACHE_VERSION, FEATURES, read_meta, safetensors_files, save_atomic
 from exittrain.data.regenerate import RegenReport
-from exittrain.data.sources import REJECT_REASONS, LoadStats
 
 __all__ = ["TEACHER_FORCED_BATCH", "brought_cache_key", "brought_cache_path", "write_brought_entry"]
 

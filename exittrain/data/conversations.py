@@ -4,14 +4,14 @@ template, and the training rows they become.
 Shape legend: n a row's tokens.
 
 **Reading** (:func:`load_conversations`, :func:`load_conversation_set`). A source of answered
-conversations (``chat-json:`` or ``chat-hf:``, :mod:`exittrain.data.source_spec`) holds one
+conversations (``chat-json:`` or ``chat-hf:``, :mod:`exittrain.data.prompts.source_spec`) holds one
 conversation per row: a list of turns under the source's column, else under ``messages``, else
 under ``conversations``. A turn is OpenAI's ``{"role", "content"}`` or ShareGPT's ``{"from",
 "value"}``; the roles are ``system``, ``user`` (ShareGPT ``human``) and ``assistant`` (ShareGPT
 ``gpt``). The last assistant turn is the answer; turns after it are dropped.
 
 Like prompt sources, a row that cannot be read is counted, under the reasons of
-:class:`~exittrain.data.sources.LoadStats`: ``blank_line``, ``non_utf8``, ``malformed`` (not JSON,
+:class:`~exittrain.data.prompts.prompt_sets.LoadStats`: ``blank_line``, ``non_utf8``, ``malformed`` (not JSON,
 or not an object), ``missing_field`` (no conversation column) and ``duplicate`` (the same turns as
 an earlier conversation). A row that reads but is not a conversation this module can render raises
 ``ValueError`` naming the source, the row and the fix: turns that are not a list of objects, a turn
@@ -48,10 +48,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from exittrain.data.prompts.prompt_sets import LoadStats
+from exittrain.data.prompts.source_reading import source_rows
+from exittrain.data.prompts.source_spec import CHAT_COLUMNS, PromptSource
 from exittrain.data.regen_cache import make_row
-from exittrain.data.source_readers import source_rows
-from exittrain.data.source_spec import CHAT_COLUMNS, PromptSource
-from exittrain.data.sources import LoadStats
 
 __all__ = [
     "ROLES",
@@ -174,7 +174,7 @@ def load_conversations(source: str | PromptSource | Mapping[str, Any]) -> tuple[
     if not src.answered:
         raise ValueError(
             f"{src} is a prompt source, not one of answered conversations; use chat-json:PATH[:COLUMN] or "
-            "chat-hf:REPO:SPLIT[:COLUMN] (exittrain.data.source_spec)"
+            "chat-hf:REPO:SPLIT[:COLUMN] (exittrain.data.prompts.source_spec)"
         )
     stats = LoadStats(source=str(src))
     rows, column = source_rows(src)

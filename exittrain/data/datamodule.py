@@ -1,7 +1,7 @@
 """The Lightning DataModule of drafter training: prompts -> the target's own answers -> batches.
 
 Which prompts, and which cache entry holds their answers, is :attr:`ExitTrainDataModule.plan`
-(:class:`~exittrain.data.prompt_plan.PromptPlan`, Lightning-free). The hooks (Lightning calls them):
+(:class:`~exittrain.data.prompts.prompt_plan.PromptPlan`, Lightning-free). The hooks (Lightning calls them):
 
 - ``prepare_data`` (called by every rank through :func:`exittrain.build.prepare_data`): answers this
   process's shard of the prompts into the Arrow cache (the last shard merges the entry)
@@ -18,7 +18,7 @@ Which prompts, and which cache entry holds their answers, is :attr:`ExitTrainDat
   resumed fit continues it where the checkpoint left off (``state_dict`` / ``load_state_dict``,
   :class:`~exittrain.data.sampler.ResumableSampler`).
 - :meth:`ExitTrainDataModule.eval_prompts`: the held-out evaluation prompts, chat-templated, for
-  decoding benchmarks; they never overlap the training prompts (:func:`exittrain.data.sources.load_domain`).
+  decoding benchmarks; they never overlap the training prompts (:func:`exittrain.data.prompts.prompt_sets.load_domain`).
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from torch.utils.data import DataLoader
 from exittrain.data.collate import Collator
 from exittrain.data.feature_store import FeatureStore, check_store_settings, open_entry_store
 from exittrain.data.generation import GenerationConfig
-from exittrain.data.prompt_plan import PromptPlan, SourceSpecs
+from exittrain.data.prompts.prompt_plan import PromptPlan, SourceSpecs
+from exittrain.data.prompts.prompt_sets import DEFAULT_MAX_CHARS, DomainPrompts
 from exittrain.data.regenerate import TargetProvider
 from exittrain.data.sampler import ResumableSampler, resume_point
-from exittrain.data.sources import DEFAULT_MAX_CHARS, DomainPrompts
 from exittrain.data.split import check_loader_settings, split_entry, split_rows
 from exittrain.data.target_provider import LazyTarget
 
@@ -53,7 +53,7 @@ class ExitTrainDataModule(pl.LightningDataModule):
     Args:
         domain, train_sources, eval_sources, target_name, cache_dir, generation, max_train_prompts, seed,
             exclude_seed, max_prompt_chars, device: which prompts, and which cache entry holds their
-            answers: :class:`~exittrain.data.prompt_plan.PromptPlan`'s arguments (documented there), held
+            answers: :class:`~exittrain.data.prompts.prompt_plan.PromptPlan`'s arguments (documented there), held
             in :attr:`plan`. ``seed`` also seeds the validation split and the shuffling.
         target: callable returning ``(model, tokenizer)``, called only when regeneration is needed
             (or for :meth:`eval_prompts` without ``tokenizer``). Default: ``load_target(target_name)``.
@@ -64,7 +64,7 @@ class ExitTrainDataModule(pl.LightningDataModule):
         val_fraction: fraction of the regenerated training rows held out for validation loss
             (0 disables validation; otherwise at least one row), whole tasks at a time: both
             prompt forms of one CodeI/O task land on the same side
-            (:func:`~exittrain.data.prompt_selection.split_by_task`).
+            (:func:`~exittrain.data.prompts.selection.split_by_task`).
         progress: show the regeneration progress bar.
         feature_layers: target layer ids whose outputs regeneration keeps beside the answers
             (:func:`~exittrain.data.regenerate.regenerate`); the :attr:`store` serves them in every

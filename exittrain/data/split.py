@@ -2,7 +2,7 @@
 
 :func:`split_entry` opens the entry, drops the rows whose prompt alone fills ``max_length``,
 shuffles the rest under ``seed`` and holds out ``val_fraction`` of them for a validation loss, whole
-tasks at a time (:func:`~exittrain.data.prompt_selection.split_by_task`: both prompt forms of one
+tasks at a time (:func:`~exittrain.data.prompts.selection.split_by_task`: both prompt forms of one
 CodeI/O task land on the same side). Everything is counted in :attr:`EntrySplit.stats`.
 Lightning-free; the DataModule's ``setup`` calls it.
 """
@@ -19,9 +19,9 @@ from typing import Any
 import datasets
 
 from exittrain.data.collate import truncation_stats
-from exittrain.data.prompt_selection import split_by_task
+from exittrain.data.prompts.prompt_sets import DomainPrompts
+from exittrain.data.prompts.selection import split_by_task
 from exittrain.data.regen_cache import read_meta
-from exittrain.data.sources import DomainPrompts
 
 __all__ = ["COLUMNS", "EntrySplit", "check_loader_settings", "split_entry", "split_rows"]
 

@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from exittrain.core import VERIFIERS, DraftTree, build_tree, check_ngrams
-from exittrain.core.copy_tail import copy_chain, copy_only_tree, graft_copy_tail
+from exittrain.core import VERIFIERS, build_tree, check_ngrams
+from exittrain.core.copy_tail import graft_copy_tail
 from exittrain.core.verify import sample_categorical, warp_probs
 from exittrain.decoding.drafter_context import drafter_context
 from exittrain.models.hf_cache import cache_kwargs
@@ -35,7 +35,9 @@ __all__ = ["RoundStats", "GenerationResult", "GreedyDecoder", "SpeculativeDecode
            "COPY_LED", "DRAFTED", "ROUND_KINDS", "ROUND_PARTS", "STEP", "rounds_by_kind"]
 
 ROUND_PARTS = ("draft", "tree", "target", "verify", "commit")
-# what a round verified: the drafter's tree (and any copy tail), the copy chain alone, or the root alone
+# what a round verified: the drafter's tree (and any copy tail), the copy chain alone, or the root alone.
+# This decoder's rounds all draft; the other two kinds are rounds the drafter skips, which
+# exittrain.cpu_decode.round_policy.RoundPolicyDecoder chooses through SpeculativeDecoder._round_without_drafter
 DRAFTED, COPY_LED, STEP = "drafted", "copy-led", "step"
 ROUND_KINDS = (DRAFTED, COPY_LED, STEP)
 
@@ -180,27 +182,15 @@ class SpeculativeDecoder:
     prompts it raised tau by 1-3% and added 0.5-1 node a round, and decoded no faster on a 2-core
     CPU. The tree stays independent of the target's scores, so every verifier stays exact.
 
-    ``copy_lead`` (default 0, off) makes a round copy-led when the root's last ``copy_lead``
-    tokens occurred earlier in the committed text: the drafter is skipped, and the target verifies
-    the tokens that followed that occurrence, up to ``K + copy_tail`` of them, as one chain
-    (:func:`~exittrain.core.copy_tail.copy_only_tree`), as prompt-lookup decoding does but
-    further. Other rounds draft as usual. A copy-led round costs one target forward, where a
-    drafted round adds the drafter's pass; the decision depends on the committed text only, so
-    decoding stays exact. The drafter's context still receives every committed position.
-
-    ``miss_steps`` (default 0, off): after a drafted round that accepted no draft token, the next
-    up to ``miss_steps`` rounds are steps: the target scores the root alone (an empty tree, one
-    row), the drafter is skipped, and the round yields the bonus token, as greedy decoding's step
-    does. A copy-led round, when due, comes first and ends the steps. Why: a round that accepted
-    nothing tends to be followed by more such (the text is where the drafter goes wrong), and on
-    a CPU a round's tree costs 1.1-2.7 times a one-row step (``python -m exittrain bench rows``),
-    so there a step yields the same token for less. The choice reads past rounds only, never the
-    current round's target scores, so every verifier stays exact.
-
     ``draft_vocab`` (default None: every token) is a draft vocabulary, (S,) token ids
     (:func:`exittrain.cpu_decode.draft_vocab.draft_vocabulary`): the drafter's LM head scores only
     those, which on a CPU saves most of the drafter's time; the verifiers still see the whole
     vocabulary, so decoding stays exact. S must be at least the budget.
+
+    Every round drafts a tree, the target verifies it, the verifier accepts a path. Rounds that
+    skip the drafter (copy-led rounds, steps after a miss) are the CPU decoder's, chosen through
+    one hook, :meth:`_round_without_drafter`
+    (:class:`exittrain.cpu_decode.round_policy.RoundPolicyDecoder`).
     """
 
     def __init__(
@@ -214,9 +204,7 @@ class SpeculativeDecoder:
         copy_match: int = 1,
         copy_ngrams: tuple[int, ...] = (3, 2),
         draft_vocab: torch.Tensor | None = None,
-        copy_lead: int = 0,
         copy_earliest: bool = False,
-        miss_steps: int = 0,
     ):
         if verifier not in VERIFIERS:
             raise ValueError(f"verifier must be one of {sorted(VERIFIERS)}, got {verifier!r}")
@@ -226,31 +214,35 @@ class SpeculativeDecoder:
             raise ValueError("drafter is required; create one with new_drafter(target) or load_drafter(path, target)")
         if not drafter.has_target:
             drafter.attach_target(target)
-        for key, value in (("copy_tail", copy_tail), ("copy_match", copy_match), ("copy_lead", copy_lead),
-                           ("miss_steps", miss_steps)):
+        for key, value in (("copy_tail", copy_tail), ("copy_match", copy_match)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{key} must be an integer >= 0 (0 turns it off), got {value!r}")
         self.target, self.drafter, self.budget, self.verifier = target, drafter, budget, verifier
         self.drafter_cache = bool(drafter_cache)
-        self.copy_tail, self.copy_match, self.copy_lead = copy_tail, copy_match, copy_lead
-        self.miss_steps = miss_steps
+        self.copy_tail, self.copy_match = copy_tail, copy_match
         self.copy_earliest = bool(copy_earliest)
         self.copy_ngrams = check_ngrams(copy_ngrams, key="copy_ngrams")
         self.draft_vocab = _check_vocab(draft_vocab, target.vocab_size, budget)
         self.layers = list(drafter.config.target_layer_ids)
         self.auto_choice = None  # set by cpu_decode's auto_decoder: what the probe measured and why it chose this
 
-    @property
-    def lead_length(self) -> int:
-        """The most tokens a copy-led round verifies: the drafter's K plus the copy tail."""
-        return int(self.drafter.config.num_draft_tokens) + self.copy_tail
+    def _most_nodes(self) -> int:
+        """The most draft nodes a round verifies: the budget plus the copy tail's (both chains'
+        with ``copy_earliest``). It sizes the context check and the products' rows; a subclass
+        whose rounds may verify more says so here."""
+        return self.budget + self.copy_tail * (2 if self.copy_earliest else 1)
 
-    def _lead_tree(self, context, root_1: torch.Tensor):
-        """The copy-led round's tree, or None when the root's last ``copy_lead`` tokens have no
-        earlier occurrence (the round drafts then)."""
-        ids_T = torch.cat([context.ids[0], root_1.reshape(1)])
-        chain = copy_chain(ids_T, [self.copy_lead], self.lead_length)
-        return copy_only_tree(chain, root_1.device) if chain else None
+    def _round_without_drafter(self, context, root_1: torch.Tensor, rounds: list[RoundStats]):
+        """The hook for rounds that skip the drafter, asked at the start of every round: None
+        (always, here) drafts the round; else ``(kind, tree)``, a kind of :data:`ROUND_KINDS` and
+        the tree the target verifies instead of the drafter's.
+
+        ``context.ids`` (1, C) with ``root_1`` (1,) is the committed text, ``rounds`` the past
+        rounds of this decode. An override must choose from those only, never from this round's
+        target scores: the tree is then fixed before the target scores it, and every verifier
+        stays exact. :class:`exittrain.cpu_decode.round_policy.RoundPolicyDecoder` chooses
+        copy-led rounds and steps after a miss here."""
+        return None
 
     def _tree(self, logq_1KV: torch.Tensor, context, root_1: torch.Tensor):
         """The round's draft tree: best-first, ``budget`` nodes from the drafter's log-probabilities
@@ -282,8 +274,7 @@ class SpeculativeDecoder:
         seed: int | None = None,
     ) -> GenerationResult:
         """Decode up to ``max_new_tokens`` new tokens; stops after an EOS token (which is kept)."""
-        copy_rows = self.copy_tail * (2 if self.copy_earliest else 1)
-        tree_rows = max(self.budget + copy_rows, self.lead_length if self.copy_lead else 0) + 1
+        tree_rows = self._most_nodes() + 1
         ids, generator, eos = _prepare(self.target, input_ids, max_new_tokens, temperature, seed, tree_rows)
         with self.products(tree_rows):
             return self._generate(ids, max_new_tokens, temperature, top_k, top_p, generator, eos)
@@ -305,18 +296,16 @@ class SpeculativeDecoder:
         root = ids[:, -1]
         tokens: list[int] = []
         result = GenerationResult(tokens)
-        steps_due = 0  # steps still to take after a drafted round that accepted nothing (miss_steps)
         while True:
             clock = _Clock(device)
-            tree = self._lead_tree(context, root) if self.copy_lead else None
-            kind = COPY_LED if tree is not None else STEP if steps_due else DRAFTED
-            steps_due = steps_due - 1 if kind == STEP else 0
-            if kind == STEP:
-                tree = DraftTree.empty(device=device)
-            elif kind == DRAFTED:
+            skipped = self._round_without_drafter(context, root, result.rounds)
+            if skipped is None:
+                kind = DRAFTED
                 logq_1KV = torch.log_softmax(context.draft(root).float(), dim=-1)
                 clock.lap("draft")
                 tree = self._tree(logq_1KV, context, root)
+            else:
+                kind, tree = skipped
             clock.lap("tree")
             C = cache.get_seq_length()
             out = self.target.tree_forward(cache, root, tree, layers=self.layers)
@@ -324,8 +313,6 @@ class SpeculativeDecoder:
             verdict = self._verify(tree, out.logits, temperature, top_k, top_p, generator)
             n_accept = int(verdict.accept_length[0])  # the round's one host transfer
             clock.lap("verify")
-            if kind == DRAFTED and n_accept == 0:
-                steps_due = self.miss_steps
             new_1N = torch.cat([verdict.accepted_tokens[:, :n_accept], verdict.bonus.view(1, 1)], dim=1)
             done = _finish(tokens, new_1N[0].tolist(), eos, max_new_tokens)
             if not done:  # the last round's commit would feed no further round
@@ -388,9 +375,9 @@ class GreedyDecoder:
     """Decoding without a drafter, behind :class:`SpeculativeDecoder`'s ``generate``: what
     ``decode: auto`` falls back to when no drafting setting is expected to beat greedy decoding
     on this host (:mod:`exittrain.cpu_decode.auto_settings`). ``generate`` is
-    :func:`autoregressive_generate`; ``budget``, ``copy_tail``, ``copy_lead`` and ``miss_steps`` read 0."""
+    :func:`autoregressive_generate`; ``budget`` and ``copy_tail`` read 0."""
 
-    budget = copy_tail = copy_lead = miss_steps = 0
+    budget = copy_tail = 0
     draft_vocab = None
 
     def __init__(self, target):

@@ -17,7 +17,9 @@ named once in docs/metrics.md:
   length on answers sampled at T (:mod:`exittrain.heldout.heldout_law`), paired against the
   reference label's when it was measured;
 - **chain tau at K** (``chain_tau``) and its expectation at T (``analytic_chain``): the greedy chain
-  of K nodes a serving engine verifies (:mod:`exittrain.heldout.serving_track`);
+  of K nodes a serving engine verifies (:mod:`exittrain.heldout.serving_track`), its rounds walked
+  along the target's greedy answers that the lossless check decoded (``ar_cache``;
+  :mod:`exittrain.heldout.chain_walk`), the first prompt decoded for real as their live check;
 - **vLLM's acceptance** (``vllm``; ``eval.vllm``): :meth:`~HeldOutEvaluator.measure_vllm`, for a
   DFlash export.
 

@@ -7,7 +7,11 @@ recipe's budget. For every drafter row of the table this module adds:
 - ``chain_tau`` (and ``chain_ci95``, ``chain_lossless``): the mean block length of our
   :class:`~exittrain.decoding.chain_decoder.ChainDecoder` (K nodes, greedy verifier, T = 0) on the same
   held-out prompts and token limit as the tree track: what the engine's mean acceptance length
-  should be for this drafter, measured with our own target;
+  should be for this drafter, measured with our own target. A greedy decode's rounds follow from
+  the target's greedy answer, so :func:`chain_rows` walks them along it
+  (:mod:`exittrain.heldout.chain_walk`, a target pass per prompt instead of a decode) and decodes
+  only the first prompt for real: its lossless check (``chain_lossless``) and the walk's live check
+  (``chain_walk_exact``);
 - ``analytic_chain``: the expected chain block length at ``eval.analytic_temperatures``, paired
   against the warm start (:meth:`HeldOutLaw.measure_chain` / :meth:`HeldOutLaw.attach_chain`,
   called by :func:`exittrain.fit.evaluate_held_out`);
@@ -81,7 +85,7 @@ def check_serve_config(cfg) -> dict | None:
 
 def check_servable(drafter_config) -> None:
     """``+serve=dflash``, once the drafter is built: ValueError listing what the DFlash format would
-    refuse (:meth:`~exittrain.models.drafter_config.DrafterConfig.dflash_problems`; the learned mask
+    refuse (:meth:`~exittrain.models.drafter.configuration.DrafterConfig.dflash_problems`; the learned mask
     ships beside the weights and is fine), before any training."""
     problems = {k: v for k, v in drafter_config.dflash_problems().items() if k != "learned_mask"}
     if problems:
@@ -102,17 +106,28 @@ def vllm_enabled(mode, vllm_python: str | os.PathLike) -> bool:
 
 
 def chain_rows(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, seed: int = 0,
-               label: str = "", ar_cache: dict | None = None) -> list[dict]:
-    """One row per prompt: the greedy :class:`ChainDecoder` of K nodes, ``block_lengths`` per round,
-    ``new_tokens`` and ``matches_target`` (its tokens equal the target's greedy ones: the chain's lossless check).
+               label: str = "", ar_cache: dict | None = None, live: int | None = 1) -> list[dict]:
+    """One row per prompt: the greedy :class:`ChainDecoder` of K nodes (T = 0), ``block_lengths`` per
+    round and ``new_tokens``, rounds counted as vLLM counts them (:func:`decode_after_prefill`).
+
+    The rounds of a greedy decode follow from the target's greedy answer (which ``ar_cache`` holds or
+    this decodes): every prompt's are walked along it (:func:`~exittrain.heldout.chain_walk.walked_chain_rounds`,
+    ``decoded`` False), except the first ``live`` prompts', which the real decoder decodes (``decoded``
+    True): their rows add ``matches_target`` (the decode's tokens equal the target's greedy ones: the
+    chain's lossless check) and ``walk_matches_decode`` (the walk gave the decode's rounds, logged as
+    an error where not), and keep the decode's rounds. ``live=None`` decodes every prompt and walks
+    none: the slow reference twin (the walk's tests compare the two).
 
     ``ar_cache``: the tree track's autoregressive baselines, keyed ``(temperature, prompt index)``
     (:func:`~exittrain.heldout.decode_eval.evaluate_prompts`), reused and filled at T = 0."""
     from exittrain.decoding import autoregressive_generate
     from exittrain.decoding.chain_decoder import ChainDecoder, decode_after_prefill
+    from exittrain.heldout.chain_walk import walked_chain_rounds
 
+    if live is not None and (not isinstance(live, int) or isinstance(live, bool) or live < 0):
+        raise ValueError(f"live={live!r}: the prompts decoded for real must be an integer >= 0, or None for all")
     decoder = ChainDecoder(target, drafter, verifier="greedy")
-    ticker = Ticker(f"eval {label} chain".strip(), len(prompts), unit="decode", every=4)
+    ticker = Ticker(f"eval {label} chain".strip(), len(prompts), unit="prompt", every=4)
     rows = []
     for i, prompt in enumerate(prompts):
         ticker.update(i)
@@ -122,28 +137,48 @@ def chain_rows(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tok
             if ar_cache is not None:
                 ar_cache[key] = baseline
         plain = (ar_cache[key] if ar_cache is not None else baseline).tokens
+        row = {"label": label, "prompt_index": i, "budget": decoder.budget, "new_tokens": len(plain),
+               "decoded": live is None or i < live}
         if not plain:  # no new token asked for: no round
-            rows.append({"label": label, "prompt_index": i, "budget": decoder.budget, "block_lengths": [],
-                         "new_tokens": 0, "matches_target": True})
+            rows.append({**row, "block_lengths": [], "matches_target": True})
+            continue
+        walked = None if live is None else walked_chain_rounds(target, drafter, prompt, plain,
+                                                                max_new_tokens=max_new_tokens)
+        if not row["decoded"]:
+            rows.append({**row, "block_lengths": walked})
             continue
         # rounds as vLLM counts them: its prefill emits the first token without a draft
         tokens, rounds = decode_after_prefill(decoder, list(prompt), plain[0], max_new_tokens, target.eos_token_ids)
         n = min(len(plain), len(tokens))
-        rows.append({"label": label, "prompt_index": i, "budget": decoder.budget,
-                     "block_lengths": [r.block_length for r in rounds], "new_tokens": len(tokens),
-                     "matches_target": plain[:n] == tokens[:n]})
+        row.update(block_lengths=[r.block_length for r in rounds], new_tokens=len(tokens),
+                   matches_target=plain[:n] == tokens[:n])
+        if walked is not None:
+            row["walk_matches_decode"] = walked == row["block_lengths"]
+            if not row["walk_matches_decode"]:
+                log.error("eval %s chain, prompt %d: the walked rounds %s differ from the decoded %s (lossless: %s); "
+                          "the chain tau of the walked prompts may be off (exittrain/heldout/chain_walk.py, Limits)",
+                          label, i, walked, row["block_lengths"], row["matches_target"])
+        rows.append(row)
     ticker.update(len(prompts))
     return rows
 
 
 def summarize_chain(rows: list[dict]) -> dict:
-    """``{chain_tau, chain_ci95, chain_K, chain_lossless}`` pooled over ``rows`` (rounds of every prompt)."""
+    """``{chain_tau, chain_ci95, chain_K, chain_lossless, chain_live[, chain_walk_exact]}`` pooled over
+    ``rows`` (rounds of every prompt): ``chain_lossless`` over the prompts decoded for real
+    (``chain_live`` of them), ``chain_walk_exact`` where a walk was checked against a decode."""
     if not rows:
         raise ValueError("no chain rows to summarize: decode at least one held-out prompt")
     lengths = [r["block_lengths"] for r in rows]
     rounds = sum(len(x) for x in lengths)
-    return {"chain_tau": sum(map(sum, lengths)) / rounds if rounds else 0.0, "chain_ci95": bootstrap_ci(lengths),
-            "chain_K": rows[0]["budget"], "chain_lossless": all(r["matches_target"] for r in rows)}
+    decoded = [r for r in rows if r.get("decoded", True)]
+    out = {"chain_tau": sum(map(sum, lengths)) / rounds if rounds else 0.0, "chain_ci95": bootstrap_ci(lengths),
+           "chain_K": rows[0]["budget"], "chain_lossless": all(r["matches_target"] for r in decoded),
+           "chain_live": len(decoded)}
+    checked = [r["walk_matches_decode"] for r in rows if "walk_matches_decode" in r]
+    if checked:
+        out["chain_walk_exact"] = all(checked)
+    return out
 
 
 def attach_chain(table: list[dict], chain: dict) -> None:

@@ -8,7 +8,7 @@
   ``num_hidden_layers`` the drafter's depth; plus ``block_size``, ``num_target_layers`` and
   ``dflash_config: {"target_layer_ids": [...], "mask_token_id": M}``.
 - ``model.safetensors``: ``layers.{i}.*``, ``fc.weight``, ``hidden_norm.weight``,
-  ``norm.weight``, the names :class:`~exittrain.models.drafter.BlockDrafter` uses. The token
+  ``norm.weight``, the names :class:`~exittrain.models.drafter.block_drafter.BlockDrafter` uses. The token
   embedding and the LM head are the target's, at run time.
 - Optional ``mask_embedding.pt`` (vLLM reads it; the ``dflash`` package does not): a
   ``torch.save`` of ``{"embedding": (H,), "mask_token_id": M}`` that replaces the target
@@ -20,7 +20,7 @@ them as auxiliary layers ``id + 1`` (its count starts at the input of layer 0). 
 is the exception: Hugging Face's last hidden state is final-normed and ours is not, so a drafter
 reading it is refused both ways.
 
-**What the format cannot hold** (:meth:`~exittrain.models.drafter_config.DrafterConfig.dflash_problems`):
+**What the format cannot hold** (:meth:`~exittrain.models.drafter.configuration.DrafterConfig.dflash_problems`):
 a context window and a width other than the target's are refused with the fix; the n-gram copy
 branch is dropped, and the export logs it and records it under ``exittrain.dropped`` in
 ``config.json``.
@@ -46,9 +46,9 @@ from safetensors.torch import save_file
 from transformers import Qwen3Config
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-from exittrain.models.drafter import BlockDrafter
-from exittrain.models.drafter_config import DrafterConfig
-from exittrain.models.drafter_io import safetensors_shards
+from exittrain.models.drafter.block_drafter import BlockDrafter
+from exittrain.models.drafter.configuration import DrafterConfig
+from exittrain.models.drafter.saved_files import safetensors_shards
 from exittrain.models.target_loading import as_dtype
 from exittrain.safe_io import check_safetensors, load_checkpoint, load_json_object, load_safetensors
 

@@ -199,8 +199,8 @@ def meta_drafter(cfg, target) -> tuple[Any, str]:
                 mask_token_id=mask, learned_mask=learned, copy_ngrams=[],
             )
         else:
-            from exittrain.models.drafter import BlockDrafter
-            from exittrain.models.drafter_config import DrafterConfig
+            from exittrain.models.drafter.block_drafter import BlockDrafter
+            from exittrain.models.drafter.configuration import DrafterConfig
 
             fields = {k: v for k, v in raw.items() if k in DrafterConfig.__annotations__}
             drafter = BlockDrafter(DrafterConfig(**fields))

@@ -38,7 +38,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from exittrain.models.drafter_init import default_layer_ids
+from exittrain.models.drafter.starting_points import default_layer_ids
 from exittrain.models.vocab_head import vocab_logits_reference
 
 __all__ = ["ReferenceDFlashDrafter", "read_dflash_config", "write_random_dflash_drafter"]
@@ -96,7 +96,7 @@ def write_random_dflash_drafter(
 
     Layer shapes (hidden size, heads, head size, MLP width, norm epsilon, rope) and the
     vocabulary come from the target's ``config.json``. ``target_layer_ids`` default to
-    :func:`exittrain.models.drafter_init.default_layer_ids`; ``mask_token_id`` defaults to the target's
+    :func:`exittrain.models.drafter.starting_points.default_layer_ids`; ``mask_token_id`` defaults to the target's
     ``unk_token_id`` (else its ``pad_token_id``).
     """
     from transformers import Qwen3Config

@@ -14,6 +14,8 @@ import torch
 
 from exittrain.bench import exittrain_arms as bx
 from exittrain.bench.exittrain_grid import ARMS, Arm
+from exittrain.bench.exittrain_report import SEQUENCE, replicate_verdicts, to_markdown, vllm_verdict
+from exittrain.report.experiment_page import uncorrected
 
 
 def test_every_exittrain_arm_has_its_matched_control_in_the_grid():
@@ -67,13 +69,13 @@ def test_compare_pairs_each_arm_with_its_control_and_the_verdict_reads_the_inter
     assert arm["vs_warm_start"]["delta"] == pytest.approx(0.21, abs=0.02)
     assert arm["tau_oracle"] == 5.0 and arm["efficiency"] == pytest.approx(arm["tau"] / 5.0)
     assert [r["vs_control"] for r in rows if r["drafter"] != "exittrain-soft-flow-l1-fresh"] == [None, None]
-    assert len(bx.verdict(rows)) == 1 and "beats control-soft-fresh" in bx.verdict(rows)[0]
+    assert len(uncorrected(rows)) == 1 and "beats control-soft-fresh" in uncorrected(rows)[0]
     # a null arm (no shift, real noise) has an interval across 0: no verdict line
-    assert bx.verdict(bx.compare(_measured(shift=0.0, noise=0.3), "warm start")) == []
-    losing = bx.verdict(bx.compare(_measured(shift=-0.2, noise=0.05), "warm start"))
+    assert uncorrected(bx.compare(_measured(shift=0.0, noise=0.3), "warm start")) == []
+    losing = uncorrected(bx.compare(_measured(shift=-0.2, noise=0.05), "warm start"))
     assert len(losing) == 1 and "loses to" in losing[0] and "negligible" not in losing[0]
     # a consistent but tiny shift excludes 0 and is called what it is
-    tiny = bx.verdict(bx.compare(_measured(shift=0.001, noise=0.0), "warm start"))
+    tiny = uncorrected(bx.compare(_measured(shift=0.001, noise=0.0), "warm start"))
     assert len(tiny) == 1 and "beats" in tiny[0] and "negligible" in tiny[0]
 
 
@@ -104,12 +106,12 @@ def test_compare_pairs_the_chain_with_its_control_at_every_temperature():
         assert "tau_oracle" not in r and "efficiency" not in r  # the oracle bounds trees only
     tree = next(r for r in rows if r["drafter"] == "exittrain-soft-flow-l1-chain-fresh" and r["shape"] == "ddtree")
     assert tree["budget"] == 16 and tree["tau_oracle"] == 5.0
-    lines = bx.verdict(rows)  # the chain beats its control at T = 0 and 0.6; the tree entry does not move
+    lines = uncorrected(rows)  # the chain beats its control at T = 0 and 0.6; the tree entry does not move
     assert len(lines) == 2 and all("on the chain of K = 7" in line and "beats control-soft-fresh" in line
                                    for line in lines)
     assert any("at T = 0:" in line for line in lines) and any("at T = 0.6:" in line for line in lines)
-    md = bx.to_markdown({"domain": "code", "warm_start": "W", "steps": 3, "prompts": 12, "skip": 16,
-                         "max_new_tokens": 8, "analytic_anchors": 20, "rows": rows, "verdict": lines, "train": {}})
+    md = to_markdown({"domain": "code", "warm_start": "W", "steps": 3, "prompts": 12, "skip": 16,
+                         "max_new_tokens": 8, "analytic_anchors": 20, "rows": rows, "train": {}})
     table = [line for line in md.splitlines() if line.startswith(("| warm start", "| control-", "| exittrain-"))]
     shapes = ["chain K=7" in line for line in table]
     assert shapes == sorted(shapes) and sum(shapes) == 6  # the chain rows together, after the trees
@@ -156,35 +158,63 @@ def test_replicates_pair_within_a_seed_and_the_controls_give_the_noise_floor():
     (entry,) = floor.values()
     assert [p["seeds"] for p in entry["pairs"]] == [[0, 1], [0, 2], [1, 2]]
     assert entry["spread"] == pytest.approx(0.02, abs=0.005)  # seeds 0 and 2 part by 2 x 0.01
-    (v,) = bx.replicate_verdicts(rows, floor)
+    (v,) = replicate_verdicts(rows, floor)
     assert v["seeds"] == [0, 1, 2] and v["mean"] == pytest.approx(0.05, abs=1e-5)
     assert v["noise_floor"] == entry["spread"] and v["verdict"] == "confirmed"  # 0.05 >= 0.02 and >= 2 x 0.02
     # the same gains under a larger training noise: inside twice the floor, so not confirmed
     noisy = _replicates({0: 0.05, 1: 0.06, 2: 0.04}, control_noise=0.02)
-    (v,) = bx.replicate_verdicts(bx.compare(noisy, "warm start"), bx.noise_floor(noisy))
+    (v,) = replicate_verdicts(bx.compare(noisy, "warm start"), bx.noise_floor(noisy))
     assert v["verdict"] == "inconclusive"
     # one seed at -0.03 refutes, whatever the mean; a mean under 0.01 refutes
     for shifts in ({0: 0.10, 1: 0.10, 2: -0.03}, {0: 0.005, 1: 0.01, 2: 0.0}):
         m = _replicates(shifts, control_noise=0.0)
-        (v,) = bx.replicate_verdicts(bx.compare(m, "warm start"), bx.noise_floor(m))
+        (v,) = replicate_verdicts(bx.compare(m, "warm start"), bx.noise_floor(m))
         assert v["verdict"] == "refuted", shifts
     # one replicate: no floor, so never confirmed
     single = _replicates({0: 0.5}, control_noise=0.0)
     assert bx.noise_floor(single) == {}
-    (v,) = bx.replicate_verdicts(bx.compare(single, "warm start"), {})
+    (v,) = replicate_verdicts(bx.compare(single, "warm start"), {})
     assert v["noise_floor"] is None and v["verdict"] == "inconclusive"
-    md = bx.to_markdown({"domain": "code", "warm_start": "W", "steps": 3, "prompts": 12, "skip": 16,
-                         "max_new_tokens": 8, "analytic_anchors": 20, "rows": rows, "verdict": [], "train": {},
-                         "train_seeds": [0, 1, 2], "replicates": bx.replicate_verdicts(rows, floor)})
+    md = to_markdown({"domain": "code", "warm_start": "W", "steps": 3, "prompts": 12, "skip": 16,
+                         "max_new_tokens": 8, "analytic_anchors": 20, "rows": rows, "train": {},
+                         "train_seeds": [0, 1, 2], "replicates": replicate_verdicts(rows, floor)})
     assert "Replicates (training seeds [0, 1, 2])" in md and "| confirmed |" in md
+
+
+def _verdict(T: float, word: str, shape: str = "ddtree", budget: int = 16, arm: str = "A") -> dict:
+    return {"drafter": arm, "shape": shape, "budget": budget, "temperature": T, "verdict": word}
+
+
+def test_the_fixed_sequence_tests_a_secondary_only_after_every_one_before_it_was_confirmed():
+    from exittrain.bench.exittrain_report import _gatekeep
+
+    assert SEQUENCE[0] == ("ddtree", 16, 0.6)  # the protocol's primary
+    # the primary inconclusive: every secondary is descriptive, whatever the rule says of it
+    vs = [_verdict(0.6, "inconclusive"), _verdict(0.0, "confirmed"), _verdict(0.6, "refuted", budget=64)]
+    _gatekeep(vs)
+    assert [(v["role"], v["reading"]) for v in vs] == [
+        ("primary", "inconclusive"), ("secondary 1", "descriptive"), ("secondary 3", "descriptive")]
+    # the primary and T = 0 confirmed: T = 1 is tested (refuted) and the sequence ends there
+    vs = [_verdict(0.6, "confirmed"), _verdict(0.0, "confirmed"), _verdict(1.0, "refuted"),
+          _verdict(0.6, "confirmed", budget=64), _verdict(0.6, "confirmed", shape="chain", budget=7),
+          _verdict(0.0, "confirmed", budget=64)]
+    _gatekeep(vs)
+    assert [v["reading"] for v in vs] == ["confirmed", "confirmed", "refuted", "descriptive", "descriptive",
+                                          "descriptive"]
+    assert vs[4]["role"] == "secondary 4" and vs[5]["role"] is None  # B = 64, T = 0 is not in the sequence
+    # a setting the run did not measure ends the sequence for what follows; each arm has its own
+    vs = [_verdict(0.6, "confirmed"), _verdict(1.0, "confirmed"), _verdict(0.6, "confirmed", arm="B"),
+          _verdict(0.0, "confirmed", arm="B")]
+    _gatekeep(vs)
+    assert [v["reading"] for v in vs] == ["confirmed", "descriptive", "confirmed", "confirmed"]
 
 
 def test_the_report_states_the_verdict_and_plots(tmp_path):
     rows = bx.compare(_measured(shift=0.0, noise=0.3), "warm start")
     result = {"domain": "code", "warm_start": "W", "steps": 3, "prompts": 12, "skip": 16, "max_new_tokens": 8,
-              "analytic_anchors": 20, "rows": rows, "verdict": bx.verdict(rows),
+              "analytic_anchors": 20, "rows": rows,
               "train": {"control-soft-fresh": {"train_s": 3.0, "s_per_step": 1.0}}}
-    md = bx.to_markdown(result)
+    md = to_markdown(result)
     assert "none: no ExitTrain setting" in md and "control-soft-fresh" in md
     bx.plot(result, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
@@ -235,13 +265,14 @@ def test_vllm_pairs_each_arm_with_its_control_and_the_warm_start_on_the_same_pro
     assert per[chain]["control"] == "control-soft-fresh"
     assert per[chain]["vs_control"]["delta"] == pytest.approx(1.0 / 3.0)  # (27 - 17) / 30 accepted per draft
     assert per[chain]["vs_warm_start"]["delta"] == pytest.approx(0.4)
-    lines = bx.vllm_verdict(vllm)
+    lines = vllm_verdict(vllm)
     assert lines == [f"{chain} beats control-soft-fresh in vLLM's measured acceptance length: +0.3333 "
                      f"({per[chain]['vs_control']['ci95'][0]:+.4f} to {per[chain]['vs_control']['ci95'][1]:+.4f})"]
     assert per[chain]["vs_control"]["ci95"][0] > 0  # every prompt gains: the interval excludes 0
     result = {"domain": "code", "warm_start": "W", "steps": 3, "prompts": 3, "skip": 16, "max_new_tokens": 8,
-              "analytic_anchors": 2, "rows": [], "verdict": lines, "train": {}, "vllm": vllm}
-    assert "vLLM 0.32.0's own acceptance length" in bx.to_markdown(result)
+              "analytic_anchors": 2, "rows": [], "train": {}, "vllm": vllm}
+    md = to_markdown(result)
+    assert "vLLM 0.32.0's own acceptance length" in md and f"- {lines[0]}" in md
     with pytest.raises(SystemExit):
         bx.parse_args(["--train-seeds", "1", "1"])
     with pytest.raises(SystemExit):
@@ -261,7 +292,7 @@ def test_the_experiment_runs_end_to_end_on_the_embedded_target(tmp_path, monkeyp
     ])
     result = bx.run(args)
     saved = json.loads((tmp_path / "out" / "exittrain.json").read_text())
-    assert saved["verdict"] == result["verdict"]
+    assert saved["rows"] == result["rows"] and "verdict" not in saved  # derived from the rows when read
     names = {r["drafter"] for r in saved["rows"]}
     assert names == {"warm start", "control-soft-fresh", "exittrain-soft-flow-l1-fresh",
                      "exittrain-soft-flow-l1-chain-fresh"}

@@ -106,3 +106,21 @@ def test_chain_verifiers_accept_the_closed_form_length_on_average(verifier):
     se = float(lengths.std()) / draws**0.5
     assert 1.3 < analytic < K + 1
     assert abs(float(lengths.mean()) - analytic) < 4 * se
+
+
+def test_greedy_walk_follows_the_rounds_and_keeps_the_last_block_whole():
+    from exittrain.core import greedy_walk
+
+    # rounds rooted at 0, 3, 4, 6: the last (block 3) commits 7..9, past the stop at 8
+    accepted = torch.tensor([2, 9, 9, 0, 1, 9, 2, 9])
+    assert greedy_walk(accepted, 8) == [3, 1, 2, 3]
+    assert greedy_walk(accepted, 7) == [3, 1, 2, 3]  # the round rooted at 6 commits 7, the stop
+    assert greedy_walk(accepted, 6) == [3, 1, 2]
+    assert greedy_walk(accepted[1:], 7) != greedy_walk(accepted, 8)[1:]  # a walk one position late differs
+    assert greedy_walk([], 0) == []
+    with pytest.raises(ValueError, match="positions 0..8"):
+        greedy_walk(accepted, 9)
+    with pytest.raises(ValueError, match="stop must be"):
+        greedy_walk(accepted, -1)
+    with pytest.raises(ValueError, match=">= 0"):
+        greedy_walk([0, -1], 2)

@@ -13,7 +13,8 @@ from exittrain.cpu_decode import decode_settings, probe_tau
 from exittrain.cpu_decode.auto_settings import auto_decoder
 from exittrain.cpu_decode.decode_settings import GREEDY, PROMPT_LOOKUP_TOKENS, DecodeSetting, candidate_settings
 from exittrain.cpu_decode.draft_vocab import count_answer_tokens, draft_vocabulary, save_token_counts
-from exittrain.decoding import GreedyDecoder, SpeculativeDecoder, autoregressive_generate
+from exittrain.cpu_decode.round_policy import RoundPolicyDecoder
+from exittrain.decoding import GreedyDecoder, autoregressive_generate
 from exittrain.heldout.decode_eval import evaluate_prompts
 from exittrain.heldout.evaluator import HeldOutEvaluator, format_report
 from exittrain.models import load_drafter, new_drafter
@@ -93,7 +94,7 @@ def test_the_block_length_estimate_equals_each_round_of_a_real_decode(target, dr
                                                          {setting.draft_vocab: vocab},
                                                          copy_earliest=earliest)[setting]
     assert len(lengths) == len(answer) and len(nodes) == len(answer) and len(kinds) == len(answer)
-    decoder = SpeculativeDecoder(target, drafter, budget=setting.budget, verifier="greedy",
+    decoder = RoundPolicyDecoder(target, drafter, budget=setting.budget, verifier="greedy",
                                  copy_tail=setting.copy_tail, copy_lead=setting.copy_lead, draft_vocab=vocab,
                                  copy_earliest=earliest, miss_steps=setting.miss_steps)
     result = decoder.generate(REPEATING, 30)

@@ -7,12 +7,11 @@ import json
 
 import pytest
 
-from exittrain.data import source_readers
-from exittrain.data.codeio import codeio_stub
-from exittrain.data.source_fields import MissingField
-from exittrain.data.sources import (
+from exittrain.data.prompts import source_reading
+from exittrain.data.prompts.prompt_sets import (
     load_prompts,
 )
+from exittrain.data.prompts.source_reading import MissingField, codeio_stub
 
 
 def test_codeio_stubs_are_the_tasks_as_functions_to_complete():
@@ -55,6 +54,6 @@ def test_codeio_rows_without_a_main_solution_are_counted_as_missing_the_field(tm
     path = tmp_path / "codeio.jsonl.gz"
     with gzip.open(path, "wt") as f:
         f.write("".join(json.dumps(r) + "\n" for r in rows))
-    monkeypatch.setattr(source_readers, "builtin_path", lambda name: path)
+    monkeypatch.setattr(source_reading, "builtin_path", lambda name: path)
     prompts, stats = load_prompts("pkg:codeio_stub")
     assert len(prompts) == 1 and stats.rejected["missing_field"] == 1 and stats.example_rows["missing_field"] == [2]

@@ -16,10 +16,10 @@ from exittrain.data.conversations import (
     load_conversations,
     render_conversation,
 )
-from exittrain.data.prompt_plan import PromptPlan, answered_sources
+from exittrain.data.prompts.prompt_plan import PromptPlan, answered_sources
+from exittrain.data.prompts.prompt_sets import load_prompts
+from exittrain.data.prompts.source_spec import PromptSource
 from exittrain.data.regen_cache import FEATURES
-from exittrain.data.source_spec import PromptSource
-from exittrain.data.sources import load_prompts
 
 OPENAI = [
     {"role": "system", "content": "Be brief."},

@@ -11,8 +11,8 @@ import torch
 from exittrain.data import chat_prompt_ids
 from exittrain.data.collate import Collator, truncation_stats
 from exittrain.data.datamodule import ExitTrainDataModule
-from exittrain.data.prompt_selection import split_by_task
-from exittrain.data.sources import normalize_prompt
+from exittrain.data.prompts.prompt_sets import normalize_prompt
+from exittrain.data.prompts.selection import split_by_task
 from tests.data.helpers import CountingTarget, tiny_llama
 from tests.lit.helpers import trainer as lit_trainer
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 
 from exittrain.configs import CONF_DIR
-from exittrain.data.domain_sources import DOMAIN_SOURCES, DomainSources
-from exittrain.data.source_spec import PromptSource
-from exittrain.data.sources import load_domain
+from exittrain.data.prompts.domain_sources import DOMAIN_SOURCES, DomainSources
+from exittrain.data.prompts.prompt_sets import load_domain
+from exittrain.data.prompts.source_spec import PromptSource
 
 
 def test_every_data_config_lists_the_sources_of_its_domain():
@@ -18,7 +18,7 @@ def test_every_data_config_lists_the_sources_of_its_domain():
         cfg = OmegaConf.load(path)
         assert cfg.train_sources and cfg.eval_sources, f"{path.name} lists no sources"
         assert DOMAIN_SOURCES[cfg.domain] == DomainSources(tuple(cfg.train_sources), tuple(cfg.eval_sources)), (
-            f"{path} and exittrain.data.domain_sources.DOMAIN_SOURCES[{cfg.domain!r}] list other sources; "
+            f"{path} and exittrain.data.prompts.domain_sources.DOMAIN_SOURCES[{cfg.domain!r}] list other sources; "
             "change both"
         )
         for spec in [*cfg.train_sources, *cfg.eval_sources]:

@@ -11,15 +11,15 @@ import pytest
 
 from exittrain.data import chat_prompt_ids
 from exittrain.data.generation import GenerationConfig
-from exittrain.data.prompt_plan import (
+from exittrain.data.prompts.prompt_plan import (
     LOADER_ARGS,
     PromptPlan,
     check_sample_settings,
     choose_train_prompts,
     prompt_set_description,
 )
+from exittrain.data.prompts.prompt_sets import DomainPrompts, LoadStats
 from exittrain.data.regen_cache import cache_key
-from exittrain.data.sources import DomainPrompts, LoadStats
 from exittrain.models.target_loading import EMBEDDED_TARGET_NAME
 
 CODE_RECIPE = dict(  # conf/data/code.yaml at seed 0, without the host-dependent dtype "auto"
@@ -168,7 +168,8 @@ def test_exclude_seed_leaves_out_every_task_of_the_other_seeds_sample():
 def test_the_plan_and_the_package_import_no_lightning():
     """A command that only prepares the data (the plan, the split, the target provider) never loads Lightning."""
     code = (
-        "import sys, exittrain.data, exittrain.data.prompt_plan, exittrain.data.split, exittrain.data.target_provider; "
+        "import sys, exittrain.data, exittrain.data.prompts.prompt_plan, exittrain.data.split, "
+        "exittrain.data.target_provider; "
         "assert not {'lightning', 'pytorch_lightning'} & set(sys.modules), 'Lightning was imported'; "
         "from exittrain.data import ExitTrainDataModule; assert 'lightning' in sys.modules"
     )

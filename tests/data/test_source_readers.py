@@ -10,10 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from exittrain.data.source_spec import PromptSource
-from exittrain.data.sources import (
+from exittrain.data.prompts.prompt_sets import (
     load_prompts,
 )
+from exittrain.data.prompts.source_spec import PromptSource
 
 
 def test_jsonl_bad_rows_are_rejected_and_counted(tmp_path, caplog):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from exittrain.data.domain_sources import HUB_SOURCES
-from exittrain.data.source_spec import PromptSource
+from exittrain.data.prompts.domain_sources import HUB_SOURCES
+from exittrain.data.prompts.source_spec import PromptSource
 
 
 @pytest.mark.parametrize(

@@ -7,9 +7,8 @@ import json
 
 import pytest
 
-from exittrain.data.domain_sources import DOMAIN_SOURCES
-from exittrain.data.source_readers import builtin_path
-from exittrain.data.sources import (
+from exittrain.data.prompts.domain_sources import DOMAIN_SOURCES
+from exittrain.data.prompts.prompt_sets import (
     REJECT_REASONS,
     find_overlap,
     load_domain,
@@ -18,6 +17,7 @@ from exittrain.data.sources import (
     normalize_prompt,
     remove_overlap,
 )
+from exittrain.data.prompts.source_reading import builtin_path
 
 IFBENCH_INSTALLED = importlib.util.find_spec("ifbench") is not None
 
@@ -150,7 +150,7 @@ def test_cross_source_repeats_are_counted(tmp_path):
 
 
 def test_reject_reasons_are_documented():
-    from exittrain.data import sources
+    from exittrain.data.prompts import prompt_sets
 
     for reason in REJECT_REASONS:
-        assert f"``{reason}``" in sources.__doc__
+        assert f"``{reason}``" in prompt_sets.__doc__

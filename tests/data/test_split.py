@@ -5,8 +5,8 @@ from __future__ import annotations
 import datasets
 import pytest
 
+from exittrain.data.prompts.prompt_sets import DomainPrompts, LoadStats
 from exittrain.data.regen_cache import FEATURES, save_atomic
-from exittrain.data.sources import DomainPrompts, LoadStats
 from exittrain.data.split import COLUMNS, split_entry, split_rows
 
 # (n_prompt_tokens, n_response_tokens) of each row; prompts 2 and 5 fill max_length=6 alone

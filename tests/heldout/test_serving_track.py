@@ -95,7 +95,8 @@ def test_chain_rows_decode_losslessly_and_share_the_baselines(one_thread, tiny_l
     cache: dict = {}
     rows = chain_rows(target, drafter, prompts, max_new_tokens=12, label="x", ar_cache=cache)
     assert set(cache) == {(0.0, 0), (0.0, 1)}
-    assert all(r["matches_target"] and r["budget"] == 3 for r in rows)
+    assert all(r["budget"] == 3 for r in rows) and rows[0]["matches_target"] and rows[0]["walk_matches_decode"]
+    assert [r["decoded"] for r in rows] == [True, False]  # the first prompt decoded live, the other walked
     assert all(1 <= b <= 4 for r in rows for b in r["block_lengths"])
     assert sum(r["new_tokens"] for r in rows) == sum(len(cache[k].tokens) for k in cache)
     again = chain_rows(target, drafter, prompts, max_new_tokens=12, label="x", ar_cache=cache)
@@ -181,6 +182,7 @@ def test_a_serve_dflash_fit_exports_everything_and_logs_the_curve(one_thread, tm
     for label, table in metrics["tables"].items():
         for row in table:
             assert row["chain_K"] == 3 and 1.0 <= row["chain_tau"] <= 4.0 and row["chain_lossless"], label
+            assert row["chain_walk_exact"] and row["chain_live"] == 1, label  # the walk checked live
             assert "vllm" not in row
     assert (run_dir / "chain_exittrain.json").is_file() and not list(run_dir.glob("eval_*chain*"))
     # the cheap held-out curve: pretrain 6 steps and ExitTrain 4, every 2 steps

@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 from exittrain.core import build_tree
 from exittrain.models import BlockDrafter, DrafterConfig, load_drafter, new_drafter
-from exittrain.models.drafter_init import default_layer_ids
+from exittrain.models.drafter.starting_points import default_layer_ids
 from tests.models.helpers import VOCAB, tiny_target
 
 S = 4  # block size: K = 3 predicted tokens

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from exittrain.models import new_drafter
-from exittrain.models.drafter_layers import ContextKV
+from exittrain.models.drafter.layers import ContextKV
 from tests.models.helpers import VOCAB, tiny_target
 
 S = 4

@@ -26,7 +26,7 @@ from exittrain.core import build_tree
 from exittrain.decoding import SpeculativeDecoder
 from exittrain.models import TargetModel, load_target, new_drafter
 from exittrain.models.dflash_format import export_dflash, load_dflash
-from exittrain.models.drafter_init import default_layer_ids, layer_copy_problem
+from exittrain.models.drafter.starting_points import default_layer_ids, layer_copy_problem
 from exittrain.models.target_loading import resolve_device
 from exittrain.models.target_model import attention_windows
 from tests.models.helpers import path_rows, path_tokens

@@ -175,7 +175,7 @@ def _experiment_json(tmp_path, verdict):
          "vs_control": None, "vs_warm_start": None, **({"tau_oracle": 4.25} if t else {})} for t in (0.0, 1.0)
     ] + [
         {"drafter": "exittrain-soft-flow-l1-fresh", "budget": 16, "temperature": 1.0, "tau": 3.52, "ci95": [3.4, 3.6],
-         "vs_control": {"delta": 0.012, "ci95": [-0.004, 0.031]},
+         "control": "control-soft-fresh", "vs_control": {"delta": 0.012, "ci95": [-0.004, 0.031]},
          "vs_warm_start": {"delta": 0.02, "ci95": [0.01, 0.03]},
          "tau_oracle": 4.25},
     ]
@@ -191,13 +191,22 @@ def test_an_experiment_result_shows_its_verdict_and_paired_table(tmp_path):
         commit="abc1234", host=HOST, date="2026-12-01")
     text = results_markdown.render_page([res], PAGE)
     assert "## Does exit-guided training help?" in text
-    assert "- no ExitTrain setting's paired interval against its matched control excludes 0" in text
+    assert "- none: no ExitTrain setting's paired interval against its matched control excludes 0." in text
+    assert "no correction for the 1 comparisons made" in text  # one seed, one pair: labelled exploratory
     assert "| exittrain-soft-flow-l1-fresh | - | 3.520; +0.012 (-0.004 to +0.031); +0.020 (+0.010 to +0.030) |" in text
     assert "| oracle bound (same budget and law) | - | 4.250 |" in text
-    found = results_page.summarize_experiment_json(
+    # the list is drawn from the rows: lines an older result stored under 'verdict' are not shown
+    stale = results_page.summarize_experiment_json(
         _experiment_json(tmp_path, ["exittrain-x beats control-x"]), name="e", command="c", commit="a", host=HOST,
         date="2026-12-01")
-    assert "- exittrain-x beats control-x" in results_markdown.render_page([found], PAGE)
+    assert "exittrain-x beats control-x" not in results_markdown.render_page([stale], PAGE)
+    data = json.loads(_experiment_json(tmp_path, []).read_text())
+    data["rows"][-1]["vs_control"] = {"delta": 0.03, "ci95": [0.01, 0.05]}
+    write_json(tmp_path / "found.json", data)
+    found = results_page.summarize_experiment_json(tmp_path / "found.json", name="e", command="c", commit="a",
+                                                   host=HOST, date="2026-12-01")
+    assert ("- exittrain-soft-flow-l1-fresh beats control-soft-fresh at B = 16, T = 1: +0.0300 (+0.0100 to +0.0500)"
+            in results_markdown.render_page([found], PAGE))
     # the run's own CPU capability (an emulation changes it), not the summarising machine's; notes kept
     data = json.loads(_experiment_json(tmp_path, []).read_text())
     write_json(tmp_path / "emulated.json", {**data, "host": {**HOST, "cpu_capability": "AVX2"}})
@@ -211,10 +220,47 @@ def test_an_experiment_result_shows_its_verdict_and_paired_table(tmp_path):
     with pytest.raises(ValueError, match="not a bench exittrain output"):
         results_page.summarize_experiment_json(tmp_path / "not_it.json", name="e", command="c", commit="a",
                                                host=HOST, date="2026-12-01")
+    unnamed = copy.deepcopy(found)
+    unnamed["summary"]["rows"][2].pop("control")
+    with pytest.raises(ValueError, match=r"summary rows\[2\]: missing key 'control'"):
+        results_page.check_result(unnamed, "results/e.json")
     broken = copy.deepcopy(res)
     broken["summary"]["rows"][0].pop("vs_control")
     with pytest.raises(ValueError, match=r"summary rows\[0\]: missing key 'vs_control'"):
         results_page.check_result(broken, "results/e.json")
+
+
+def test_an_experiment_with_replicates_shows_each_settings_reading_under_the_sequence(tmp_path):
+    from exittrain.bench.exittrain_report import replicate_verdicts
+
+    data = json.loads(_experiment_json(tmp_path, []).read_text())
+    rows = []
+    for seed, (primary, greedy) in enumerate([(0.04, 0.05), (0.02, 0.06), (0.03, 0.04)]):
+        for T, delta in ((0.6, primary), (0.0, greedy)):
+            rows.append({"drafter": f"exittrain-soft-flow-l1-fresh@seed{seed}",
+                         "control": f"control-soft-fresh@seed{seed}",
+                         "budget": 16, "temperature": T, "tau": 3.0, "ci95": [2.9, 3.1], "vs_warm_start": None,
+                         "vs_control": {"delta": delta, "ci95": [delta - 0.01, delta + 0.01]}})
+    floor = {f"control-soft-fresh/16/{T:g}": {"spread": 0.01} for T in (0.6, 0.0)}
+    data.update(rows=data["rows"] + rows, train_seeds=[0, 1, 2], replicates=replicate_verdicts(rows, floor))
+    write_json(tmp_path / "reps.json", data)
+    res = results_page.summarize_experiment_json(tmp_path / "reps.json", name="e", command="c", commit="a",
+                                                 host=HOST, date="2026-12-01")
+    text = results_markdown.render_page([res], PAGE)
+    # the primary (every seed > 0, mean +0.03 >= 2 x the floor 0.01) is confirmed, so T = 0 is tested
+    assert "| exittrain-soft-flow-l1-fresh | 16 | 0.6 | primary | +0.040 +0.020 +0.030 | +0.0300 | 0.0100 | " \
+           "confirmed | confirmed |" in text
+    assert "| exittrain-soft-flow-l1-fresh | 16 | 0 | secondary 1 | +0.050 +0.060 +0.040 | +0.0500 | 0.0100 | " \
+           "confirmed | confirmed |" in text
+    # the primary one seed weaker: inconclusive, and the secondary's own confirmation is only descriptive
+    rows[2]["vs_control"]["delta"] = -0.001
+    data.update(replicates=replicate_verdicts(rows, floor))
+    write_json(tmp_path / "reps.json", data)
+    res = results_page.summarize_experiment_json(tmp_path / "reps.json", name="e", command="c", commit="a",
+                                                 host=HOST, date="2026-12-01")
+    text = results_markdown.render_page([res], PAGE)
+    assert "| primary | +0.040 -0.001 +0.030 | +0.0230 | 0.0100 | inconclusive | inconclusive |" in text
+    assert "| secondary 1 | +0.050 +0.060 +0.040 | +0.0500 | 0.0100 | confirmed | descriptive |" in text
 
 
 def test_an_experiment_on_the_chain_shows_the_chain_and_vllms_acceptance(tmp_path):
@@ -222,7 +268,7 @@ def test_an_experiment_on_the_chain_shows_the_chain_and_vllms_acceptance(tmp_pat
     data = json.loads(_experiment_json(tmp_path, []).read_text())
     data["rows"].append({"drafter": "exittrain-soft-flow-l1-chain-fresh", "budget": 7, "shape": "chain",
                          "temperature": 0.0, "tau": 2.31, "ci95": [2.2, 2.4], "vs_warm_start": None,
-                         "vs_control": {"delta": 0.05, "ci95": [0.01, 0.09]}})
+                         "control": "control-soft-fresh", "vs_control": {"delta": 0.05, "ci95": [0.01, 0.09]}})
     data["vllm"] = {"prompts": 16, "max_new_tokens": 64, "vllm_version": "0.32.0", "drafters": {
         "exittrain-soft-flow-l1-chain-fresh": {"tau": 2.2, "ci95": [2.0, 2.4], "lossless": True, "K": 7,
                                                "vs_control": {"delta": 0.04, "ci95": [0.0, 0.08]},

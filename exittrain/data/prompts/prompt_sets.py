@@ -1,13 +1,12 @@
-"""Prompt sources per domain: where training and evaluation prompts come from.
+"""Prompt sets: the clean prompts of each source, counted, and each domain's training and evaluation sets.
 
 A prompt source is named by a :class:`PromptSource` (or its spec string: the grammar is in
-:mod:`exittrain.data.source_spec`) and read into a list of clean prompt strings by
+:mod:`exittrain.data.prompts.source_spec`) and read into a list of clean prompt strings by
 :func:`load_prompts`. Every row that is read either becomes a prompt or is counted under a
-rejection reason in :class:`LoadStats`; nothing disappears silently. The readers are in
-:mod:`exittrain.data.source_readers`, the field paths and templates in
-:mod:`exittrain.data.source_fields`, the CodeI/O stubs in :mod:`exittrain.data.codeio`, and each
-domain's default sources in :mod:`exittrain.data.domain_sources`. Import each name from the module
-that defines it.
+rejection reason in :class:`LoadStats`; nothing disappears silently. The readers, the field paths
+and templates, and the CodeI/O stubs are in :mod:`exittrain.data.prompts.source_reading`, and each
+domain's default sources in :mod:`exittrain.data.prompts.domain_sources`. Import each name from the
+module that defines it.
 
 Rejection reasons (:data:`REJECT_REASONS`): ``blank_line`` (whitespace-only line in a JSON Lines
 file), ``non_utf8`` (bytes that are not UTF-8), ``malformed`` (not valid JSON, or a row that is not an
@@ -34,10 +33,9 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from exittrain.data.domain_sources import DOMAIN_SOURCES
-from exittrain.data.source_fields import MissingField, extract
-from exittrain.data.source_readers import source_rows
-from exittrain.data.source_spec import BUILTIN_SOURCES, PromptSource
+from exittrain.data.prompts.domain_sources import DOMAIN_SOURCES
+from exittrain.data.prompts.source_reading import MissingField, extract, source_rows
+from exittrain.data.prompts.source_spec import BUILTIN_SOURCES, PromptSource
 
 __all__ = [
     "DEFAULT_MAX_CHARS",
@@ -325,7 +323,9 @@ def load_prompt_set(
     prompts dropped because an earlier source had the same normalized text)``.
     """
     if not sources:
-        raise ValueError("empty list of prompt sources; give at least one spec (see exittrain.data.sources)")
+        raise ValueError(
+            "empty list of prompt sources; give at least one spec (see exittrain.data.prompts.prompt_sets)"
+        )
     prompts: list[str] = []
     all_stats: list[LoadStats] = []
     seen: set[str] = set()

@@ -1,13 +1,26 @@
-"""Readers of prompt sources: each yields ``(row number, row)``, or a rejection reason in place of
-a row it cannot read.
+"""Reading a prompt source: the rows each kind of source holds, and the prompt text of a row.
 
-Row numbers are 1-based lines for JSON Lines files and 0-based indices otherwise. A reader yields
-the reason strings ``"non_utf8"``, ``"malformed"`` or ``"blank_line"`` for a broken line, so that
-:func:`exittrain.data.sources.load_prompts` counts it; an unreadable file, a missing column or a
-missing package raises instead. :func:`source_rows` picks the reader of a
-:class:`~exittrain.data.source_spec.PromptSource`, answered conversation sources included
+**Rows.** A reader yields ``(row number, row)``, or a rejection reason in place of a row it cannot
+read. Row numbers are 1-based lines for JSON Lines files and 0-based indices otherwise. A reader
+yields the reason strings ``"non_utf8"``, ``"malformed"`` or ``"blank_line"`` for a broken line, so
+that :func:`exittrain.data.prompts.prompt_sets.load_prompts` counts it; an unreadable file, a missing
+column or a missing package raises instead. :func:`source_rows` picks the reader of a
+:class:`~exittrain.data.prompts.source_spec.PromptSource`, answered conversation sources included
 (``chat-json`` reads like ``json``, ``chat-hf`` like ``hf``; their rows are turned into
 conversations by :mod:`exittrain.data.conversations`).
+
+**The prompt text of a row** (:func:`extract`). ``FIELD`` of a prompt source
+(:mod:`exittrain.data.prompts.source_spec`) is a dotted path into a row, where integers index lists
+(``conversations.0.value``), or a template with ``{dotted.path}`` placeholders that builds the prompt
+from several fields (``"[{tag}] {q.turns.0}"``). A missing key raises :class:`MissingField`, a value
+that is not text ``TypeError``, bytes that are not UTF-8 ``UnicodeDecodeError``:
+:func:`~exittrain.data.prompts.prompt_sets.load_prompts` counts each under its own rejection reason.
+
+**CodeI/O stubs** (the ``pkg:codeio_stub`` prompt set). A CodeI/O row (``reasoning_gym``'s
+``codeio.jsonl.gz``) holds a task description, an input/output spec and a code sample defining
+``main_solution``. :func:`codeio_stub` turns it into the layout of a HumanEval prompt: the sample's
+imports, then the signature with the task as its docstring; its reader adds the stub to each row
+(:func:`with_stubs`).
 """
 
 from __future__ import annotations
@@ -16,23 +29,113 @@ import codecs
 import gzip
 import importlib.util
 import json
-from collections.abc import Iterator, Sequence
+import re
+import string
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from exittrain.data.codeio import with_stubs
-from exittrain.data.source_fields import field_roots
-from exittrain.data.source_spec import BUILTIN_SOURCES, CHAT_COLUMNS, PromptSource
+from exittrain.data.prompts.source_spec import BUILTIN_SOURCES, CHAT_COLUMNS, PromptSource
 
 __all__ = [
     "GSM_SYMBOLIC_DEFAULT_SIZE",
+    "MissingField",
+    "as_text",
     "builtin_path",
+    "codeio_stub",
+    "extract",
+    "field_roots",
+    "lookup",
     "read_gsm_symbolic",
     "read_hub",
     "read_json_file",
     "read_parquet",
     "source_rows",
+    "with_stubs",
 ]
+
+# -- the prompt text of a row ---------------------------------------------------------------------
+
+
+class MissingField(Exception):
+    """A row lacks a field the prompt needs."""
+
+
+def lookup(row: Any, path: str) -> Any:
+    value = row
+    for part in path.split("."):
+        if isinstance(value, Mapping) and part in value:
+            value = value[part]
+        elif isinstance(value, list | tuple) and part.lstrip("-").isdigit() and -len(value) <= int(part) < len(value):
+            value = value[int(part)]
+        else:
+            raise MissingField(path)
+    return value
+
+
+def as_text(value: Any) -> str:
+    """A field value as text; raises TypeError (not a string) or UnicodeDecodeError (bad bytes)."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if not isinstance(value, str):
+        raise TypeError(type(value).__name__)
+    return value
+
+
+def extract(row: Mapping[str, Any], fld: str) -> str:
+    """The prompt text of a row: a dotted path, or a template of ``{dotted.path}`` placeholders."""
+    if "{" not in fld:
+        return as_text(lookup(row, fld))
+    pieces = []
+    for literal, name, _spec, _conv in string.Formatter().parse(fld):
+        pieces.append(literal)
+        if name is not None:
+            pieces.append(as_text(lookup(row, name)))
+    return "".join(pieces)
+
+
+def field_roots(fld: str) -> list[str]:
+    """Top-level keys a field path or template reads (for column checks)."""
+    if "{" not in fld:
+        return [fld.split(".")[0]]
+    return [name.split(".")[0] for _, name, _, _ in string.Formatter().parse(fld) if name]
+
+
+# -- CodeI/O stubs ---------------------------------------------------------------------------------
+
+_MAIN_SIGNATURE = re.compile(r"^def main_solution\(.*?\)\s*(?:->\s*[^:\n]+)?:", re.S | re.M)
+_IMPORT_LINE = re.compile(r"^(?:import \S|from \S+ import \S)")
+
+
+def codeio_stub(row: Mapping[str, Any]) -> str:
+    """A CodeI/O task as a function stub: the code sample's top-level imports, then the
+    ``main_solution`` signature with the task description and the input/output spec as its
+    docstring (the layout of a HumanEval prompt). Raises :class:`MissingField` when the row has no
+    ``main_solution`` definition or lacks a field."""
+    code = as_text(lookup(row, "code_sample"))
+    signature = _MAIN_SIGNATURE.search(code)
+    if signature is None:
+        raise MissingField("code_sample: def main_solution(...)")
+    imports = [line for line in code[: signature.start()].splitlines() if _IMPORT_LINE.match(line)]
+    description, spec = (as_text(lookup(row, key)).strip() for key in ("task_description", "input_output_spec"))
+    doc = f"{description}\n\n{spec}"
+    body = "\n".join(("    " + line) if line.strip() else "" for line in doc.splitlines())
+    head = "\n".join(imports) + "\n\n\n" if imports else ""
+    return f'{head}{signature.group(0)}\n    """ {body.lstrip()}\n    """\n'
+
+
+def with_stubs(rows: Iterator[tuple[int, Any]]) -> Iterator[tuple[int, Any]]:
+    """CodeI/O rows with their :func:`codeio_stub` under ``stub`` (rows without one lack the field)."""
+    for row_no, row in rows:
+        if isinstance(row, Mapping):
+            try:
+                row = {**row, "stub": codeio_stub(row)}
+            except (MissingField, TypeError, UnicodeDecodeError):
+                pass  # no "stub": load_prompts counts the row as missing_field
+        yield row_no, row
+
+
+# -- rows -----------------------------------------------------------------------------------------
 
 GSM_SYMBOLIC_DEFAULT_SIZE = 1000
 """Problems ``pkg:gsm_symbolic`` generates when its spec gives no ``limit``."""
@@ -158,7 +261,7 @@ def read_gsm_symbolic(size: int, seed: int) -> Iterator[tuple[int, Any]]:
 
 def source_rows(src: PromptSource) -> tuple[Iterator[tuple[int, Any]], str | None]:
     """The row iterator of a source and the field that gives its prompt (of an answered source: the
-    column of its conversations, None for :data:`~exittrain.data.source_spec.CHAT_COLUMNS`)."""
+    column of its conversations, None for :data:`~exittrain.data.prompts.source_spec.CHAT_COLUMNS`)."""
     if src.kind in ("hf", "chat-hf"):
         return read_hub(src), src.field
     if src.kind == "parquet":

@@ -1,7 +1,7 @@
 """Which training prompts a run uses: a seeded sample, another seed's tasks left out, the validation split.
 
 Prompts that pose the same task (the description and the stub of one CodeI/O row) share a task
-key (:meth:`exittrain.data.sources.DomainPrompts.train_tasks`); the functions here keep such
+key (:meth:`exittrain.data.prompts.prompt_sets.DomainPrompts.train_tasks`); the functions here keep such
 prompts together, so that no held-out or "never seen" prompt has a twin on the other side.
 """
 

@@ -1,6 +1,6 @@
 """The block drafter's layers: Qwen3-style decoder layers whose block queries attend to
 ``[context; block]`` keys and values (the DFlash layer; module docstring of
-:mod:`exittrain.models.drafter`).
+:mod:`exittrain.models.drafter.block_drafter`).
 
 Shape legend: B batch rows, Q block rows of one call, C context positions, D drafter width,
 Hq query heads, Hkv key/value heads, hd head size.
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from exittrain.models.drafter_config import DrafterConfig
+from exittrain.models.drafter.configuration import DrafterConfig
 
 __all__ = ["ContextKV", "DrafterAttention", "DrafterLayer", "DrafterMLP", "DrafterRMSNorm", "rotary"]
 

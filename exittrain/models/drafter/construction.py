@@ -11,9 +11,14 @@ import torch
 from huggingface_hub import snapshot_download
 
 from exittrain.models.dflash_format import is_dflash_folder, load_dflash
-from exittrain.models.drafter import BlockDrafter
-from exittrain.models.drafter_config import DrafterConfig
-from exittrain.models.drafter_init import default_heads, default_layer_ids, layer_copy_problem, target_layer_shape
+from exittrain.models.drafter.block_drafter import BlockDrafter
+from exittrain.models.drafter.configuration import DrafterConfig
+from exittrain.models.drafter.starting_points import (
+    default_heads,
+    default_layer_ids,
+    layer_copy_problem,
+    target_layer_shape,
+)
 from exittrain.models.target_loading import as_dtype
 
 # the drafter's own logger name: its messages read as the drafter's, whichever file holds the code
@@ -47,13 +52,13 @@ def new_drafter(
     """A fresh drafter for ``target`` (attached), on ``device`` (default: the target's device).
 
     ``hidden_size`` defaults to the target's (then no input/output projections); ``layer_ids``
-    to :func:`~exittrain.models.drafter_init.default_layer_ids`; ``num_heads`` to hidden_size / 64
+    to :func:`~exittrain.models.drafter.starting_points.default_layer_ids`; ``num_heads`` to hidden_size / 64
     (or the largest even head size that divides it), ``num_key_value_heads`` to ``num_heads``,
     ``head_dim`` to hidden_size / num_heads; ``rope_theta`` to 10000. ``init_from_layers`` (one
     target layer id per drafter layer) starts the drafter layers as copies of those target layers
-    (:func:`~exittrain.models.drafter_init.copy_target_layers`); the layer shape and rope theta
+    (:func:`~exittrain.models.drafter.starting_points.copy_target_layers`); the layer shape and rope theta
     then default to the target's. ``"auto"`` copies the target's last layer into every drafter
-    layer when :func:`~exittrain.models.drafter_init.layer_copy_problem` finds none and the shape
+    layer when :func:`~exittrain.models.drafter.starting_points.layer_copy_problem` finds none and the shape
     settings left to the target allow it, and otherwise starts at random, logging why.
     ``learned_mask=False`` (needs ``mask_token_id``) uses the target embedding of that token as
     the mask rows, as a DFlash drafter does. ``copy_ngrams`` (e.g. [3, 2]; None or [] = off) and

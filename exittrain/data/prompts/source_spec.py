@@ -30,9 +30,9 @@ is read, else its ``conversations``. A turn is OpenAI's ``{"role": "system"|"use
 ``seed`` sample conversations as they sample prompts.
 
 ``FIELD`` is a dotted path into a row (integers index lists: ``conversations.0.value``), or a
-template with ``{dotted.path}`` placeholders that builds the prompt from several fields
-(:mod:`exittrain.data.source_fields`). Spec strings split on ``:``; a template that contains ``:``
-must be given as a ``PromptSource``. The readers are in :mod:`exittrain.data.source_readers`.
+template with ``{dotted.path}`` placeholders that builds the prompt from several fields. Spec
+strings split on ``:``; a template that contains ``:`` must be given as a ``PromptSource``. The
+readers and the field extraction are in :mod:`exittrain.data.prompts.source_reading`.
 """
 
 from __future__ import annotations

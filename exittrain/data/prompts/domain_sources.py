@@ -4,7 +4,7 @@
 Python values: the data layer reads no Hydra config. The data configs (``conf/data/*.yaml``) list
 the same sources as ``train_sources`` and ``eval_sources``, which is what a run trains and evaluates
 on; ``tests/data/test_domain_sources.py`` checks that each config and this table agree, so a change to
-one that forgets the other fails there. Specs follow :mod:`exittrain.data.source_spec`.
+one that forgets the other fails there. Specs follow :mod:`exittrain.data.prompts.source_spec`.
 """
 
 from __future__ import annotations

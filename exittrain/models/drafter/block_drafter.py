@@ -23,7 +23,7 @@ layer-id convention of :mod:`exittrain.models.target_model`, which is DFlash's):
    layer's input norm, and never updates them. Grouped-query heads; no causal mask in the block.
 4. ``norm``, ``output_proj`` (D -> H) when D != H, then the frozen target LM head on block rows
    1..K gives the logits of ``q_1..q_K``.
-5. The n-gram copy branch (``copy_ngrams``; :mod:`exittrain.models.drafter_copy`).
+5. The n-gram copy branch (``copy_ngrams``; :mod:`exittrain.models.drafter.copy_branch`).
 
 **Context window.** ``context_window`` W (config default, overridable per call; None = the whole
 prefix) limits the context to the last W positions before the root; training and decoding read
@@ -39,13 +39,13 @@ the same config.
 - :meth:`~BlockDrafter.forward`: one block per root from right-aligned context features.
 - :meth:`~BlockDrafter.forward_anchors`: training, many anchors per sequence in one pass.
 
-All three run the same layer code (:mod:`exittrain.models.drafter_layers`).
+All three run the same layer code (:mod:`exittrain.models.drafter.layers`).
 
 **Sharing the target.** :meth:`BlockDrafter.attach_target` stores the target's embedding and LM
 head in a plain dict, outside the module tree: they are not in ``parameters()``,
 ``state_dict()`` or the saved safetensors. The config records the target (name, vocabulary,
 hidden size, depth, layer ids); loading against another target raises a ``ValueError`` naming
-both targets and the field that differs. :func:`~exittrain.models.drafter_build.load_drafter`
+both targets and the field that differs. :func:`~exittrain.models.drafter.construction.load_drafter`
 also reads DFlash folders (:mod:`exittrain.models.dflash_format`).
 """
 
@@ -60,11 +60,11 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as hf_init
 
-from exittrain.models.drafter_config import DrafterConfig, check_pairing
-from exittrain.models.drafter_copy import copy_logits, copy_terms, init_copy_gate
-from exittrain.models.drafter_init import copy_target_layers
-from exittrain.models.drafter_io import check_saved_files
-from exittrain.models.drafter_layers import ContextKV, DrafterLayer, DrafterRMSNorm
+from exittrain.models.drafter.configuration import DrafterConfig, check_pairing
+from exittrain.models.drafter.copy_branch import copy_logits, copy_terms, init_copy_gate
+from exittrain.models.drafter.layers import ContextKV, DrafterLayer, DrafterRMSNorm
+from exittrain.models.drafter.saved_files import check_saved_files
+from exittrain.models.drafter.starting_points import copy_target_layers
 from exittrain.models.head_product import head_product, is_plain_head
 from exittrain.models.vocab_head import vocab_logits, vocab_logits_reference
 
@@ -144,7 +144,8 @@ class BlockDrafter(PreTrainedModel):
                 self.mask_embedding.zero_()
 
     def init_from_target_layers(self, target, source_layers: Sequence[int]) -> None:
-        """Start the layers as copies of target layers: :func:`exittrain.models.drafter_init.copy_target_layers`."""
+        """Start the layers as copies of target layers
+        (:func:`exittrain.models.drafter.starting_points.copy_target_layers`)."""
         copy_target_layers(self, target, source_layers)
 
     # -- pieces -----------------------------------------------------------------------------------
@@ -193,7 +194,7 @@ class BlockDrafter(PreTrainedModel):
         self, hidden_NKH: torch.Tensor, ids_LT: torch.Tensor, anchors_LA: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The copy branch's ``(copy_ids (N, K), gate_logits (N, K))`` for the anchors ``anchors_LA``
-        of ``ids_LT`` (:func:`exittrain.models.drafter_copy.copy_terms`); None without the branch.
+        of ``ids_LT`` (:func:`exittrain.models.drafter.copy_branch.copy_terms`); None without the branch.
         Call it inside a forward (its gate is a drafter parameter, gathered there under FSDP)."""
         if self.copy_gate is None:
             return None
@@ -422,7 +423,7 @@ class BlockDrafter(PreTrainedModel):
         Weights are read from safetensors only: a folder holding only a pickled checkpoint raises
         ValueError instead of being unpickled. In a local folder, a bad ``config.json`` or weights
         file, or weights in the layout before the DFlash one, raise ValueError naming the file
-        (:func:`exittrain.models.drafter_io.check_saved_files`) before Hugging Face reads either.
+        (:func:`exittrain.models.drafter.saved_files.check_saved_files`) before Hugging Face reads either.
         """
         folder = Path(pretrained_model_name_or_path) / kwargs.get("subfolder", "")
         config = kwargs.pop("config", None)

@@ -1,7 +1,7 @@
 """The block drafter's configuration (:class:`DrafterConfig`) and its pairing with a target.
 
 The drafter's function and parameter names are those of a DFlash draft model (see
-:mod:`exittrain.models.drafter`); the fields below name what it reads from the target, the Qwen3
+:mod:`exittrain.models.drafter.block_drafter`); the fields below name what it reads from the target, the Qwen3
 layer shape, and exittrain's own extensions. :meth:`DrafterConfig.dflash_problems` lists the
 extensions a DFlash checkpoint cannot hold, so the export (:mod:`exittrain.models.dflash_format`)
 can refuse or drop them by name.
@@ -17,7 +17,7 @@ __all__ = ["DrafterConfig", "check_pairing"]
 
 
 class DrafterConfig(PreTrainedConfig):
-    """Configuration of a :class:`~exittrain.models.drafter.BlockDrafter`; records its target.
+    """Configuration of a :class:`~exittrain.models.drafter.block_drafter.BlockDrafter`; records its target.
 
     Target: ``target_*`` (empty/0 only in the default instance Hugging Face builds internally),
     ``target_layer_ids`` in our convention (:mod:`exittrain.models.target_model`: id l = output of

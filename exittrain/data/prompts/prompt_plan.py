@@ -10,17 +10,17 @@ command that only prepares the data can call it with the DataModule's own argume
     plan.regenerate(provider)      # fill it unless it is there (regenerate.regenerate)
 
 The training prompts (:func:`choose_train_prompts`): the domain's sources, cleaned, without any
-prompt equal to an evaluation prompt (:func:`exittrain.data.sources.load_domain`); then, with
+prompt equal to an evaluation prompt (:func:`exittrain.data.prompts.prompt_sets.load_domain`); then, with
 ``exclude_seed``, without every task of the ``max_train_prompts`` sample that seed draws
-(:func:`~exittrain.data.prompt_selection.unseen_tasks`); then a ``max_train_prompts`` sample under
-``seed`` (:func:`~exittrain.data.prompt_selection.seeded_sample`).
+(:func:`~exittrain.data.prompts.selection.unseen_tasks`); then a ``max_train_prompts`` sample under
+``seed`` (:func:`~exittrain.data.prompts.selection.seeded_sample`).
 
 The cache key hashes the target name, the prompt-set description (:func:`prompt_set_description`),
 the training prompts and the generation settings (:func:`exittrain.data.regen_cache.cache_key`):
 spelling any of them differently orphans every cache entry written before.
 
 **Answered conversations.** When every training source is one of answered conversations
-(``chat-json:`` / ``chat-hf:``, :mod:`exittrain.data.source_spec`), nothing is generated: the plan
+(``chat-json:`` / ``chat-hf:``, :mod:`exittrain.data.prompts.source_spec`), nothing is generated: the plan
 reads the conversations (:func:`exittrain.data.conversations.load_conversation_set`), drops every
 conversation with a user turn equal to an evaluation prompt (normalized text), samples them like
 prompts (``exclude_seed``, ``max_train_prompts``, ``seed``: :func:`choose_train_indices`), and
@@ -45,13 +45,19 @@ from typing import Any
 from exittrain.data.answerers import resolve_backend
 from exittrain.data.brought import brought_cache_key, brought_cache_path, write_brought_entry
 from exittrain.data.conversations import Conversation, load_conversation_set
-from exittrain.data.domain_sources import DOMAIN_SOURCES
 from exittrain.data.generation import GenerationConfig, chat_prompt_ids
-from exittrain.data.prompt_selection import seeded_sample
+from exittrain.data.prompts.domain_sources import DOMAIN_SOURCES
+from exittrain.data.prompts.prompt_sets import (
+    DEFAULT_MAX_CHARS,
+    DomainPrompts,
+    load_domain,
+    load_prompt_set,
+    normalize_prompt,
+)
+from exittrain.data.prompts.selection import seeded_sample
+from exittrain.data.prompts.source_spec import PromptSource
 from exittrain.data.regen_cache import cache_key, cache_path
 from exittrain.data.regenerate import TargetProvider, regenerate
-from exittrain.data.source_spec import PromptSource
-from exittrain.data.sources import DEFAULT_MAX_CHARS, DomainPrompts, load_domain, load_prompt_set, normalize_prompt
 from exittrain.models.target_loading import EMBEDDED_TARGET_NAME
 
 __all__ = [
@@ -120,7 +126,7 @@ def choose_train_indices(
     dp: DomainPrompts, *, max_train_prompts: int | None, seed: int, exclude_seed: int | None = None
 ) -> list[int]:
     """The positions in ``dp.train`` of the training prompts a run uses: without the tasks of
-    ``exclude_seed``'s sample (when set; :func:`~exittrain.data.prompt_selection.unseen_tasks` by
+    ``exclude_seed``'s sample (when set; :func:`~exittrain.data.prompts.selection.unseen_tasks` by
     position), then a sample of at most ``max_train_prompts`` under ``seed``; ascending."""
     check_sample_settings(max_train_prompts, seed, exclude_seed)
     keep = list(range(len(dp.train)))
@@ -182,7 +188,8 @@ class PromptPlan:
 
     Args:
         domain: ``"dialogue"``, ``"code"`` or ``"math"`` (default sources in
-            :data:`exittrain.data.domain_sources.DOMAIN_SOURCES`); only a label when both source lists are given.
+            :data:`exittrain.data.prompts.domain_sources.DOMAIN_SOURCES`); only a label when both source
+            lists are given.
         train_sources, eval_sources: prompt source specs overriding the domain defaults.
         target_name: the target's hub id or path, or None for the embedded SmolLM2 target
             (:data:`~exittrain.models.target_loading.EMBEDDED_TARGET_NAME`); it keys the cache.

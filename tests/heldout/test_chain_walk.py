@@ -1,0 +1,168 @@
+"""The walked chain rounds against the real chain decode (their slow reference twin): equal block
+lengths, prompt for prompt, on tiny targets with drafters that accept (with and without the copy
+branch), and on the embedded SmolLM2 target with the code recipe's drafter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exittrain.decoding import autoregressive_generate
+from exittrain.decoding.chain_decoder import ChainDecoder, decode_after_prefill
+from exittrain.heldout.chain_walk import walked_chain_rounds
+from exittrain.heldout.serving_track import chain_rows, summarize_chain
+
+VOCAB = 16  # small, so the target's greedy answers repeat and a briefly trained drafter accepts often
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def target():
+    """A tiny fp32 Llama whose EOS (id 1) ends some greedy answers early."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from exittrain.models import TargetModel
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         initializer_range=0.2, eos_token_id=1, attn_implementation="sdpa")
+    return TargetModel(LlamaForCausalLM(config), None, name="tiny-llama-v16")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(2, VOCAB, (6 + i % 5,), generator=g).tolist() for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def answers(target, prompts):
+    torch.set_num_threads(1)
+    return [autoregressive_generate(target, p, NEW_TOKENS).tokens for p in prompts]
+
+
+def _trained_drafter(target, prompts, answers, copy_ngrams, steps: int = 80):
+    """A drafter fitted on the target's own answers, so rounds accept up to the whole chain."""
+    from exittrain.core import block_cross_entropy
+    from exittrain.models import new_drafter
+
+    drafter = new_drafter(target, block_size=5, num_layers=1, seed=0, copy_ngrams=copy_ngrams)
+    K = drafter.config.num_draft_tokens
+    seqs = [p + y for p, y in zip(prompts, answers, strict=True)]
+    T = max(map(len, seqs)) + K
+    ids = torch.tensor([s + [1] * (T - len(s)) for s in seqs])
+    features = target.sequence_features(ids, drafter.config.target_layer_ids).float()
+    anchors = torch.stack([torch.arange(len(p) - 1, len(p) + NEW_TOKENS - 3) for p in prompts])
+    labels = torch.stack([ids.gather(1, anchors + k) for k in range(1, K + 1)], -1).reshape(-1, K)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    for _ in range(steps):
+        loss = block_cross_entropy(drafter.forward_anchors(features, ids, anchors), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval()
+
+
+@pytest.fixture(scope="module", params=[[], [3, 2]], ids=["plain", "copy_branch"])
+def drafter(request, target, prompts, answers):
+    torch.set_num_threads(1)
+    return _trained_drafter(target, prompts, answers, request.param)
+
+
+def test_the_walk_gives_the_decoded_rounds_exactly(one_thread, target, drafter, prompts, answers):
+    decoder = ChainDecoder(target, drafter, verifier="greedy")
+    eos = set(target.eos_token_ids)
+    past_the_stop = accepted = 0
+    for prompt, answer in zip(prompts, answers, strict=True):
+        tokens, rounds = decode_after_prefill(decoder, prompt, answer[0], NEW_TOKENS, target.eos_token_ids)
+        decoded = [r.block_length for r in rounds]
+        assert tokens == answer  # the walk's premise: the decode outputs the target's greedy answer
+        assert walked_chain_rounds(target, drafter, prompt, answer, max_new_tokens=NEW_TOKENS) == decoded
+        # negative control: the walk one position late (rounds rooted from y[1]) differs
+        late = walked_chain_rounds(target, drafter, prompt + answer[:1], answer[1:], max_new_tokens=NEW_TOKENS - 1)
+        assert late != decoded
+        past_the_stop += sum(decoded) > len(answer) - 1  # the last round accepted past y's end: scored by the target
+        accepted += sum(r.accept_length for r in rounds)
+    # the data covers what the walk must get right: long acceptances, answers cut by EOS and by
+    # the token limit, and a last round whose acceptance y alone cannot tell
+    assert accepted >= 30 and past_the_stop >= 1
+    assert any(a[-1] in eos for a in answers) and any(len(a) == NEW_TOKENS for a in answers)
+
+
+def test_accept_lengths_depth_by_depth_equal_the_whole_chains(one_thread, target, drafter, prompts, answers):
+    """chain_accept_lengths (the head only where the chain still matches) against its twin: every
+    anchor's whole greedy chain (drafter_trees, as the expected chain tau drafts it) followed along y."""
+    from exittrain.core import followed_depth
+    from exittrain.heldout.chain_walk import chain_accept_lengths
+    from exittrain.heldout.measures import drafter_trees
+
+    K = drafter.config.num_draft_tokens
+    layers = list(drafter.config.target_layer_ids)
+    seen = torch.zeros(K + 1, dtype=torch.long)
+    for prompt, answer in zip(prompts, answers, strict=True):
+        ids_T = torch.tensor(prompt + answer)
+        features_TF = target.sequence_features(ids_T[None], layers)[0].float()
+        anchors_P = torch.arange(len(prompt), len(ids_T))
+        labels_PK = torch.cat([ids_T, ids_T.new_full((K,), -1)]).unfold(0, K, 1)[anchors_P + 1]
+        fast = chain_accept_lengths(drafter, features_TF[None], ids_T[None], anchors_P, labels_PK)
+        trees = drafter_trees(drafter, target, ids_T, anchors_P, K, features_TF, shape="chain")
+        assert torch.equal(fast, followed_depth(trees, labels_PK))
+        seen += torch.bincount(fast, minlength=K + 1)
+    assert (seen > 0).sum() >= 4  # the comparison saw short and long acceptances
+
+
+def test_the_walk_stops_where_the_decoder_does(target, drafter, prompts, answers):
+    prompt, answer = prompts[1], answers[1]
+    assert walked_chain_rounds(target, drafter, prompt, answer, max_new_tokens=1) == []
+    assert walked_chain_rounds(target, drafter, prompt, [1] + answer[1:], max_new_tokens=NEW_TOKENS) == []  # EOS first
+    assert walked_chain_rounds(target, drafter, prompt, [], max_new_tokens=NEW_TOKENS) == []
+    with pytest.raises(ValueError, match="max_new_tokens=24: pass the target's whole greedy answer"):
+        walked_chain_rounds(target, drafter, prompt, [t for t in answer if t != 1][:5], max_new_tokens=NEW_TOKENS)
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
+        walked_chain_rounds(target, drafter, prompt, answer, max_new_tokens=0)
+
+
+def test_chain_rows_walk_all_but_the_live_prompt(one_thread, target, drafter, prompts):
+    cache: dict = {}
+    reference = chain_rows(target, drafter, prompts, max_new_tokens=NEW_TOKENS, ar_cache=cache, live=None)
+    walked = chain_rows(target, drafter, prompts, max_new_tokens=NEW_TOKENS, ar_cache=cache)
+    assert [r["block_lengths"] for r in walked] == [r["block_lengths"] for r in reference]
+    assert [r["new_tokens"] for r in walked] == [r["new_tokens"] for r in reference]
+    assert [r["decoded"] for r in walked] == [True] + [False] * (len(prompts) - 1)
+    assert walked[0]["walk_matches_decode"] and walked[0]["matches_target"]
+    summary, reference_summary = summarize_chain(walked), summarize_chain(reference)
+    assert summary["chain_tau"] == reference_summary["chain_tau"] and summary["chain_tau"] > 1.5
+    assert summary["chain_lossless"] and summary["chain_walk_exact"] and summary["chain_live"] == 1
+    assert reference_summary["chain_live"] == len(prompts) and "chain_walk_exact" not in reference_summary
+    with pytest.raises(ValueError, match="live=-1"):
+        chain_rows(target, drafter, prompts, max_new_tokens=NEW_TOKENS, ar_cache=cache, live=-1)
+
+
+def test_a_walk_that_disagrees_with_the_live_decode_is_flagged(one_thread, target, drafter, prompts, monkeypatch,
+                                                              caplog):
+    import exittrain.heldout.chain_walk as chain_walk
+
+    cache: dict = {}
+    monkeypatch.setattr(chain_walk, "walked_chain_rounds", lambda *a, **k: [1])
+    rows = chain_rows(target, drafter, prompts[:2], max_new_tokens=NEW_TOKENS, ar_cache=cache, label="x")
+    assert rows[0]["walk_matches_decode"] is False and summarize_chain(rows)["chain_walk_exact"] is False
+    assert "differ from the decoded" in caplog.text
+
+
+@pytest.mark.real_model
+@pytest.mark.slow  # about 25 s on a 2-core host: two decodes of 32 tokens and their autoregressive baselines
+def test_the_walk_on_the_embedded_target_with_the_code_recipes_drafter(one_thread):
+    """SmolLM2-135M and a drafter of conf/drafter/block.yaml's shape (K = 7, the copy branch, the
+    target's last layer as its start; random otherwise, yet it accepts whole chains where the
+    copy branch finds the text): the walk equals the decode on real code prompts."""
+    from exittrain.data import chat_prompt_ids, load_domain
+    from exittrain.models import load_target, new_drafter
+
+    target = load_target(None)
+    drafter = new_drafter(target, block_size=8, num_layers=2, init_from_layers="auto", copy_ngrams=[3, 2],
+                          copy_gate_init=0.7, seed=0)
+    prompts = [chat_prompt_ids(target.tokenizer, t) for t in load_domain("code").eval[:2]]
+    rows = chain_rows(target, drafter, prompts, max_new_tokens=32, live=len(prompts))
+    assert all(r["walk_matches_decode"] and r["matches_target"] for r in rows)
+    assert sum(len(r["block_lengths"]) for r in rows) < sum(r["new_tokens"] - 1 for r in rows)  # some drafts accepted
