@@ -6,28 +6,12 @@ import pytest
 
 from exittrain.cpu_decode.round_policy import RoundPolicyDecoder, steps_due
 from exittrain.decoding import RoundStats, SpeculativeDecoder
-from exittrain.models import new_drafter
+from tests.decoding import test_speculative as plain_decoder_tests
 from tests.decoding.test_speculative import PROMPT, REPEATING, hf_greedy
 from tests.decoding.test_speculative import test_sampling_law_over_three_tokens as sampling_law_over_three_tokens
-from tests.models.helpers import tiny_target
 
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target("llama", seed=3)
-
-
-@pytest.fixture(scope="module", params=[None, [2, 1]], ids=["plain", "copy"])
-def drafter(target, request):
-    return new_drafter(target, block_size=4, num_layers=1, hidden_size=32, seed=0, copy_ngrams=request.param)
-
-
-@pytest.fixture
-def no_eos(target, monkeypatch):
-    """Decode the full length (random tiny models emit EOS early); the module's target gets its
-    stop ids back after the test, whether it passes or fails."""
-    monkeypatch.setattr(target, "eos_token_ids", [])
-    return target
+# the plain decoder's fixtures: the tiny target, its drafters (plain and with the copy branch), no EOS
+target, drafter, no_eos = plain_decoder_tests.target, plain_decoder_tests.drafter, plain_decoder_tests.no_eos
 
 
 @pytest.mark.parametrize("verifier", ["tev", "greedy"])
