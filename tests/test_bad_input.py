@@ -395,7 +395,7 @@ def test_stage_eval_every_sets_the_decode_check_and_the_checkpoint_interval(tmp_
     decode = next(c for c in callbacks if isinstance(c, DecodeEvalCallback))
     ckpt = next(c for c in callbacks if isinstance(c, ModelCheckpoint))
     assert decode.every_n_steps == expect and ckpt._every_n_train_steps == expect
-    assert settings.module_overrides(cfg, "exittrain") == {"lr": 3.0e-4, "anchors_per_seq": 8}  # not eval_every
+    assert settings.module_overrides(cfg, "exittrain") == {"lr": 1.0e-4, "anchors_per_seq": 8}  # not eval_every
 
 
 def test_bad_drafter_settings_fail_before_the_regeneration(tmp_path, target):

@@ -330,7 +330,7 @@ def compare(measured: dict, warm_name: str) -> list[dict]:
     paired against the warm start and the matched control at the same key. The oracle (and the
     efficiency) is DDTree's bound: ddtree rows only.
     """
-    from exittrain.heldout.decode_eval import bootstrap_ci
+    from exittrain.core import bootstrap_ci
     from exittrain.heldout.measures import paired_difference
 
     per_row, oracle = measured["per_row"], measured["oracle"]

@@ -10,7 +10,7 @@ target's tree scoring handle it like any other tree. On a chain the exit law's b
 (docs/algorithm.md section 4.6).
 
 :func:`greedy_walk` reads the rounds of a T = 0 decode off the acceptance of every answer
-position: the chain track's decoded tau without the decode (:mod:`exittrain.heldout.chain_walk`).
+position: a decoded tau without the decode (:mod:`exittrain.heldout.round_walk`).
 
 :func:`chain_tree_reference` is the slow twin: the same chain through :func:`build_tree`, which on
 one-hot drafter distributions (log-probability 0 at the argmax, -inf elsewhere) keeps B of the K

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["resampled_ratios", "resampled_ratios_reference"]
+__all__ = ["bootstrap_ci", "resampled_ratios", "resampled_ratios_reference"]
 
 
 def _picks(units: int, draws: int, seed: int) -> torch.Tensor:
@@ -49,3 +49,11 @@ def resampled_ratios_reference(numerator: Sequence[float], denominator: Sequence
         den = sum(float(denominator[p]) for p in picks)
         out.append(num / den if den else 0.0)
     return torch.tensor(out, dtype=torch.float64)
+
+
+def bootstrap_ci(per_prompt: Sequence[Sequence[float]], resamples: int = 1000, seed: int = 0) -> tuple[float, float]:
+    """95% interval of the pooled mean of ``per_prompt``'s values (for tau, each prompt's block
+    lengths: the per-round mean over all prompts), resampling the prompts with replacement."""
+    stats = sorted(resampled_ratios([sum(p) for p in per_prompt], [len(p) for p in per_prompt], draws=resamples,
+                                    seed=seed).tolist())
+    return stats[int(0.025 * resamples)], stats[min(resamples - 1, int(0.975 * resamples))]

@@ -28,12 +28,13 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from exittrain import progress as progress_log
-from exittrain.core import resampled_ratios
+from exittrain.core import bootstrap_ci
 from exittrain.decoding import SpeculativeDecoder, autoregressive_generate, oracle_generate
 from exittrain.decoding.chain_decoder import ChainDecoder
+from exittrain.heldout.round_walk import walked_rounds
 
 __all__ = [
-    "decode_check", "evaluate_prompts", "summarize", "format_table", "auto_reasons", "bootstrap_ci", "optional_cell",
+    "decode_check", "evaluate_prompts", "summarize", "format_table", "auto_reasons", "optional_cell",
 ]
 
 log = logging.getLogger("exittrain")
@@ -71,6 +72,7 @@ def evaluate_prompts(
     ar_cache: dict | None = None,
     auto=None,
     speed: bool = True,
+    live: int | None = None,
 ) -> list[dict]:
     """One row per (prompt, budget, temperature): tau, rounds, speed, stage times, block lengths.
 
@@ -88,6 +90,13 @@ def evaluate_prompts(
     ``speed``: whether the rows carry tokens/s and speedup (with ``auto``, always). Where a plain
     decode's speed says nothing a user can act on (a CPU target: the plain decoder is not the
     fast one) the evaluator leaves them out.
+
+    ``live``: None decodes every row. An integer (without ``speed``, which times real decodes)
+    walks the T = 0 rows' rounds along the target's greedy answer instead
+    (:func:`~exittrain.heldout.round_walk.walked_rounds`: one target pass a prompt, no decode) and
+    decodes only the first ``live`` prompts for real, each checked against its walk
+    (``walk_matches_decode``, logged as an error where not). Walked rows have ``decoded`` False and
+    carry the quality keys and ``new_tokens`` only; the other rows have ``decoded`` True.
 
     Row keys, both modes:
     - quality, the decode at ``budget``: ``tau``, ``rounds``, ``block_lengths``;
@@ -108,6 +117,11 @@ def evaluate_prompts(
     for b in budgets:
         if not isinstance(b, int) or b < 1:
             raise ValueError(f"budgets must be integers >= 1 (tree nodes), got {list(budgets)}")
+    if live is not None and (not isinstance(live, int) or isinstance(live, bool) or live < 0):
+        raise ValueError(f"live={live!r}: the prompts decoded for real must be an integer >= 0, or None for all")
+    if live is not None and (speed or auto is not None):
+        raise ValueError("live walks rounds instead of decoding them, and the speed columns time real decodes: "
+                         "pass live=None with speed or auto")
     if auto is not None:  # eval.decode=auto: the speed columns decode at the probe's choice
         auto = auto(drafter, prompts, max(budgets), max_new_tokens)
         log.info("eval %s: %s", label or "-", auto.auto_choice.reason)
@@ -123,48 +137,60 @@ def evaluate_prompts(
     for done, (budget, temperature, i) in enumerate(bar, 1):
         prompt = list(prompts[i])
         run_seed = seed + i
-        result = SpeculativeDecoder(target, drafter, budget=budget, verifier=verifier).generate(
-            prompt, max_new_tokens, temperature=temperature, seed=run_seed
-        )
-        row = {
-            "label": label,
-            "prompt_index": i,
-            "budget": budget,
-            "temperature": temperature,
-            "verifier": verifier,
-            "decode": "fixed" if auto is None else "auto",
-            "rounds": len(result.rounds),
-            "tau": result.mean_block_length,
-            "block_lengths": [r.block_length for r in result.rounds],
-            **_speed_keys(result, speed=speed),
-        }
-        decoded = [result]
-        if auto is not None:
-            if (temperature, i) not in auto_results:  # the auto decode does not depend on the row's budget
-                auto_results[temperature, i] = auto.generate(prompt, max_new_tokens, temperature=temperature,
-                                                             seed=run_seed)
-            fast = auto_results[temperature, i]
-            decoded.append(fast)
-            choice = auto.auto_choice
-            row.update({f"fixed_{k}": v for k, v in _speed_keys(result).items() if not k.startswith("time_")})
-            row.update(_speed_keys(fast))
-            row.update(auto_setting=choice.setting.label, auto_budget=choice.setting.budget,
-                       auto_draft_vocab=choice.setting.draft_vocab, auto_copy_tail=choice.setting.copy_tail,
-                       auto_copy_lead=choice.setting.copy_lead, auto_miss_steps=choice.setting.miss_steps,
-                       auto_tau=fast.mean_block_length, auto_block_lengths=[r.block_length for r in fast.rounds],
-                       auto_expected_speedup=choice.chosen.speedup, auto_reason=choice.reason)
-        if baseline:
-            key = (temperature, i)
-            if key not in ar_cache:  # the baseline does not depend on the budget
-                ar_cache[key] = autoregressive_generate(target, prompt, max_new_tokens, temperature, seed=run_seed)
-            ar = ar_cache[key]
-            if speed:
-                row["ar_tokens_per_s"] = ar.tokens_per_second
-                row["speedup"] = row["tokens_per_s"] / ar.tokens_per_second if ar.tokens_per_second else 0.0
+        row = {"label": label, "prompt_index": i, "budget": budget, "temperature": temperature, "verifier": verifier,
+               "decode": "fixed" if auto is None else "auto"}
+        walked = None
+        if live is not None and temperature == 0:
+            if (temperature, i) not in ar_cache:
+                ar_cache[temperature, i] = autoregressive_generate(target, prompt, max_new_tokens, temperature,
+                                                                   seed=run_seed)
+            answer = ar_cache[temperature, i].tokens
+            # the plain decoder roots its first round at the prompt's last token (round_walk's module)
+            walked = walked_rounds(target, drafter, prompt[:-1], prompt[-1:] + answer,
+                                   max_new_tokens=max_new_tokens + 1, shape="ddtree", budget=budget)
+        if walked is not None and i >= live:
+            row.update(decoded=False, rounds=len(walked), tau=sum(walked) / max(len(walked), 1), block_lengths=walked,
+                       new_tokens=len(answer))
+        else:
+            result = SpeculativeDecoder(target, drafter, budget=budget, verifier=verifier).generate(
+                prompt, max_new_tokens, temperature=temperature, seed=run_seed
+            )
+            row.update(decoded=True, rounds=len(result.rounds), tau=result.mean_block_length,
+                       block_lengths=[r.block_length for r in result.rounds], **_speed_keys(result, speed=speed))
+            if walked is not None:
+                row["walk_matches_decode"] = walked == row["block_lengths"]
+                if not row["walk_matches_decode"]:
+                    log.error("eval %s, prompt %d at B=%d: the walked rounds %s differ from the decoded %s; the tree "
+                              "tau of the walked prompts may be off (exittrain/heldout/round_walk.py, Limits)",
+                              label, i, budget, walked, row["block_lengths"])
+            decoded = [result]
             if auto is not None:
-                row["fixed_speedup"] = result.tokens_per_second / ar.tokens_per_second if ar.tokens_per_second else 0.0
-            if temperature == 0:  # lossless check on every greedy evaluation
-                row["matches_target"] = all(_same_prefix(ar.tokens, r.tokens) for r in decoded)
+                if (temperature, i) not in auto_results:  # the auto decode does not depend on the row's budget
+                    auto_results[temperature, i] = auto.generate(prompt, max_new_tokens, temperature=temperature,
+                                                                 seed=run_seed)
+                fast = auto_results[temperature, i]
+                decoded.append(fast)
+                choice = auto.auto_choice
+                row.update({f"fixed_{k}": v for k, v in _speed_keys(result).items() if not k.startswith("time_")})
+                row.update(_speed_keys(fast))
+                row.update(auto_setting=choice.setting.label, auto_budget=choice.setting.budget,
+                           auto_draft_vocab=choice.setting.draft_vocab, auto_copy_tail=choice.setting.copy_tail,
+                           auto_copy_lead=choice.setting.copy_lead, auto_miss_steps=choice.setting.miss_steps,
+                           auto_tau=fast.mean_block_length, auto_block_lengths=[r.block_length for r in fast.rounds],
+                           auto_expected_speedup=choice.chosen.speedup, auto_reason=choice.reason)
+            if baseline:
+                key = (temperature, i)
+                if key not in ar_cache:  # the baseline does not depend on the budget
+                    ar_cache[key] = autoregressive_generate(target, prompt, max_new_tokens, temperature, seed=run_seed)
+                ar = ar_cache[key]
+                if speed:
+                    row["ar_tokens_per_s"] = ar.tokens_per_second
+                    row["speedup"] = row["tokens_per_s"] / ar.tokens_per_second if ar.tokens_per_second else 0.0
+                if auto is not None:
+                    row["fixed_speedup"] = (result.tokens_per_second / ar.tokens_per_second
+                                            if ar.tokens_per_second else 0.0)
+                if temperature == 0:  # lossless check on every greedy evaluation
+                    row["matches_target"] = all(_same_prefix(ar.tokens, r.tokens) for r in decoded)
         if oracle:
             depth = drafter.config.num_draft_tokens
             ores, analytic = oracle_generate(target, prompt, budget, max_new_tokens, temperature, seed=run_seed,
@@ -173,10 +199,15 @@ def evaluate_prompts(
             row["tau_oracle_analytic"] = sum(analytic) / len(analytic)
             row["oracle_block_lengths"] = [r.block_length for r in ores.rounds]
         rows.append(row)
-        bar.set_postfix(tau=f"{row['tau']:.2f}")
-        if as_lines:
-            ticker.update(done, B=budget, T=temperature, tau=row["tau"])
+        _tick(bar, ticker, as_lines, done, row)
     return rows
+
+
+def _tick(bar, ticker, as_lines: bool, done: int, row: dict) -> None:
+    """Report one finished row: the bar's tau on a terminal, else a line every so often."""
+    bar.set_postfix(tau=f"{row['tau']:.2f}")
+    if as_lines:
+        ticker.update(done, B=row["budget"], T=row["temperature"], tau=row["tau"])
 
 
 def decode_check(target, drafter, prompts: Sequence[Sequence[int]], *, budget: int, shape: str = "ddtree",
@@ -201,13 +232,6 @@ def decode_check(target, drafter, prompts: Sequence[Sequence[int]], *, budget: i
             "rounds": float(rounds), "tokens": float(tokens), "seconds": seconds}
 
 
-def bootstrap_ci(per_prompt: list[list[int]], resamples: int = 1000, seed: int = 0) -> tuple[float, float]:
-    """95% interval of the pooled per-round mean, resampling prompts with replacement."""
-    stats = sorted(resampled_ratios([sum(p) for p in per_prompt], [len(p) for p in per_prompt], draws=resamples,
-                                    seed=seed).tolist())
-    return stats[int(0.025 * resamples)], stats[min(resamples - 1, int(0.975 * resamples))]
-
-
 def summarize(rows: list[dict]) -> list[dict]:
     """Pool rows per (label, budget, temperature) into table rows (see the module docstring)."""
     groups: dict[tuple, list[dict]] = {}
@@ -218,7 +242,7 @@ def summarize(rows: list[dict]) -> list[dict]:
         lengths = [r["block_lengths"] for r in items]
         n_rounds = sum(len(x) for x in lengths)
         tokens = sum(r["new_tokens"] for r in items)
-        seconds = sum(r["seconds"] for r in items)
+        decoded = [r for r in items if r.get("decoded", True)]  # walked rows carry no decode's facts
         out = {
             "label": label,
             "budget": budget,
@@ -227,14 +251,18 @@ def summarize(rows: list[dict]) -> list[dict]:
             "tau": sum(map(sum, lengths)) / n_rounds,
             "ci95": bootstrap_ci(lengths),
         }
+        out["live"] = len(decoded)
+        checked = [r["walk_matches_decode"] for r in items if "walk_matches_decode" in r]
+        if checked:
+            out["walk_exact"] = all(checked)
         if all("tokens_per_s" in r for r in items):
-            out["tokens_per_s"] = tokens / seconds
+            out["tokens_per_s"] = tokens / sum(r["seconds"] for r in items)
         if all("ar_tokens_per_s" in r for r in items):
             ar_seconds = sum(r["new_tokens"] / r["ar_tokens_per_s"] for r in items if r["ar_tokens_per_s"])
             out["ar_tokens_per_s"] = tokens / ar_seconds if ar_seconds else 0.0
             out["speedup"] = out["tokens_per_s"] / out["ar_tokens_per_s"] if out["ar_tokens_per_s"] else 0.0
-        if all("matches_target" in r for r in items):
-            out["lossless"] = all(r["matches_target"] for r in items)
+        if decoded and all("matches_target" in r for r in decoded):  # over the prompts decoded for real
+            out["lossless"] = all(r["matches_target"] for r in decoded)
         if all("auto_setting" in r for r in items):  # eval.decode=auto: the speed columns decode at the probe's choice
             auto = [r["auto_block_lengths"] for r in items]
             out["auto_setting"], out["auto_reason"] = items[0]["auto_setting"], items[0]["auto_reason"]
@@ -243,7 +271,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             o = [r["oracle_block_lengths"] for r in items]
             out["tau_oracle"] = sum(map(sum, o)) / sum(len(x) for x in o)
             out["efficiency"] = out["tau"] / out["tau_oracle"]
-        stage = {k: sum(r[k] for r in items) for k in items[0] if k.startswith("time_")}
+        stage = {k: sum(r[k] for r in decoded) for k in decoded[0] if k.startswith("time_")} if decoded else {}
         total = sum(stage.values()) or 1.0
         out["stage_share"] = {k.removeprefix("time_"): v / total for k, v in stage.items()}
         table.append(out)

@@ -6,7 +6,11 @@ table rows (:func:`~exittrain.heldout.decode_eval.format_table` prints them). Th
 named once in docs/metrics.md:
 
 - **decoded tree tau** (``tau``, ``ci95``): the recipe's draft tree decoded on the prompts at
-  ``eval.budgets`` with ``eval.verifier`` (:func:`~exittrain.heldout.decode_eval.evaluate_prompts`);
+  ``eval.budgets`` with ``eval.verifier`` (:func:`~exittrain.heldout.decode_eval.evaluate_prompts`).
+  Without speed columns, the T = 0 rounds are walked along the target's greedy answers
+  (:mod:`exittrain.heldout.round_walk`: equal to the decode's, a target pass per prompt) and the
+  first prompt is decoded for real as their live check (``walk_exact``, ``lossless``); with them,
+  every prompt is decoded;
 - **the oracle** (``tau_oracle``, ``efficiency``; ``eval.oracle``): trees of the same budget built
   from the target itself, the bound a drafter's tree can reach;
 - **speed against the target alone** (``tokens_per_s``, ``ar_tokens_per_s``, ``speedup``): only where
@@ -19,7 +23,7 @@ named once in docs/metrics.md:
 - **chain tau at K** (``chain_tau``) and its expectation at T (``analytic_chain``): the greedy chain
   of K nodes a serving engine verifies (:mod:`exittrain.heldout.serving_track`), its rounds walked
   along the target's greedy answers that the lossless check decoded (``ar_cache``;
-  :mod:`exittrain.heldout.chain_walk`), the first prompt decoded for real as their live check;
+  :mod:`exittrain.heldout.round_walk`), the first prompt decoded for real as their live check;
 - **vLLM's acceptance** (``vllm``; ``eval.vllm``): :meth:`~HeldOutEvaluator.measure_vllm`, for a
   DFlash export.
 
@@ -87,8 +91,9 @@ class HeldOutEvaluator:
                  len(self.prompts))
         rows = []
         if tree:
+            # without speed columns nothing needs a decode's clock: the T = 0 rounds are walked, one prompt decoded
             rows = evaluate_prompts(self.target, drafter, self.prompts, label=label, ar_cache=self.ar_cache,
-                                    auto=self.auto, speed=self.speed, **self.settings)
+                                    auto=self.auto, speed=self.speed, live=None if self.speed else 1, **self.settings)
             table = summarize(rows)
             if self.law is not None:
                 log.info("eval %s: expected tau at T = %s", label, ", ".join(f"{t:g}" for t in self.law.temperatures))

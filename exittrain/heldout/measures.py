@@ -315,7 +315,7 @@ def oracle_block_lengths_reference(
 def paired_difference(per_row: list[torch.Tensor], first: list[torch.Tensor]) -> dict | None:
     """Mean of ``per_row - first`` over all anchors and its 95% interval, bootstrapping prompts;
     ``None`` when the two drafters were not measured at the same anchors (another block size)."""
-    from exittrain.heldout.decode_eval import bootstrap_ci
+    from exittrain.core import bootstrap_ci
 
     if len(per_row) != len(first) or any(a.shape != b.shape for a, b in zip(per_row, first)):
         return None
@@ -327,7 +327,7 @@ def paired_difference(per_row: list[torch.Tensor], first: list[torch.Tensor]) ->
 
 def summary(per_row: list[torch.Tensor]) -> dict:
     """Mean over all anchors, its 95% interval (bootstrap over prompts) and the anchor count."""
-    from exittrain.heldout.decode_eval import bootstrap_ci
+    from exittrain.core import bootstrap_ci
 
     kept = [r.tolist() for r in per_row if r.numel()]
     n = sum(len(r) for r in kept)

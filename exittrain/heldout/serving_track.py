@@ -9,7 +9,7 @@ recipe's budget. For every drafter row of the table this module adds:
   held-out prompts and token limit as the tree track: what the engine's mean acceptance length
   should be for this drafter, measured with our own target. A greedy decode's rounds follow from
   the target's greedy answer, so :func:`chain_rows` walks them along it
-  (:mod:`exittrain.heldout.chain_walk`, a target pass per prompt instead of a decode) and decodes
+  (:mod:`exittrain.heldout.round_walk`, a target pass per prompt instead of a decode) and decodes
   only the first prompt for real: its lossless check (``chain_lossless``) and the walk's live check
   (``chain_walk_exact``);
 - ``analytic_chain``: the expected chain block length at ``eval.analytic_temperatures``, paired
@@ -35,7 +35,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from exittrain.heldout.decode_eval import bootstrap_ci
+from exittrain.core import bootstrap_ci
 from exittrain.progress import Ticker
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ def chain_rows(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tok
     round and ``new_tokens``, rounds counted as vLLM counts them (:func:`decode_after_prefill`).
 
     The rounds of a greedy decode follow from the target's greedy answer (which ``ar_cache`` holds or
-    this decodes): every prompt's are walked along it (:func:`~exittrain.heldout.chain_walk.walked_chain_rounds`,
+    this decodes): every prompt's are walked along it (:func:`~exittrain.heldout.round_walk.walked_rounds`,
     ``decoded`` False), except the first ``live`` prompts', which the real decoder decodes (``decoded``
     True): their rows add ``matches_target`` (the decode's tokens equal the target's greedy ones: the
     chain's lossless check) and ``walk_matches_decode`` (the walk gave the decode's rounds, logged as
@@ -122,7 +122,7 @@ def chain_rows(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tok
     (:func:`~exittrain.heldout.decode_eval.evaluate_prompts`), reused and filled at T = 0."""
     from exittrain.decoding import autoregressive_generate
     from exittrain.decoding.chain_decoder import ChainDecoder, decode_after_prefill
-    from exittrain.heldout.chain_walk import walked_chain_rounds
+    from exittrain.heldout.round_walk import walked_rounds
 
     if live is not None and (not isinstance(live, int) or isinstance(live, bool) or live < 0):
         raise ValueError(f"live={live!r}: the prompts decoded for real must be an integer >= 0, or None for all")
@@ -142,8 +142,7 @@ def chain_rows(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tok
         if not plain:  # no new token asked for: no round
             rows.append({**row, "block_lengths": [], "matches_target": True})
             continue
-        walked = None if live is None else walked_chain_rounds(target, drafter, prompt, plain,
-                                                                max_new_tokens=max_new_tokens)
+        walked = None if live is None else walked_rounds(target, drafter, prompt, plain, max_new_tokens=max_new_tokens)
         if not row["decoded"]:
             rows.append({**row, "block_lengths": walked})
             continue
@@ -156,7 +155,7 @@ def chain_rows(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tok
             row["walk_matches_decode"] = walked == row["block_lengths"]
             if not row["walk_matches_decode"]:
                 log.error("eval %s chain, prompt %d: the walked rounds %s differ from the decoded %s (lossless: %s); "
-                          "the chain tau of the walked prompts may be off (exittrain/heldout/chain_walk.py, Limits)",
+                          "the chain tau of the walked prompts may be off (exittrain/heldout/round_walk.py, Limits)",
                           label, i, walked, row["block_lengths"], row["matches_target"])
         rows.append(row)
     ticker.update(len(prompts))

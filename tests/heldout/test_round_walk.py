@@ -1,15 +1,17 @@
-"""The walked chain rounds against the real chain decode (their slow reference twin): equal block
-lengths, prompt for prompt, on tiny targets with drafters that accept (with and without the copy
-branch), and on the embedded SmolLM2 target with the code recipe's drafter."""
+"""The walked rounds against the real decodes (their slow reference twins), the serving track's
+chain and the tree track's best-first tree: equal block lengths, prompt for prompt, on tiny targets
+with drafters that accept (with and without the copy branch), and on the embedded SmolLM2 target
+with the code recipe's drafter."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from exittrain.decoding import autoregressive_generate
+from exittrain.decoding import SpeculativeDecoder, autoregressive_generate
 from exittrain.decoding.chain_decoder import ChainDecoder, decode_after_prefill
-from exittrain.heldout.chain_walk import walked_chain_rounds
+from exittrain.heldout.decode_eval import evaluate_prompts, summarize
+from exittrain.heldout.round_walk import walked_rounds
 from exittrain.heldout.serving_track import chain_rows, summarize_chain
 
 VOCAB = 16  # small, so the target's greedy answers repeat and a briefly trained drafter accepts often
@@ -78,9 +80,9 @@ def test_the_walk_gives_the_decoded_rounds_exactly(one_thread, target, drafter, 
         tokens, rounds = decode_after_prefill(decoder, prompt, answer[0], NEW_TOKENS, target.eos_token_ids)
         decoded = [r.block_length for r in rounds]
         assert tokens == answer  # the walk's premise: the decode outputs the target's greedy answer
-        assert walked_chain_rounds(target, drafter, prompt, answer, max_new_tokens=NEW_TOKENS) == decoded
+        assert walked_rounds(target, drafter, prompt, answer, max_new_tokens=NEW_TOKENS) == decoded
         # negative control: the walk one position late (rounds rooted from y[1]) differs
-        late = walked_chain_rounds(target, drafter, prompt + answer[:1], answer[1:], max_new_tokens=NEW_TOKENS - 1)
+        late = walked_rounds(target, drafter, prompt + answer[:1], answer[1:], max_new_tokens=NEW_TOKENS - 1)
         assert late != decoded
         past_the_stop += sum(decoded) > len(answer) - 1  # the last round accepted past y's end: scored by the target
         accepted += sum(r.accept_length for r in rounds)
@@ -90,12 +92,70 @@ def test_the_walk_gives_the_decoded_rounds_exactly(one_thread, target, drafter, 
     assert any(a[-1] in eos for a in answers) and any(len(a) == NEW_TOKENS for a in answers)
 
 
+@pytest.mark.parametrize("budget", [3, 12])
+def test_the_walked_tree_gives_the_plain_decoders_rounds_exactly(one_thread, target, drafter, prompts, answers,
+                                                                 budget):
+    """The tree track's walk: SpeculativeDecoder.generate(prompt) roots its first round at the
+    prompt's last token, so its rounds are the walk of prompt[-1:] + answer after prompt[:-1]."""
+    eos = set(target.eos_token_ids)
+    past_the_stop = accepted = differs = 0
+    for prompt, answer in zip(prompts, answers, strict=True):
+        result = SpeculativeDecoder(target, drafter, budget=budget).generate(prompt, NEW_TOKENS)
+        decoded = [r.block_length for r in result.rounds]
+        assert result.tokens == answer
+        walked = walked_rounds(target, drafter, prompt[:-1], prompt[-1:] + answer, max_new_tokens=NEW_TOKENS + 1,
+                               shape="ddtree", budget=budget)
+        assert walked == decoded
+        # negative control: rooted one position late (at the answer's first token, as after a prefill)
+        late = walked_rounds(target, drafter, prompt, answer, max_new_tokens=NEW_TOKENS, shape="ddtree", budget=budget)
+        differs += late != decoded
+        past_the_stop += sum(decoded) > len(answer)
+        accepted += sum(r.accept_length for r in result.rounds)
+    assert accepted >= 30 and past_the_stop >= 1 and differs >= len(prompts) // 2
+    assert any(a[-1] in eos for a in answers)
+    with pytest.raises(ValueError, match="needs its budget"):
+        walked_rounds(target, drafter, prompts[0], answers[0], max_new_tokens=NEW_TOKENS, shape="ddtree")
+    with pytest.raises(ValueError, match="shape='fan'"):
+        walked_rounds(target, drafter, prompts[0], answers[0], max_new_tokens=NEW_TOKENS, shape="fan", budget=4)
+
+
+def test_evaluate_prompts_walks_all_but_the_live_prompt(one_thread, target, drafter, prompts):
+    """The tree track at eval's settings without speed columns: walked rows equal the decoded ones,
+    the live prompt is checked and lossless; a walk that disagrees with its decode is flagged."""
+    settings = dict(budgets=[4], temperatures=[0.0], max_new_tokens=NEW_TOKENS, progress=False, speed=False)
+    cache: dict = {}
+    reference = evaluate_prompts(target, drafter, prompts, ar_cache=cache, **settings)
+    walked = evaluate_prompts(target, drafter, prompts, ar_cache=cache, live=1, **settings)
+    assert [r["block_lengths"] for r in walked] == [r["block_lengths"] for r in reference]
+    assert [r["decoded"] for r in walked] == [True] + [False] * (len(prompts) - 1)
+    assert walked[0]["walk_matches_decode"] and walked[0]["matches_target"]
+    (summary,), (reference_summary,) = summarize(walked), summarize(reference)
+    assert summary["tau"] == reference_summary["tau"] and summary["tau"] > 1.5
+    assert summary["lossless"] and summary["walk_exact"] and summary["live"] == 1
+    assert reference_summary["live"] == len(prompts) and "walk_exact" not in reference_summary
+    with pytest.raises(ValueError, match="speed columns time real decodes"):
+        evaluate_prompts(target, drafter, prompts, live=1, **{**settings, "speed": True})
+    with pytest.raises(ValueError, match="live=-1"):
+        evaluate_prompts(target, drafter, prompts, live=-1, **settings)
+
+
+def test_a_tree_walk_that_disagrees_with_its_decode_is_flagged(one_thread, target, drafter, prompts, monkeypatch,
+                                                               caplog):
+    import exittrain.heldout.decode_eval as decode_eval
+
+    monkeypatch.setattr(decode_eval, "walked_rounds", lambda *a, **k: [1])
+    rows = evaluate_prompts(target, drafter, prompts[:2], budgets=[4], max_new_tokens=NEW_TOKENS, progress=False,
+                            speed=False, live=1, label="x")
+    assert rows[0]["walk_matches_decode"] is False and summarize(rows)[0]["walk_exact"] is False
+    assert "differ from the decoded" in caplog.text
+
+
 def test_accept_lengths_depth_by_depth_equal_the_whole_chains(one_thread, target, drafter, prompts, answers):
     """chain_accept_lengths (the head only where the chain still matches) against its twin: every
     anchor's whole greedy chain (drafter_trees, as the expected chain tau drafts it) followed along y."""
     from exittrain.core import followed_depth
-    from exittrain.heldout.chain_walk import chain_accept_lengths
     from exittrain.heldout.measures import drafter_trees
+    from exittrain.heldout.round_walk import chain_accept_lengths
 
     K = drafter.config.num_draft_tokens
     layers = list(drafter.config.target_layer_ids)
@@ -114,13 +174,13 @@ def test_accept_lengths_depth_by_depth_equal_the_whole_chains(one_thread, target
 
 def test_the_walk_stops_where_the_decoder_does(target, drafter, prompts, answers):
     prompt, answer = prompts[1], answers[1]
-    assert walked_chain_rounds(target, drafter, prompt, answer, max_new_tokens=1) == []
-    assert walked_chain_rounds(target, drafter, prompt, [1] + answer[1:], max_new_tokens=NEW_TOKENS) == []  # EOS first
-    assert walked_chain_rounds(target, drafter, prompt, [], max_new_tokens=NEW_TOKENS) == []
+    assert walked_rounds(target, drafter, prompt, answer, max_new_tokens=1) == []
+    assert walked_rounds(target, drafter, prompt, [1] + answer[1:], max_new_tokens=NEW_TOKENS) == []  # EOS first
+    assert walked_rounds(target, drafter, prompt, [], max_new_tokens=NEW_TOKENS) == []
     with pytest.raises(ValueError, match="max_new_tokens=24: pass the target's whole greedy answer"):
-        walked_chain_rounds(target, drafter, prompt, [t for t in answer if t != 1][:5], max_new_tokens=NEW_TOKENS)
+        walked_rounds(target, drafter, prompt, [t for t in answer if t != 1][:5], max_new_tokens=NEW_TOKENS)
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
-        walked_chain_rounds(target, drafter, prompt, answer, max_new_tokens=0)
+        walked_rounds(target, drafter, prompt, answer, max_new_tokens=0)
 
 
 def test_chain_rows_walk_all_but_the_live_prompt(one_thread, target, drafter, prompts):
@@ -141,21 +201,21 @@ def test_chain_rows_walk_all_but_the_live_prompt(one_thread, target, drafter, pr
 
 def test_a_walk_that_disagrees_with_the_live_decode_is_flagged(one_thread, target, drafter, prompts, monkeypatch,
                                                               caplog):
-    import exittrain.heldout.chain_walk as chain_walk
+    import exittrain.heldout.round_walk as round_walk
 
     cache: dict = {}
-    monkeypatch.setattr(chain_walk, "walked_chain_rounds", lambda *a, **k: [1])
+    monkeypatch.setattr(round_walk, "walked_rounds", lambda *a, **k: [1])
     rows = chain_rows(target, drafter, prompts[:2], max_new_tokens=NEW_TOKENS, ar_cache=cache, label="x")
     assert rows[0]["walk_matches_decode"] is False and summarize_chain(rows)["chain_walk_exact"] is False
     assert "differ from the decoded" in caplog.text
 
 
 @pytest.mark.real_model
-@pytest.mark.slow  # about 25 s on a 2-core host: two decodes of 32 tokens and their autoregressive baselines
+@pytest.mark.slow  # about 40 s on a 2-core host: four decodes of 32 tokens and their autoregressive baselines
 def test_the_walk_on_the_embedded_target_with_the_code_recipes_drafter(one_thread):
     """SmolLM2-135M and a drafter of conf/drafter/block.yaml's shape (K = 7, the copy branch, the
     target's last layer as its start; random otherwise, yet it accepts whole chains where the
-    copy branch finds the text): the walk equals the decode on real code prompts."""
+    copy branch finds the text): the chain's and the tree's walks equal their decodes on real code prompts."""
     from exittrain.data import chat_prompt_ids, load_domain
     from exittrain.models import load_target, new_drafter
 
@@ -165,4 +225,7 @@ def test_the_walk_on_the_embedded_target_with_the_code_recipes_drafter(one_threa
     prompts = [chat_prompt_ids(target.tokenizer, t) for t in load_domain("code").eval[:2]]
     rows = chain_rows(target, drafter, prompts, max_new_tokens=32, live=len(prompts))
     assert all(r["walk_matches_decode"] and r["matches_target"] for r in rows)
+    tree = evaluate_prompts(target, drafter, prompts, budgets=[16], max_new_tokens=32, progress=False, speed=False,
+                            live=len(prompts))  # the recipe's tree track, walked and decoded
+    assert all(r["walk_matches_decode"] and r["matches_target"] for r in tree)
     assert sum(len(r["block_lengths"]) for r in rows) < sum(r["new_tokens"] - 1 for r in rows)  # some drafts accepted
