@@ -186,15 +186,13 @@ def drafter_trees(drafter, target, ids: torch.Tensor, anchors_A: torch.Tensor, b
     ``min(budget, K)`` nodes, :class:`~exittrain.decoding.chain_decoder.ChainDecoder`'s) with the drafter seeing
     the target features before the anchor; ``features_TF`` (the drafter's own layers) or, when
     None, the fp32 features of one causal target pass."""
-    from exittrain.core import shaped_tree
+    from exittrain.heldout.round_walk import anchor_trees
 
-    ids_1T = ids[None].to(target.device)
     if features_TF is None:
         features_1TF = _context_features(target, ids, list(drafter.config.target_layer_ids))
     else:
         features_1TF = features_TF[None].to(target.device)
-    logits_AKV = drafter.forward_anchors(features_1TF, ids_1T, anchors_A[None].to(target.device)).float()
-    return shaped_tree(torch.log_softmax(logits_AKV, -1), budget, shape, validate=False)
+    return anchor_trees(drafter, features_1TF, ids[None].to(target.device), anchors_A, budget, shape)
 
 
 def _rank(score: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:

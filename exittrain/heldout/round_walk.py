@@ -18,9 +18,9 @@ nodes a serving engine verifies (:class:`~exittrain.decoding.chain_decoder.Chain
    :func:`~exittrain.core.chain_tree`'s node) is y's. The LM head, most of the drafter's cost, runs
    depth by depth on the anchors whose chain still matches, so a drafter that accepts 1 token a
    round pays about 2 head rows an anchor, not K. Its twin, and the tree's acceptance, is
-   ``followed_depth(drafter_trees(..., shape=shape), labels)`` (:func:`~exittrain.core.followed_depth`,
-   :func:`~exittrain.heldout.measures.drafter_trees`: :func:`~exittrain.core.build_tree` as the
-   plain decoder builds each round's tree);
+   ``followed_depth(anchor_trees(..., shape=shape), labels)`` (:func:`~exittrain.core.followed_depth`,
+   :func:`anchor_trees`: :func:`~exittrain.core.build_tree` as the plain decoder builds each
+   round's tree);
 3. :func:`~exittrain.core.greedy_walk` walks the rounds from the first root y[0] to where the
    decoder stops (``max_new_tokens`` tokens or an EOS), counting them as the decoder does;
 4. the decoder reports a round's whole block, even past the stop. The last round's tree may hold
@@ -52,9 +52,22 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["WALK_SHAPES", "chain_accept_lengths", "walked_rounds"]
+__all__ = ["WALK_SHAPES", "anchor_trees", "chain_accept_lengths", "walked_rounds"]
 
 WALK_SHAPES = ("ddtree", "chain")  # the draft trees walked: the plain decoder's best-first tree, the greedy chain
+
+
+@torch.no_grad()
+def anchor_trees(drafter, features_1TF: torch.Tensor, ids_1T: torch.Tensor, anchors_A: torch.Tensor, budget: int,
+                 shape: str = "ddtree"):
+    """The (A trees) DraftTree the plain decoder would draft for a round rooted at each anchor of
+    ``ids_1T`` (1, T), the drafter seeing ``features_1TF`` (1, T, F) before the anchor:
+    :func:`~exittrain.core.shaped_tree` of its log-probabilities (``build_tree`` of ``budget``
+    nodes, or the greedy chain of ``min(budget, K)``)."""
+    from exittrain.core import shaped_tree
+
+    logits_AKV = drafter.forward_anchors(features_1TF, ids_1T, anchors_A[None].to(ids_1T.device)).float()
+    return shaped_tree(torch.log_softmax(logits_AKV, -1), budget, shape, validate=False)
 
 
 @torch.no_grad()
@@ -104,7 +117,6 @@ def walked_rounds(target, drafter, prompt: Sequence[int], answer: Sequence[int],
     budget, or the answer stops short of both an EOS and ``max_new_tokens`` tokens.
     """
     from exittrain.core import VERIFIERS, followed_depth, greedy_walk
-    from exittrain.heldout.measures import drafter_trees
 
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1 (eval.max_new_tokens), got {max_new_tokens!r}")
@@ -139,12 +151,12 @@ def walked_rounds(target, drafter, prompt: Sequence[int], answer: Sequence[int],
     if shape == "chain":
         accepted_P = chain_accept_lengths(drafter, features_1TF, ids_1T, anchors_P, labels_PK).cpu()
     else:
-        trees = drafter_trees(drafter, target, ids_T, anchors_P, budget, features_1TF[0], shape=shape)
+        trees = anchor_trees(drafter, features_1TF, ids_1T, anchors_P, budget, shape)
         accepted_P = followed_depth(trees, labels_PK).cpu()
     blocks = greedy_walk(accepted_P, stop)
     last = sum(blocks[:-1])  # the last round's root
     if int(accepted_P[last]) == stop - last < K:  # its tree holds y to the stop: the target decides the rest
-        tree = drafter_trees(drafter, target, ids_T, torch.tensor([n + last]), budget, features_1TF[0], shape=shape)
+        tree = anchor_trees(drafter, features_1TF, ids_1T, torch.tensor([n + last]), budget, shape)
         logits = target.score_trees(ids_1T, torch.tensor([[n + last]]), tree, mode="exact", prefix=prefix).logits
         blocks[-1] = int(VERIFIERS["greedy"](tree, logits, validate=False).accept_length[0]) + 1
     return blocks
