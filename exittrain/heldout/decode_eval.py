@@ -31,7 +31,7 @@ from exittrain import progress as progress_log
 from exittrain.core import bootstrap_ci
 from exittrain.decoding import SpeculativeDecoder, autoregressive_generate, oracle_generate
 from exittrain.decoding.chain_decoder import ChainDecoder
-from exittrain.heldout.round_walk import walked_rounds
+from exittrain.heldout.round_walk import check_live, walked_rounds
 
 __all__ = [
     "decode_check", "evaluate_prompts", "summarize", "format_table", "auto_reasons", "optional_cell",
@@ -117,8 +117,7 @@ def evaluate_prompts(
     for b in budgets:
         if not isinstance(b, int) or b < 1:
             raise ValueError(f"budgets must be integers >= 1 (tree nodes), got {list(budgets)}")
-    if live is not None and (not isinstance(live, int) or isinstance(live, bool) or live < 0):
-        raise ValueError(f"live={live!r}: the prompts decoded for real must be an integer >= 0, or None for all")
+    check_live(live)
     if live is not None and (speed or auto is not None):
         raise ValueError("live walks rounds instead of decoding them, and the speed columns time real decodes: "
                          "pass live=None with speed or auto")

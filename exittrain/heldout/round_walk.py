@@ -52,9 +52,16 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["WALK_SHAPES", "anchor_trees", "chain_accept_lengths", "walked_rounds"]
+__all__ = ["WALK_SHAPES", "anchor_trees", "chain_accept_lengths", "check_live", "walked_rounds"]
 
 WALK_SHAPES = ("ddtree", "chain")  # the draft trees walked: the plain decoder's best-first tree, the greedy chain
+
+
+def check_live(live) -> None:
+    """ValueError unless ``live`` (how many prompts a walking track decodes for real) is an integer
+    >= 0, or None (decode every prompt, walk none)."""
+    if live is not None and (not isinstance(live, int) or isinstance(live, bool) or live < 0):
+        raise ValueError(f"live={live!r}: the prompts decoded for real must be an integer >= 0, or None for all")
 
 
 @torch.no_grad()

@@ -122,10 +122,9 @@ def chain_rows(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tok
     (:func:`~exittrain.heldout.decode_eval.evaluate_prompts`), reused and filled at T = 0."""
     from exittrain.decoding import autoregressive_generate
     from exittrain.decoding.chain_decoder import ChainDecoder, decode_after_prefill
-    from exittrain.heldout.round_walk import walked_rounds
+    from exittrain.heldout.round_walk import check_live, walked_rounds
 
-    if live is not None and (not isinstance(live, int) or isinstance(live, bool) or live < 0):
-        raise ValueError(f"live={live!r}: the prompts decoded for real must be an integer >= 0, or None for all")
+    check_live(live)
     decoder = ChainDecoder(target, drafter, verifier="greedy")
     ticker = Ticker(f"eval {label} chain".strip(), len(prompts), unit="prompt", every=4)
     rows = []
