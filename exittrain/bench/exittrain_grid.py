@@ -35,8 +35,12 @@ class Arm:
     weight_type: str = "flow"
     budget_train: int = 16
     tree_shape: str = "ddtree"  # "ddtree" | "chain"
+    lambda_tok: float = 1.0  # the block-CE weight: 0 trains on the node loss alone
 
     def __post_init__(self) -> None:
+        if self.lambda_tok <= 0 and self.lambda_exit <= 0:
+            raise ValueError(f"Arm(lambda_tok={self.lambda_tok}, lambda_exit={self.lambda_exit}): no loss; an arm needs "
+                             "block CE (lambda_tok > 0), the node loss (lambda_exit > 0) or both")
         if self.tree_shape not in TREE_SHAPES:
             raise ValueError(f"Arm(tree_shape={self.tree_shape!r}): the training tree shape must be one of "
                              f"{TREE_SHAPES}")
@@ -47,19 +51,22 @@ class Arm:
 
     @property
     def name(self) -> str:
-        """``control-<labels>-<rows>``, or ``exittrain-<labels>-<weights>-l<lambda>[-B<budget> | -chain]-<rows>``
-        (a chain's size is the drafter's K, not the budget: it gets no ``-B`` suffix)."""
+        """``control-<labels>-<rows>``, ``exittrain-<labels>-<weights>-l<lambda>[-B<budget> | -chain]-<rows>``,
+        or ``nodeonly-<weights>-l<lambda>[...]-<rows>`` without block CE (no labels to name). A chain's size
+        is the drafter's K, not the budget: it gets no ``-B`` suffix."""
         if self.stage == "pretrain":
             return f"control-{self.labels}-{self.rows}"
         if self.tree_shape == "chain":
             tree = "-chain"
         else:
             tree = "" if self.budget_train == 16 else f"-B{self.budget_train}"
-        return f"exittrain-{self.labels}-{self.weight_type}-l{self.lambda_exit:g}{tree}-{self.rows}"
+        loss = f"exittrain-{self.labels}" if self.lambda_tok > 0 else "nodeonly"
+        return f"{loss}-{self.weight_type}-l{self.lambda_exit:g}{tree}-{self.rows}"
 
     @property
     def control(self) -> str:
-        """The name of the matched control: the same labels and rows, no node loss (and so no tree)."""
+        """The name of the matched control: the same labels and rows, no node loss (and so no tree). A
+        node-only arm's is the soft-label control: the block-CE stage it replaces."""
         return Arm(labels=self.labels, rows=self.rows).name
 
     def module_args(self) -> dict:
@@ -69,7 +76,7 @@ class Arm:
         args = {"soft_label_weight": 1.0 if self.labels == "soft" else 0.0, "vocab_sample": None,
                 "budget": self.budget_train, "tree_shape": self.tree_shape}
         if self.stage == "exittrain":
-            args.update(lambda_exit=self.lambda_exit, weight_type=self.weight_type)
+            args.update(lambda_exit=self.lambda_exit, weight_type=self.weight_type, lambda_tok=self.lambda_tok)
         else:
             args["analytic_every"] = 0
         return args
@@ -93,6 +100,9 @@ ARMS = (
     Arm("soft", lambda_exit=1.0, budget_train=32),
     Arm("soft", rows="own"),
     Arm("soft", rows="own", lambda_exit=1.0),
+    # the node loss alone (flow, lambda 1, no block CE): with the control and tree ExitTrain it splits
+    # ExitTrain's gain into block CE's and the node loss's (docs/experiments, Part B)
+    Arm(lambda_exit=1.0, lambda_tok=0.0),
 )
 
 

@@ -49,6 +49,17 @@ def test_the_chain_arm_trains_on_its_shape_against_the_same_control():
         Arm(lambda_exit=1.0, tree_shape="tree")
 
 
+def test_the_node_only_arm_drops_block_ce_and_pairs_with_the_soft_control():
+    node = next(a for a in ARMS if a.lambda_tok == 0)
+    assert node.name == "nodeonly-flow-l1-fresh" and node.control == "control-soft-fresh"
+    args = node.module_args()
+    assert args["lambda_tok"] == 0.0 and args["lambda_exit"] == 1.0 and node.stage == "exittrain"
+    assert Arm(lambda_exit=1.0).module_args()["lambda_tok"] == 1.0  # ExitTrain keeps its block CE
+    assert bx.matched_control("nodeonly-flow-l1-fresh@seed2") == "control-soft-fresh@seed2"
+    with pytest.raises(ValueError, match="lambda_tok"):
+        Arm(lambda_tok=0.0)  # neither loss
+
+
 def _measured(shift: float, noise: float, prompts: int = 12, anchors: int = 20) -> dict:
     """Per-row block lengths of the warm start, the control and one ExitTrain arm that adds ``shift``."""
     g = torch.Generator().manual_seed(0)
