@@ -7,8 +7,12 @@ whichever comes first, e.g.::
 
     pretrain step 120/600 (20%) loss=2.345 rows_s=45.1 elapsed=0:01:02 eta=0:04:08
 
-:func:`interactive` tells which of the two a run should use. Standard library only: the Lightning
-callback built on it lives in :mod:`exittrain.lit.callbacks`.
+A ticker speaks only between the counted steps; one long call (a batch of generation, a drafter's
+trees scored on every answer) is silent until it returns. :class:`Heartbeat` covers such a call: a
+line every ``every_s`` seconds while it runs, from a helper thread.
+
+:func:`interactive` tells whether a run should draw bars or log lines. Standard library only: the
+Lightning callback built on the ticker lives in :mod:`exittrain.lit.progress_callbacks`.
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-__all__ = ["Ticker", "format_duration", "interactive"]
+__all__ = ["Heartbeat", "Ticker", "format_duration", "interactive"]
 
 log = logging.getLogger("exittrain")
 
@@ -150,3 +155,40 @@ class Ticker:
     def advance(self, k: int = 1, **postfix: Any) -> str | None:
         """:meth:`update` at the current count plus ``k``."""
         return self.update(self.n + k, **postfix)
+
+
+class Heartbeat:
+    """A context manager that logs ``<label>: running, elapsed=H:MM:SS`` every ``every_s`` seconds while
+    its block runs, so that one long call shows it is alive (nothing is logged for a block shorter
+    than ``every_s``).
+
+    The lines come from a daemon thread, which waits on an event and so costs nothing between them;
+    it can speak while the block holds the interpreter only because torch's kernels release it, so a
+    block of pure Python may delay a line. The thread is joined on exit, exception or not.
+    ``every_s`` <= 0 turns the heartbeat off.
+    """
+
+    def __init__(self, label: str, every_s: float = 20.0, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.label, self.every_s, self._clock = label, float(every_s), clock
+        self.beats = 0  # lines logged so far
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self, t0: float) -> None:
+        while not self._stop.wait(self.every_s):
+            self.beats += 1
+            log.info("%s: running, elapsed=%s", self.label, format_duration(self._clock() - t0))
+
+    def __enter__(self) -> Heartbeat:
+        if self.every_s > 0:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, args=(self._clock(),), daemon=True,
+                                            name=f"heartbeat {self.label}")
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None

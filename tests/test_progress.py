@@ -164,3 +164,28 @@ def test_the_evaluation_logs_one_line_per_decode_off_a_terminal(monkeypatch, cap
     # the count is decodes done, not a token count of the last decode
     assert [m.split(" (")[0] for m in lines] == ["eval check decode 1/2", "eval check decode 2/2"]
     assert f"tau={rows[-1]['tau']:.4g}" in lines[-1]
+
+
+def test_a_heartbeat_speaks_during_a_long_block_and_stops_with_it(info):
+    import time
+
+    with progress.Heartbeat("score trees", every_s=0.05) as beat:
+        time.sleep(0.6)  # about 12 beats; the assertion asks for 2, so a loaded host still passes
+    assert beat.beats >= 2
+    lines = [r.getMessage() for r in info.records if r.getMessage().startswith("score trees: running")]
+    assert len(lines) == beat.beats and re.search(r"elapsed=\d:\d\d:\d\d$", lines[0])
+    after = beat.beats
+    time.sleep(0.2)
+    assert beat.beats == after  # the thread was joined on exit
+    with progress.Heartbeat("short", every_s=30.0) as quiet:
+        pass  # a block shorter than every_s logs nothing
+    with progress.Heartbeat("off", every_s=0) as off:
+        time.sleep(0.05)
+    assert quiet.beats == 0 and off.beats == 0 and off._thread is None
+
+
+def test_a_heartbeat_stops_when_its_block_raises(info):
+    beat = progress.Heartbeat("failing", every_s=0.01)
+    with pytest.raises(RuntimeError), beat:
+        raise RuntimeError("boom")
+    assert beat._thread is None

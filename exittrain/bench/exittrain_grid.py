@@ -39,8 +39,8 @@ class Arm:
 
     def __post_init__(self) -> None:
         if self.lambda_tok <= 0 and self.lambda_exit <= 0:
-            raise ValueError(f"Arm(lambda_tok={self.lambda_tok}, lambda_exit={self.lambda_exit}): no loss; an arm needs "
-                             "block CE (lambda_tok > 0), the node loss (lambda_exit > 0) or both")
+            raise ValueError(f"Arm(lambda_tok={self.lambda_tok}, lambda_exit={self.lambda_exit}): no loss; an arm "
+                             "needs block CE (lambda_tok > 0), the node loss (lambda_exit > 0) or both")
         if self.tree_shape not in TREE_SHAPES:
             raise ValueError(f"Arm(tree_shape={self.tree_shape!r}): the training tree shape must be one of "
                              f"{TREE_SHAPES}")

@@ -324,7 +324,10 @@ def _answer_batches(
         for b in todo:
             idx = batches[b]
             t0 = time.perf_counter()
-            answers = answerer.answer([templated[i] for i in idx], b)
+            # a batch can take a minute on a small CPU: off a terminal, a line every 20 s while it runs
+            with progress_log.Heartbeat(f"regenerate ({target_name}) batch {b + 1}/{n_mine}",
+                                        every_s=20.0 if as_lines else 0):
+                answers = answerer.answer([templated[i] for i in idx], b)
             seconds = time.perf_counter() - t0
             if len(answers) != len(idx):
                 raise RuntimeError(f"the answerer gave {len(answers)} answers for the {len(idx)} prompts of batch {b}")

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
+from exittrain.progress import Heartbeat
+
 log = logging.getLogger("exittrain")
 
 __all__ = ["HeldOutLaw", "held_out_law", "check_analytic_settings", "format_differences"]
@@ -70,7 +72,8 @@ class HeldOutLaw:
             # answer_rows seeds the global generators (torch.manual_seed seeds CUDA's too): fork the CPU's
             # and, on a GPU target, its device's, so the caller's random streams go on untouched
             devices = [self.target.device] if self.target.device.type == "cuda" else []
-            with torch.random.fork_rng(devices=devices):
+            sampling = Heartbeat(f"analytic tau: sampling answers at T={temperature:g}")
+            with torch.random.fork_rng(devices=devices), sampling:
                 self._rows[temperature] = answer_rows(self.target, self.prompts, [], self.max_new_tokens,
                                                       self.batch, temperature, self.seed)
             log.info("analytic tau: %d answers sampled at T=%g (%.0f s)", len(self.prompts), temperature,
@@ -98,7 +101,8 @@ class HeldOutLaw:
         for T in self.temperatures:
             rows, anchors = self._rows_at(T), self.anchors(T, K)
             for budget in budgets:
-                out[(budget, T)] = analytic_block_lengths(drafter, self.target, rows, layers, anchors, budget, T)
+                with Heartbeat(f"analytic tau: scoring trees of {budget} nodes at T={T:g}"):
+                    out[(budget, T)] = analytic_block_lengths(drafter, self.target, rows, layers, anchors, budget, T)
         return out
 
     @torch.no_grad()
@@ -109,9 +113,12 @@ class HeldOutLaw:
 
         K = drafter.config.num_draft_tokens
         layers = list(drafter.config.target_layer_ids)
-        return {(K, T): analytic_block_lengths(drafter, self.target, self._rows_at(T), layers, self.anchors(T, K), K,
-                                               T, shape="chain")
-                for T in self.temperatures}
+        out = {}
+        for T in self.temperatures:
+            rows, anchors = self._rows_at(T), self.anchors(T, K)
+            with Heartbeat(f"analytic tau: scoring chains of {K} nodes at T={T:g}"):
+                out[(K, T)] = analytic_block_lengths(drafter, self.target, rows, layers, anchors, K, T, shape="chain")
+        return out
 
     @staticmethod
     def attach_chain(table: list[dict], measured: dict, reference: dict | None = None,
