@@ -31,7 +31,7 @@ from exittrain import progress as progress_log
 from exittrain.core import bootstrap_ci
 from exittrain.decoding import SpeculativeDecoder, autoregressive_generate, oracle_generate
 from exittrain.decoding.chain_decoder import ChainDecoder
-from exittrain.heldout.round_walk import check_live, walked_rounds
+from exittrain.heldout.round_walk import check_live, greedy_answers, walked_rounds
 
 __all__ = [
     "decode_check", "evaluate_prompts", "summarize", "format_table", "auto_reasons", "optional_cell",
@@ -129,6 +129,8 @@ def evaluate_prompts(
     rows: list[dict] = []
     jobs = [(b, t, i) for t in temperatures for b in budgets for i in range(len(prompts))]
     ar_cache = {} if ar_cache is None else ar_cache  # (temperature, prompt index) -> baseline result
+    if live is not None and 0.0 in temperatures:  # the walked prompts' answers, in batches
+        greedy_answers(target, prompts, ar_cache, live=live, max_new_tokens=max_new_tokens)
     # a bar on a terminal; elsewhere (a log file) a line per prompt or every 30 s
     as_lines = progress and not progress_log.interactive()
     bar = tqdm(jobs, desc=f"eval {label}".strip(), disable=not progress or as_lines, leave=False)
@@ -182,6 +184,9 @@ def evaluate_prompts(
                 if key not in ar_cache:  # the baseline does not depend on the budget
                     ar_cache[key] = autoregressive_generate(target, prompt, max_new_tokens, temperature, seed=run_seed)
                 ar = ar_cache[key]
+                if speed and ar.tokens and not ar.seconds:
+                    raise ValueError(f"ar_cache[{key}] holds a batched greedy answer (no timing) from a walk: speed "
+                                     "columns need the one-prompt baseline; give a speed evaluation its own ar_cache")
                 if speed:
                     row["ar_tokens_per_s"] = ar.tokens_per_second
                     row["speedup"] = row["tokens_per_s"] / ar.tokens_per_second if ar.tokens_per_second else 0.0

@@ -8,9 +8,9 @@ named once in docs/metrics.md:
 - **decoded tree tau** (``tau``, ``ci95``): the recipe's draft tree decoded on the prompts at
   ``eval.budgets`` with ``eval.verifier`` (:func:`~exittrain.heldout.decode_eval.evaluate_prompts`).
   Without speed columns, the T = 0 rounds are walked along the target's greedy answers
-  (:mod:`exittrain.heldout.round_walk`: equal to the decode's, a target pass per prompt) and the
-  first prompt is decoded for real as their live check (``walk_exact``, ``lossless``); with them,
-  every prompt is decoded;
+  (:mod:`exittrain.heldout.round_walk`: equal to the decode's, a target pass per prompt; the
+  answers generated in batches) and the first prompt is decoded for real as their live check
+  (``walk_exact``, ``lossless``); with them, every prompt is decoded;
 - **the oracle** (``tau_oracle``, ``efficiency``; ``eval.oracle``): trees of the same budget built
   from the target itself, the bound a drafter's tree can reach;
 - **speed against the target alone** (``tokens_per_s``, ``ar_tokens_per_s``, ``speedup``): only where
@@ -22,8 +22,8 @@ named once in docs/metrics.md:
   reference label's when it was measured;
 - **chain tau at K** (``chain_tau``) and its expectation at T (``analytic_chain``): the greedy chain
   of K nodes a serving engine verifies (:mod:`exittrain.heldout.serving_track`), its rounds walked
-  along the target's greedy answers that the lossless check decoded (``ar_cache``;
-  :mod:`exittrain.heldout.round_walk`), the first prompt decoded for real as their live check;
+  along the tree track's greedy answers (``ar_cache``; :mod:`exittrain.heldout.round_walk`), the
+  first prompt decoded for real as their live check;
 - **vLLM's acceptance** (``vllm``; ``eval.vllm``): :meth:`~HeldOutEvaluator.measure_vllm`, for a
   DFlash export.
 

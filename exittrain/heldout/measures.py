@@ -30,6 +30,8 @@ and temperature (a bounded memo of the last 64 rows).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 __all__ = [
@@ -62,14 +64,16 @@ def _check_shape(shape: str) -> None:
 
 def answer_rows(
     target, prompts: list[list[int]], layers: list[int], max_new_tokens: int, batch: int,
-    temperature: float = 0.0, seed: int = 0, top_p: float | None = None,
+    temperature: float = 0.0, seed: int = 0, top_p: float | None = None, eos_ids: Sequence[int] | None = None,
 ) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
     """The target's answers to templated ``prompts`` with the features of ``layers`` at every position.
 
     Returns per prompt ``(ids (n,) long, n_prompt, features (n, F) bf16)``. T = 0: greedy, with the
     target as loaded. T > 0: sampled at that temperature (top-k off, ``top_p`` or 1), batch i of
     ``batch`` prompts under ``torch.manual_seed(seed + i)`` (as regeneration seeds), so the same
-    call gives the same answers. Answers stop after EOS or ``max_new_tokens`` tokens.
+    call gives the same answers. Answers stop after EOS or ``max_new_tokens`` tokens; ``eos_ids``
+    are the ids that end one (None: the tokenizer's and the generation config's, as regeneration
+    reads them; the decoders stop at ``target.eos_token_ids``).
     """
     from exittrain.data.generation import GenerationConfig, eos_token_ids, generate_batch, padding_token_id
 
@@ -79,7 +83,8 @@ def answer_rows(
                            temperature=float(temperature) if sample else 1.0, top_p=1.0 if top_p is None else top_p,
                            seed=seed)
     model, tok = target.model, target.tokenizer
-    eos, pad = eos_token_ids(model, tok), padding_token_id(tok)
+    eos = eos_token_ids(model, tok) if eos_ids is None else list(eos_ids)
+    pad = padding_token_id(tok) if tok is not None else (eos[0] if eos else 0)  # left padding is masked out
     rows = []
     for b, start in enumerate(range(0, len(prompts), batch)):
         chunk = prompts[start : start + batch]

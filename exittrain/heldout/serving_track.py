@@ -122,20 +122,21 @@ def chain_rows(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tok
     (:func:`~exittrain.heldout.decode_eval.evaluate_prompts`), reused and filled at T = 0."""
     from exittrain.decoding import autoregressive_generate
     from exittrain.decoding.chain_decoder import ChainDecoder, decode_after_prefill
-    from exittrain.heldout.round_walk import check_live, walked_rounds
+    from exittrain.heldout.round_walk import check_live, greedy_answers, walked_rounds
 
     check_live(live)
+    ar_cache = {} if ar_cache is None else ar_cache
+    if live is not None:  # the walked prompts' answers, in batches
+        greedy_answers(target, prompts, ar_cache, live=live, max_new_tokens=max_new_tokens)
     decoder = ChainDecoder(target, drafter, verifier="greedy")
     ticker = Ticker(f"eval {label} chain".strip(), len(prompts), unit="prompt", every=4)
     rows = []
     for i, prompt in enumerate(prompts):
         ticker.update(i)
         key = (0.0, i)
-        if ar_cache is None or key not in ar_cache:
-            baseline = autoregressive_generate(target, list(prompt), max_new_tokens, 0.0, seed=seed + i)
-            if ar_cache is not None:
-                ar_cache[key] = baseline
-        plain = (ar_cache[key] if ar_cache is not None else baseline).tokens
+        if key not in ar_cache:
+            ar_cache[key] = autoregressive_generate(target, list(prompt), max_new_tokens, 0.0, seed=seed + i)
+        plain = ar_cache[key].tokens
         row = {"label": label, "prompt_index": i, "budget": decoder.budget, "new_tokens": len(plain),
                "decoded": live is None or i < live}
         if not plain:  # no new token asked for: no round

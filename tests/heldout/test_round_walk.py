@@ -123,9 +123,10 @@ def test_evaluate_prompts_walks_all_but_the_live_prompt(one_thread, target, draf
     """The tree track at eval's settings without speed columns: walked rows equal the decoded ones,
     the live prompt is checked and lossless; a walk that disagrees with its decode is flagged."""
     settings = dict(budgets=[4], temperatures=[0.0], max_new_tokens=NEW_TOKENS, progress=False, speed=False)
-    cache: dict = {}
-    reference = evaluate_prompts(target, drafter, prompts, ar_cache=cache, **settings)
+    reference = evaluate_prompts(target, drafter, prompts, ar_cache={}, **settings)
+    cache: dict = {}  # its own: the walked prompts' answers come batched, the live one's from the baseline
     walked = evaluate_prompts(target, drafter, prompts, ar_cache=cache, live=1, **settings)
+    assert cache[0.0, 0].seconds > 0 and all(cache[0.0, i].seconds == 0 for i in range(1, len(prompts)))
     assert [r["block_lengths"] for r in walked] == [r["block_lengths"] for r in reference]
     assert [r["decoded"] for r in walked] == [True] + [False] * (len(prompts) - 1)
     assert walked[0]["walk_matches_decode"] and walked[0]["matches_target"]
@@ -137,6 +138,22 @@ def test_evaluate_prompts_walks_all_but_the_live_prompt(one_thread, target, draf
         evaluate_prompts(target, drafter, prompts, live=1, **{**settings, "speed": True})
     with pytest.raises(ValueError, match="live=-1"):
         evaluate_prompts(target, drafter, prompts, live=-1, **settings)
+
+
+def test_batched_greedy_answers_equal_the_one_prompt_baselines(one_thread, target, drafter, prompts, answers):
+    """The walk's answers (batched, padded, EOS where the decoders stop) are the baseline's tokens; the live
+    prompts and the cached ones are left alone; a speed evaluation refuses a cache they filled."""
+    from exittrain.heldout.round_walk import greedy_answers
+
+    kept = autoregressive_generate(target, prompts[3], NEW_TOKENS)
+    cache = {(0.0, 3): kept}
+    greedy_answers(target, prompts, cache, live=2, max_new_tokens=NEW_TOKENS)
+    assert sorted(i for _, i in cache) == list(range(2, len(prompts))) and cache[0.0, 3] is kept
+    assert [cache[0.0, i].tokens for i in range(2, len(prompts))] == answers[2:]
+    assert any(len(a) < NEW_TOKENS for a in answers[2:])  # an answer ended by EOS is among them
+    settings = dict(budgets=[4], temperatures=[0.0], max_new_tokens=NEW_TOKENS, progress=False)
+    with pytest.raises(ValueError, match="batched greedy answer"):
+        evaluate_prompts(target, drafter, prompts, ar_cache=cache, speed=True, **settings)
 
 
 def test_a_tree_walk_that_disagrees_with_its_decode_is_flagged(one_thread, target, drafter, prompts, monkeypatch,
