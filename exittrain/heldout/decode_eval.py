@@ -31,7 +31,8 @@ from exittrain import progress as progress_log
 from exittrain.core import bootstrap_ci
 from exittrain.decoding import SpeculativeDecoder, autoregressive_generate, oracle_generate
 from exittrain.decoding.chain_decoder import ChainDecoder
-from exittrain.heldout.round_walk import check_live, greedy_answers, walked_rounds
+from exittrain.heldout.measures import greedy_answers
+from exittrain.heldout.round_walk import check_live, walk_checks, walked_rounds
 
 __all__ = [
     "decode_check", "evaluate_prompts", "summarize", "format_table", "auto_reasons", "optional_cell",
@@ -255,10 +256,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             "tau": sum(map(sum, lengths)) / n_rounds,
             "ci95": bootstrap_ci(lengths),
         }
-        out["live"] = len(decoded)
-        checked = [r["walk_matches_decode"] for r in items if "walk_matches_decode" in r]
-        if checked:
-            out["walk_exact"] = all(checked)
+        out.update(walk_checks(items))
         if all("tokens_per_s" in r for r in items):
             out["tokens_per_s"] = tokens / sum(r["seconds"] for r in items)
         if all("ar_tokens_per_s" in r for r in items):

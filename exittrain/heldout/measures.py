@@ -17,6 +17,8 @@ last prompt token first): its token is the root, ``ids[:a]`` the committed conte
   drafter's greedy chain of ``min(budget, K)`` nodes (``chain_tree``), the draft vLLM and SGLang
   verify, where ``sum_v P(v) = 1 + sum_k prod_{j<=k} p_j(x_j)`` is their expected acceptance
   length at T (docs/algorithm.md section 4.6).
+- :func:`greedy_answers`: the target's greedy answers, in batches, that the T = 0 tracks walk their
+  rounds along (:mod:`exittrain.heldout.round_walk`).
 - :func:`oracle_block_lengths`: ``sum_v P(v)`` of the tree of the B nodes of highest warped
   target reach, depth <= K (docs/algorithm.md section 5.2): the bound of every tree of B nodes.
 
@@ -35,7 +37,9 @@ from collections.abc import Sequence
 import torch
 
 __all__ = [
+    "ANSWER_BATCH",
     "answer_rows",
+    "greedy_answers",
     "heldout_anchors",
     "analytic_block_lengths",
     "drafter_trees",
@@ -93,6 +97,31 @@ def answer_rows(
         for prompt, answer in zip(chunk, generate_batch(model, tok, chunk, gen, pad, eos, layers)):
             rows.append((torch.tensor(prompt + answer.response), len(prompt), answer.features))
     return rows
+
+
+ANSWER_BATCH = 16  # walked prompts answered per generation batch (greedy_answers)
+
+
+def greedy_answers(target, prompts: Sequence[Sequence[int]], ar_cache: dict, *, live: int, max_new_tokens: int) -> None:
+    """Fill ``ar_cache[(0.0, i)]`` for every walked prompt (``i >= live``) it lacks with the target's
+    greedy answer, a :class:`~exittrain.decoding.GenerationResult` of ``max_new_tokens`` tokens at
+    most (EOS kept), from batched generation (:func:`answer_rows`).
+
+    The entries carry no timing (``seconds`` 0): they are answers to walk along, not baselines to
+    time a decode against, so a cache filled here must not feed speed columns (the evaluator's
+    cache serves one mode for its life). The live prompts (``i < live``) are left to the
+    one-prompt baseline their lossless check needs."""
+    from exittrain.decoding import GenerationResult
+    from exittrain.progress import Heartbeat
+
+    todo = [i for i in range(live, len(prompts)) if (0.0, i) not in ar_cache]
+    if not todo:
+        return
+    with Heartbeat(f"eval: the target's greedy answers to {len(todo)} prompts"):
+        rows = answer_rows(target, [list(prompts[i]) for i in todo], [], max_new_tokens, ANSWER_BATCH,
+                           eos_ids=target.eos_token_ids)  # where the decoders stop
+    for i, (ids, n_prompt, _) in zip(todo, rows, strict=True):
+        ar_cache[0.0, i] = GenerationResult(ids[n_prompt:].tolist())
 
 
 def heldout_anchors(rows, num_draft_tokens: int, per_row: int, seed: int) -> list[torch.Tensor]:

@@ -36,8 +36,8 @@ first round at the target's first token y[0] (``answer`` is the target's answer)
 Cost: one target pass over the prompt and answer, one drafter pass over its anchors, and at most
 one scored tree, per prompt, where the decode runs a target and a drafter forward per round.
 
-Where y comes from: :func:`greedy_answers` answers the walked prompts in batches of
-:data:`ANSWER_BATCH` (a few times faster than one prompt at a time on a CPU); the prompts decoded
+Where y comes from: :func:`~exittrain.heldout.measures.greedy_answers` answers the walked prompts
+in batches (a few times faster than one prompt at a time on a CPU); the prompts decoded
 for real keep the one-prompt autoregressive baseline, which their lossless check compares against.
 
 Limits: T = 0 only, and exact up to float rounding. The target's features come from one causal
@@ -59,8 +59,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["ANSWER_BATCH", "WALK_SHAPES", "anchor_trees", "chain_accept_lengths", "check_live", "greedy_answers",
-           "walked_rounds"]
+__all__ = ["WALK_SHAPES", "anchor_trees", "chain_accept_lengths", "check_live", "walk_checks", "walked_rounds"]
 
 WALK_SHAPES = ("ddtree", "chain")  # the draft trees walked: the plain decoder's best-first tree, the greedy chain
 
@@ -72,30 +71,15 @@ def check_live(live) -> None:
         raise ValueError(f"live={live!r}: the prompts decoded for real must be an integer >= 0, or None for all")
 
 
-ANSWER_BATCH = 16  # walked prompts answered per generation batch
-
-
-def greedy_answers(target, prompts: Sequence[Sequence[int]], ar_cache: dict, *, live: int, max_new_tokens: int) -> None:
-    """Fill ``ar_cache[(0.0, i)]`` for every walked prompt (``i >= live``) it lacks with the target's
-    greedy answer, a :class:`~exittrain.decoding.GenerationResult` of ``max_new_tokens`` tokens at
-    most (EOS kept), from batched generation (:func:`~exittrain.heldout.measures.answer_rows`).
-
-    The entries carry no timing (``seconds`` 0): they are answers to walk along, not baselines to
-    time a decode against, so a cache filled here must not feed speed columns (the evaluator's
-    cache serves one mode for its life). The live prompts (``i < live``) are left to the
-    one-prompt baseline their lossless check needs."""
-    from exittrain.decoding import GenerationResult
-    from exittrain.heldout.measures import answer_rows
-    from exittrain.progress import Heartbeat
-
-    todo = [i for i in range(live, len(prompts)) if (0.0, i) not in ar_cache]
-    if not todo:
-        return
-    with Heartbeat(f"eval: the target's greedy answers to {len(todo)} prompts"):
-        rows = answer_rows(target, [list(prompts[i]) for i in todo], [], max_new_tokens, ANSWER_BATCH,
-                           eos_ids=target.eos_token_ids)  # where the decoders stop
-    for i, (ids, n_prompt, _) in zip(todo, rows, strict=True):
-        ar_cache[0.0, i] = GenerationResult(ids[n_prompt:].tolist())
+def walk_checks(rows: Sequence[dict]) -> dict:
+    """What a walking track's summary says of its live checks, from its per-prompt rows: ``live``, the
+    prompts decoded for real (rows without ``decoded`` were), and ``walk_exact``, whether every walk
+    checked against a decode (``walk_matches_decode``) gave its rounds; absent where none was checked."""
+    out = {"live": sum(bool(r.get("decoded", True)) for r in rows)}
+    checked = [r["walk_matches_decode"] for r in rows if "walk_matches_decode" in r]
+    if checked:
+        out["walk_exact"] = all(checked)
+    return out
 
 
 @torch.no_grad()

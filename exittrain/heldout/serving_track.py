@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from exittrain.core import bootstrap_ci
+from exittrain.heldout.round_walk import walk_checks
 from exittrain.progress import Ticker
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,8 @@ def chain_rows(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tok
     (:func:`~exittrain.heldout.decode_eval.evaluate_prompts`), reused and filled at T = 0."""
     from exittrain.decoding import autoregressive_generate
     from exittrain.decoding.chain_decoder import ChainDecoder, decode_after_prefill
-    from exittrain.heldout.round_walk import check_live, greedy_answers, walked_rounds
+    from exittrain.heldout.measures import greedy_answers
+    from exittrain.heldout.round_walk import check_live, walked_rounds
 
     check_live(live)
     ar_cache = {} if ar_cache is None else ar_cache
@@ -172,12 +174,8 @@ def summarize_chain(rows: list[dict]) -> dict:
     rounds = sum(len(x) for x in lengths)
     decoded = [r for r in rows if r.get("decoded", True)]
     out = {"chain_tau": sum(map(sum, lengths)) / rounds if rounds else 0.0, "chain_ci95": bootstrap_ci(lengths),
-           "chain_K": rows[0]["budget"], "chain_lossless": all(r["matches_target"] for r in decoded),
-           "chain_live": len(decoded)}
-    checked = [r["walk_matches_decode"] for r in rows if "walk_matches_decode" in r]
-    if checked:
-        out["chain_walk_exact"] = all(checked)
-    return out
+           "chain_K": rows[0]["budget"], "chain_lossless": all(r["matches_target"] for r in decoded)}
+    return {**out, **{f"chain_{k}": v for k, v in walk_checks(rows).items()}}
 
 
 def attach_chain(table: list[dict], chain: dict) -> None:

@@ -143,7 +143,7 @@ def test_evaluate_prompts_walks_all_but_the_live_prompt(one_thread, target, draf
 def test_batched_greedy_answers_equal_the_one_prompt_baselines(one_thread, target, drafter, prompts, answers):
     """The walk's answers (batched, padded, EOS where the decoders stop) are the baseline's tokens; the live
     prompts and the cached ones are left alone; a speed evaluation refuses a cache they filled."""
-    from exittrain.heldout.round_walk import greedy_answers
+    from exittrain.heldout.measures import greedy_answers
 
     kept = autoregressive_generate(target, prompts[3], NEW_TOKENS)
     cache = {(0.0, 3): kept}
