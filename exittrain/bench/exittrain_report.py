@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from exittrain.report.experiment_page import uncorrected, vllm_lines
+from exittrain.report.experiment_page import separation, uncorrected, vllm_lines
 from exittrain.tables import markdown_table, paired_cell
 
 __all__ = ["SEQUENCE", "plot", "replicate_verdicts", "rule", "to_markdown", "vllm_verdict"]
@@ -182,10 +182,8 @@ def vllm_verdict(vllm: dict | None) -> list[str]:
     lines = []
     for name, r in (vllm or {}).get("drafters", {}).items():
         pair = r.get("vs_control")
-        if pair is None:
-            continue
-        low, high = pair["ci95"]
-        if low > 0 or high < 0:
-            lines.append(f"{name} {'beats' if low > 0 else 'loses to'} {r['control']} in vLLM's measured "
-                         f"acceptance length: {pair['delta']:+.4f} ({low:+.4f} to {high:+.4f})")
+        if (word := separation(pair)) is not None:
+            low, high = pair["ci95"]
+            lines.append(f"{name} {word} {r['control']} in vLLM's measured acceptance length: "
+                         f"{pair['delta']:+.4f} ({low:+.4f} to {high:+.4f})")
     return lines

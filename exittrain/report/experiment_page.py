@@ -51,6 +51,15 @@ def _setting(r: dict) -> str:
     return f"at B = {r['budget']}, T = {r['temperature']:g}"
 
 
+def separation(pair: dict | None) -> str | None:
+    """``beats`` or ``loses to`` where a paired difference's 95% interval (``pair["ci95"]``) excludes 0;
+    None where it covers 0 or there is no pair. Each pair is read alone: no correction."""
+    if pair is None:
+        return None
+    low, high = pair["ci95"]
+    return "beats" if low > 0 else "loses to" if high < 0 else None
+
+
 def uncorrected(rows: list[dict]) -> list[str]:
     """The settings whose paired interval against their matched control excludes 0, each pair read alone
     (no correction for the comparisons made), at every temperature, T = 0 included, for both shapes; a
@@ -61,14 +70,12 @@ def uncorrected(rows: list[dict]) -> list[str]:
     lines = []
     for r in rows:
         pair = r.get("vs_control")
-        if pair is None:
+        if (word := separation(pair)) is None:
             continue
         low, high = pair["ci95"]
-        if low > 0 or high < 0:
-            word = "beats" if low > 0 else "loses to"
-            size = f" (under {NEGLIGIBLE} tokens per round: negligible)" if abs(pair["delta"]) < NEGLIGIBLE else ""
-            lines.append(f"{r['drafter']} {word} {r['control']} {_setting(r)}: "
-                         f"{pair['delta']:+.4f} ({low:+.4f} to {high:+.4f}){size}")  # 4 places: some are tiny
+        size = f" (under {NEGLIGIBLE} tokens per round: negligible)" if abs(pair["delta"]) < NEGLIGIBLE else ""
+        lines.append(f"{r['drafter']} {word} {r['control']} {_setting(r)}: "
+                     f"{pair['delta']:+.4f} ({low:+.4f} to {high:+.4f}){size}")  # 4 places: some are tiny
     return lines
 
 
