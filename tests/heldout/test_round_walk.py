@@ -246,3 +246,21 @@ def test_the_walk_on_the_embedded_target_with_the_code_recipes_drafter(one_threa
                             live=len(prompts))  # the recipe's tree track, walked and decoded
     assert all(r["walk_matches_decode"] and r["matches_target"] for r in tree)
     assert sum(len(r["block_lengths"]) for r in rows) < sum(r["new_tokens"] - 1 for r in rows)  # some drafts accepted
+
+
+@pytest.mark.real_model
+@pytest.mark.slow  # about 30 s on a 2-core host: eight one-prompt answers of 32 tokens and one batch
+def test_batched_greedy_answers_equal_the_one_prompt_ones_on_the_embedded_target(one_thread):
+    """The walk's answers come from padded batches with a shared chat prefix; on real code prompts of
+    different lengths they are the one-prompt autoregressive baseline's tokens, prompt for prompt."""
+    from exittrain.data import chat_prompt_ids, load_domain
+    from exittrain.heldout.measures import greedy_answers
+    from exittrain.models import load_target
+
+    target = load_target(None)
+    prompts = [chat_prompt_ids(target.tokenizer, t) for t in load_domain("code").eval[20:28]]
+    assert len({len(p) for p in prompts}) > 1  # the batch is padded
+    cache: dict = {}
+    greedy_answers(target, prompts, cache, live=0, max_new_tokens=32)
+    for i, prompt in enumerate(prompts):
+        assert cache[0.0, i].tokens == autoregressive_generate(target, prompt, 32).tokens, f"prompt {i}"
