@@ -22,8 +22,9 @@ in the same order and the same anchors (the ExitTrain stage's lr and anchors per
   of its K draft tokens (``tree_shape=chain``), the draft vLLM and SGLang verify.
 
 ``labels``: ``soft`` (the recipe's labels: the target's top-16 distribution) or ``hard`` (the
-answer token). ``rows``: ``fresh``, prompts the warm start never saw (``data.exclude_seed``: no
-task of the warm start's sample, in either prompt form; the reference recipe's structure), or
+answer token). ``rows``: ``fresh``, prompts the warm start never saw (``data.exclude_seed`` and
+``data.exclude_size``: no task of the warm start's sample, in either prompt form; the reference
+recipe's structure), or
 ``own``, the warm start's own rows. The budget is the training tree's (``tree.budget_train``).
 Every arm passes its tree shape and budget to the stage's module, so an ``--override`` of
 ``tree.shape`` (``+serve=dflash`` sets chain) changes no arm's shape; ``--override +serve=dflash``
@@ -98,16 +99,26 @@ def _log(msg: str) -> None:
     print(f"[bench exittrain {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def fresh_overrides(args, warm_prompts: int | None) -> list[str]:
+    """The data overrides of the fresh rows: ``--fresh-prompts`` prompts under the next seed, without every
+    task of the warm start's sample (``warm_prompts``, its ``data.max_train_prompts``, drawn under ``--seed``)."""
+    if warm_prompts is None:
+        raise ValueError("data.max_train_prompts is null: the warm start trained on every training prompt, so "
+                         "no fresh rows are left; set data.max_train_prompts (--override) for the warm start")
+    return [f"data.seed={args.seed + 1}", f"data.exclude_seed={args.seed}", f"data.exclude_size={warm_prompts}",
+            f"data.max_train_prompts={args.fresh_prompts}"]
+
+
 def _datamodules(args, target, layers):
     """``{"own": the warm start's rows, "fresh": rows of prompts it never saw}``, prepared."""
 
     out, cfgs, dms = Path(args.out), {}, {}
     needed = {a.rows for a in selected_arms(args)}
-    fresh = [f"data.seed={args.seed + 1}", f"data.exclude_seed={args.seed}",
-             f"data.max_train_prompts={args.fresh_prompts}"]
-    for rows, extra in (("own", []), ("fresh", fresh)):
+    own = compose_fit_config(args.domain, out, args.override)  # the warm start's data settings
+    for rows in ("own", "fresh"):
         if rows not in needed:
             continue
+        extra = fresh_overrides(args, own.data.max_train_prompts) if rows == "fresh" else []
         cfg = compose_fit_config(args.domain, out, [*args.override, *extra])
         cfg.seed = args.seed
         dm = build_datamodule(cfg, target, layers, ["exittrain"])

@@ -52,7 +52,7 @@ class ExitTrainDataModule(pl.LightningDataModule):
 
     Args:
         domain, train_sources, eval_sources, target_name, cache_dir, generation, max_train_prompts, seed,
-            exclude_seed, max_prompt_chars, device: which prompts, and which cache entry holds their
+            exclude_seed, exclude_size, max_prompt_chars, device: which prompts, and which cache entry holds their
             answers: :class:`~exittrain.data.prompts.prompt_plan.PromptPlan`'s arguments (documented there), held
             in :attr:`plan`. ``seed`` also seeds the validation split and the shuffling.
         target: callable returning ``(model, tokenizer)``, called only when regeneration is needed
@@ -96,6 +96,7 @@ class ExitTrainDataModule(pl.LightningDataModule):
         val_fraction: float = 0.03,
         seed: int = 0,
         exclude_seed: int | None = None,
+        exclude_size: int | None = None,
         max_prompt_chars: int | None = DEFAULT_MAX_CHARS,
         progress: bool = True,
         feature_layers: Sequence[int] | None = None,
@@ -108,7 +109,7 @@ class ExitTrainDataModule(pl.LightningDataModule):
         self.plan = PromptPlan(
             domain, train_sources=train_sources, eval_sources=eval_sources, target_name=target_name,
             cache_dir=cache_dir, generation=generation, max_train_prompts=max_train_prompts, seed=seed,
-            exclude_seed=exclude_seed, max_prompt_chars=max_prompt_chars, device=device,
+            exclude_seed=exclude_seed, exclude_size=exclude_size, max_prompt_chars=max_prompt_chars, device=device,
         )
         check_store_settings(top_logprobs, feature_store)
         # the plan's settings the hooks read, under their argument names

@@ -60,6 +60,14 @@ def test_the_node_only_arm_drops_block_ce_and_pairs_with_the_soft_control():
         Arm(lambda_tok=0.0)  # neither loss
 
 
+def test_fresh_rows_leave_out_the_warm_starts_whole_sample():
+    args = bx.parse_args(["--seed", "3", "--fresh-prompts", "240"])
+    assert bx.fresh_overrides(args, 720) == ["data.seed=4", "data.exclude_seed=3", "data.exclude_size=720",
+                                             "data.max_train_prompts=240"]
+    with pytest.raises(ValueError, match="max_train_prompts is null"):
+        bx.fresh_overrides(args, None)
+
+
 def _measured(shift: float, noise: float, prompts: int = 12, anchors: int = 20) -> dict:
     """Per-row block lengths of the warm start, the control and one ExitTrain arm that adds ``shift``."""
     g = torch.Generator().manual_seed(0)

@@ -58,6 +58,20 @@ def test_prompt_set_description_names_exclude_seed_only_when_set():
     assert plain == "domain=custom;train=jsonl:t.jsonl:text;eval=jsonl:e.jsonl:text;max_chars=100;max_train=2;seed=4"
     excluded = prompt_set_description(dp, max_prompt_chars=100, max_train_prompts=2, seed=4, exclude_seed=3)
     assert excluded == plain + ";exclude_seed=3"
+    sized = prompt_set_description(dp, max_prompt_chars=100, max_train_prompts=2, seed=4, exclude_seed=3,
+                                   exclude_size=9)
+    assert sized == excluded + ";exclude_size=9"
+
+
+def test_fresh_rows_leave_out_a_larger_warm_start_sample_with_exclude_size():
+    """A warm start drew 10 of 20 prompts under seed 0; fresh rows of 4 under seed 1 must miss all 10. Left
+    out by the fresh run's own sample size (4), seed 0's first draws, they do not: exclude_size does."""
+    dp = _domain(20)
+    warm = set(choose_train_prompts(dp, max_train_prompts=10, seed=0))
+    by_own_size = choose_train_prompts(dp, max_train_prompts=4, seed=1, exclude_seed=0)
+    assert warm & set(by_own_size), "the negative control: this draw overlaps the warm start without exclude_size"
+    fresh = choose_train_prompts(dp, max_train_prompts=4, seed=1, exclude_seed=0, exclude_size=10)
+    assert len(fresh) == 4 and not warm & set(fresh)
 
 
 def test_choose_train_prompts_samples_and_leaves_out_another_seeds_tasks():
@@ -88,6 +102,10 @@ def test_bad_sample_settings_raise_naming_the_setting():
         PromptPlan("code", max_train_prompts=5, seed=2, exclude_seed=2)
     with pytest.raises(ValueError, match="max_train_prompts=-1"):
         PromptPlan("code", max_train_prompts=-1)
+    with pytest.raises(ValueError, match="exclude_size=5.*needs exclude_seed"):
+        PromptPlan("code", max_train_prompts=5, seed=1, exclude_size=5)
+    with pytest.raises(ValueError, match="exclude_size=0"):
+        check_sample_settings(5, 1, 0, 0)
 
 
 def test_from_data_args_takes_a_data_config_and_names_an_unknown_setting():

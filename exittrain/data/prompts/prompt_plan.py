@@ -11,8 +11,9 @@ command that only prepares the data can call it with the DataModule's own argume
 
 The training prompts (:func:`choose_train_prompts`): the domain's sources, cleaned, without any
 prompt equal to an evaluation prompt (:func:`exittrain.data.prompts.prompt_sets.load_domain`); then, with
-``exclude_seed``, without every task of the ``max_train_prompts`` sample that seed draws
-(:func:`~exittrain.data.prompts.selection.unseen_tasks`); then a ``max_train_prompts`` sample under
+``exclude_seed``, without every task of the sample of ``exclude_size`` (default
+``max_train_prompts``) prompts that seed draws (:func:`~exittrain.data.prompts.selection.unseen_tasks`);
+then a ``max_train_prompts`` sample under
 ``seed`` (:func:`~exittrain.data.prompts.selection.seeded_sample`).
 
 The cache key hashes the target name, the prompt-set description (:func:`prompt_set_description`),
@@ -94,12 +95,17 @@ LOADER_ARGS = frozenset(
 _HYDRA_KEYS = frozenset({"_target_", "_partial_", "_recursive_", "_convert_", "_args_"})
 
 
-def check_sample_settings(max_train_prompts: int | None, seed: int, exclude_seed: int | None) -> None:
-    """Raise ValueError, naming the setting, for a ``max_train_prompts`` below 1 or an ``exclude_seed``
-    without ``max_train_prompts`` or equal to ``seed``."""
+def check_sample_settings(max_train_prompts: int | None, seed: int, exclude_seed: int | None,
+                          exclude_size: int | None = None) -> None:
+    """Raise ValueError, naming the setting, for a ``max_train_prompts`` below 1, an ``exclude_seed``
+    without ``max_train_prompts`` or equal to ``seed``, or an ``exclude_size`` below 1 or without
+    ``exclude_seed``."""
     if max_train_prompts is not None and max_train_prompts < 1:
         raise ValueError(f"max_train_prompts={max_train_prompts} must be positive or None")
-    if exclude_seed is not None and (max_train_prompts is None or exclude_seed == seed):
+    if exclude_size is not None and (exclude_seed is None or exclude_size < 1):
+        raise ValueError(f"exclude_size={exclude_size}: the size of exclude_seed's sample to leave out needs "
+                         f"exclude_seed set (exclude_seed={exclude_seed}) and a count >= 1; null = max_train_prompts")
+    if exclude_seed is not None and ((max_train_prompts is None and exclude_size is None) or exclude_seed == seed):
         raise ValueError(
             f"exclude_seed={exclude_seed}: leaves out the max_train_prompts sample of another seed; set "
             f"max_train_prompts and a seed other than {exclude_seed} (seed={seed})"
@@ -123,21 +129,25 @@ def answered_sources(specs: SourceSpecs | None) -> bool:
 
 
 def choose_train_indices(
-    dp: DomainPrompts, *, max_train_prompts: int | None, seed: int, exclude_seed: int | None = None
+    dp: DomainPrompts, *, max_train_prompts: int | None, seed: int, exclude_seed: int | None = None,
+    exclude_size: int | None = None,
 ) -> list[int]:
     """The positions in ``dp.train`` of the training prompts a run uses: without the tasks of
-    ``exclude_seed``'s sample (when set; :func:`~exittrain.data.prompts.selection.unseen_tasks` by
-    position), then a sample of at most ``max_train_prompts`` under ``seed``; ascending."""
-    check_sample_settings(max_train_prompts, seed, exclude_seed)
+    ``exclude_seed``'s sample of ``exclude_size`` prompts (when set; ``max_train_prompts`` when
+    ``exclude_size`` is None; :func:`~exittrain.data.prompts.selection.unseen_tasks` by position),
+    then a sample of at most ``max_train_prompts`` under ``seed``; ascending."""
+    check_sample_settings(max_train_prompts, seed, exclude_seed, exclude_size)
     keep = list(range(len(dp.train)))
     if exclude_seed is not None:
         tasks = dp.train_tasks()
-        seen = {tasks[i] for i in seeded_sample(len(keep), max_train_prompts, exclude_seed)}
+        size = max_train_prompts if exclude_size is None else exclude_size
+        seen = {tasks[i] for i in seeded_sample(len(keep), size, exclude_seed)}
         unseen = [i for i in keep if tasks[i] not in seen]
         logger.info(
-            "left out %d training prompts: the tasks of seed %d's sample (exclude_seed)",
+            "left out %d training prompts: the tasks of seed %d's sample of %d (exclude_seed)",
             len(keep) - len(unseen),
             exclude_seed,
+            size,
         )
         keep = unseen
     if max_train_prompts is not None and len(keep) > max_train_prompts:
@@ -148,10 +158,12 @@ def choose_train_indices(
 
 
 def choose_train_prompts(
-    dp: DomainPrompts, *, max_train_prompts: int | None, seed: int, exclude_seed: int | None = None
+    dp: DomainPrompts, *, max_train_prompts: int | None, seed: int, exclude_seed: int | None = None,
+    exclude_size: int | None = None,
 ) -> list[str]:
     """The training prompts of ``dp`` a run uses (:func:`choose_train_indices`), in ``dp.train``'s order."""
-    keep = choose_train_indices(dp, max_train_prompts=max_train_prompts, seed=seed, exclude_seed=exclude_seed)
+    keep = choose_train_indices(dp, max_train_prompts=max_train_prompts, seed=seed, exclude_seed=exclude_seed,
+                                exclude_size=exclude_size)
     return [dp.train[i] for i in keep]
 
 
@@ -162,11 +174,12 @@ def prompt_set_description(
     max_train_prompts: int | None,
     seed: int,
     exclude_seed: int | None = None,
+    exclude_size: int | None = None,
 ) -> str:
     """Where the training prompts came from and how they were chosen: part of the regeneration cache key.
 
-    Its spelling is frozen: a change orphans every cache entry. ``exclude_seed`` appears only when
-    set, so the entries of runs without it keep their keys."""
+    Its spelling is frozen: a change orphans every cache entry. ``exclude_seed`` and ``exclude_size``
+    appear only when set, so the entries of runs without them keep their keys."""
     return ";".join(
         [
             f"domain={dp.domain}",
@@ -176,6 +189,7 @@ def prompt_set_description(
             f"max_train={max_train_prompts}",
             f"seed={seed}",
             *([f"exclude_seed={exclude_seed}"] if exclude_seed is not None else []),
+            *([f"exclude_size={exclude_size}"] if exclude_size is not None else []),
         ]
     )
 
@@ -201,6 +215,8 @@ class PromptPlan:
             seed, before this run's own sample (both prompt forms of a CodeI/O task go together):
             data a warm start of seed ``exclude_seed`` never saw (``bench exittrain``'s fresh rows).
             None (the default) leaves nothing out.
+        exclude_size: the size of that sample, when the warm start drew another number of prompts
+            than this run (None: ``max_train_prompts``).
         max_prompt_chars: prompts longer than this are rejected (counted) when sources are read.
         device: the device the target answers on (default the CPU); it decides
             ``generation.dtype="auto"`` (:meth:`GenerationConfig.resolved`).
@@ -218,10 +234,11 @@ class PromptPlan:
         max_train_prompts: int | None = None,
         seed: int = 0,
         exclude_seed: int | None = None,
+        exclude_size: int | None = None,
         max_prompt_chars: int | None = DEFAULT_MAX_CHARS,
         device: str | None = None,
     ) -> None:
-        check_sample_settings(max_train_prompts, seed, exclude_seed)
+        check_sample_settings(max_train_prompts, seed, exclude_seed, exclude_size)
         self.domain = domain
         self.train_sources = list(train_sources) if train_sources is not None else None
         self.eval_sources = list(eval_sources) if eval_sources is not None else None
@@ -231,7 +248,7 @@ class PromptPlan:
         self.generation = GenerationConfig.coerce(generation).resolved(self.device, remember_in=self.cache_dir)
         self.max_train_prompts = max_train_prompts
         self.seed = seed
-        self.exclude_seed = exclude_seed
+        self.exclude_seed, self.exclude_size = exclude_seed, exclude_size
         self.max_prompt_chars = max_prompt_chars
         self.answered = answered_sources(self.train_sources)  # answered conversations: a brought entry
         self._prompts: DomainPrompts | None = None
@@ -260,7 +277,8 @@ class PromptPlan:
                 self.domain, train=self.train_sources, eval=self.eval_sources, max_chars=self.max_prompt_chars
             )
             dp.train = choose_train_prompts(
-                dp, max_train_prompts=self.max_train_prompts, seed=self.seed, exclude_seed=self.exclude_seed
+                dp, max_train_prompts=self.max_train_prompts, seed=self.seed, exclude_seed=self.exclude_seed,
+                exclude_size=self.exclude_size,
             )
             self._prompts = dp
         return self._prompts
@@ -299,7 +317,8 @@ class PromptPlan:
             cross_source_duplicates={"train": train_rep, "eval": eval_rep},
         )
         chosen = choose_train_indices(
-            dp, max_train_prompts=self.max_train_prompts, seed=self.seed, exclude_seed=self.exclude_seed
+            dp, max_train_prompts=self.max_train_prompts, seed=self.seed, exclude_seed=self.exclude_seed,
+            exclude_size=self.exclude_size,
         )
         dp.train = [dp.train[i] for i in chosen]
         self._left_out_by_sample = len(kept) - len(chosen)  # exclude_seed and max_train_prompts, for the metadata
@@ -337,6 +356,7 @@ class PromptPlan:
             max_train_prompts=self.max_train_prompts,
             seed=self.seed,
             exclude_seed=self.exclude_seed,
+            exclude_size=self.exclude_size,
         )
 
     @property
