@@ -170,32 +170,16 @@ def evaluate_prompts(
                 if (temperature, i) not in auto_results:  # the auto decode does not depend on the row's budget
                     auto_results[temperature, i] = auto.generate(prompt, max_new_tokens, temperature=temperature,
                                                                  seed=run_seed)
-                fast = auto_results[temperature, i]
-                decoded.append(fast)
-                choice = auto.auto_choice
-                row.update({f"fixed_{k}": v for k, v in _speed_keys(result).items() if not k.startswith("time_")})
-                row.update(_speed_keys(fast))
-                row.update(auto_setting=choice.setting.label, auto_budget=choice.setting.budget,
-                           auto_draft_vocab=choice.setting.draft_vocab, auto_copy_tail=choice.setting.copy_tail,
-                           auto_copy_lead=choice.setting.copy_lead, auto_miss_steps=choice.setting.miss_steps,
-                           auto_tau=fast.mean_block_length, auto_block_lengths=[r.block_length for r in fast.rounds],
-                           auto_expected_speedup=choice.chosen.speedup, auto_reason=choice.reason)
+                decoded.append(auto_results[temperature, i])
+                _auto_columns(row, result, auto_results[temperature, i], auto.auto_choice)
             if baseline:
                 key = (temperature, i)
                 if key not in ar_cache:  # the baseline does not depend on the budget
                     ar_cache[key] = autoregressive_generate(target, prompt, max_new_tokens, temperature, seed=run_seed)
-                ar = ar_cache[key]
-                if speed and ar.tokens and not ar.seconds:
+                if speed and ar_cache[key].tokens and not ar_cache[key].seconds:
                     raise ValueError(f"ar_cache[{key}] holds a batched greedy answer (no timing) from a walk: speed "
                                      "columns need the one-prompt baseline; give a speed evaluation its own ar_cache")
-                if speed:
-                    row["ar_tokens_per_s"] = ar.tokens_per_second
-                    row["speedup"] = row["tokens_per_s"] / ar.tokens_per_second if ar.tokens_per_second else 0.0
-                if auto is not None:
-                    row["fixed_speedup"] = (result.tokens_per_second / ar.tokens_per_second
-                                            if ar.tokens_per_second else 0.0)
-                if temperature == 0:  # lossless check on every greedy evaluation
-                    row["matches_target"] = all(_same_prefix(ar.tokens, r.tokens) for r in decoded)
+                _baseline_columns(row, ar_cache[key], decoded, speed=speed, greedy=temperature == 0)
         if oracle:
             depth = drafter.config.num_draft_tokens
             ores, analytic = oracle_generate(target, prompt, budget, max_new_tokens, temperature, seed=run_seed,
@@ -206,6 +190,32 @@ def evaluate_prompts(
         rows.append(row)
         _tick(bar, ticker, as_lines, done, row)
     return rows
+
+
+def _auto_columns(row: dict, result, fast, choice) -> None:
+    """An ``eval.decode=auto`` row's speed columns: the auto decode ``fast``'s speed keys, the budget's
+    own decode ``result``'s as ``fixed_*``, and the probe's ``choice`` (what it decodes with, and why)."""
+    row.update({f"fixed_{k}": v for k, v in _speed_keys(result).items() if not k.startswith("time_")})
+    row.update(_speed_keys(fast))
+    row.update(auto_setting=choice.setting.label, auto_budget=choice.setting.budget,
+               auto_draft_vocab=choice.setting.draft_vocab, auto_copy_tail=choice.setting.copy_tail,
+               auto_copy_lead=choice.setting.copy_lead, auto_miss_steps=choice.setting.miss_steps,
+               auto_tau=fast.mean_block_length, auto_block_lengths=[r.block_length for r in fast.rounds],
+               auto_expected_speedup=choice.chosen.speedup, auto_reason=choice.reason)
+
+
+def _baseline_columns(row: dict, ar, decoded: list, *, speed: bool, greedy: bool) -> None:
+    """The columns the autoregressive baseline ``ar`` gives a decoded row: with ``speed`` its tokens/s and
+    the speedups (``speedup`` of the row's speed decode; ``fixed_speedup`` of the budget's own, ``decoded[0]``,
+    where an auto decode follows it), and at T = 0 (``greedy``) the lossless check over every decode."""
+    rate = ar.tokens_per_second
+    if speed:
+        row["ar_tokens_per_s"] = rate
+        row["speedup"] = row["tokens_per_s"] / rate if rate else 0.0
+    if len(decoded) > 1:  # eval.decode=auto: the budget's decode, then the auto one
+        row["fixed_speedup"] = decoded[0].tokens_per_second / rate if rate else 0.0
+    if greedy:  # lossless check on every greedy evaluation
+        row["matches_target"] = all(_same_prefix(ar.tokens, r.tokens) for r in decoded)
 
 
 def _tick(bar, ticker, as_lines: bool, done: int, row: dict) -> None:
