@@ -172,12 +172,37 @@ def train_arms(args, target, warm_path: Path) -> tuple[dict, dict]:
 MEASURE_SETTINGS = ("domain", "prompts", "skip", "max_new_tokens", "analytic_anchors", "budget_anchors", "seed")
 
 
-def heldout_prompts(args, target) -> list[list[int]]:
-    """The held-out evaluation prompts every drafter is measured on: ``--skip .. --skip + --prompts``."""
-    from exittrain.data import ExitTrainDataModule
+def _eval_data(args) -> dict:
+    """The fit config's data settings (``--override`` applied), as plain values."""
+    from omegaconf import OmegaConf
 
-    data = ExitTrainDataModule(args.domain, tokenizer=target.tokenizer, progress=False)
-    return data.eval_prompts(args.skip + args.prompts)[args.skip:]
+    return OmegaConf.to_container(compose_fit_config(args.domain, Path(args.out), args.override).data, resolve=True)
+
+
+def measure_settings(args) -> dict:
+    """What the measured values depend on besides a drafter's weights: :data:`MEASURE_SETTINGS`, and the
+    evaluation sources where an ``--override`` names them (absent otherwise, so earlier caches keep their key)."""
+    from exittrain.data.prompts.domain_sources import DOMAIN_SOURCES
+
+    settings = {k: getattr(args, k) for k in MEASURE_SETTINGS}
+    sources = list(_eval_data(args).get("eval_sources") or DOMAIN_SOURCES[args.domain].eval)
+    return settings if sources == list(DOMAIN_SOURCES[args.domain].eval) else {**settings, "eval_sources": sources}
+
+
+def heldout_prompts(args, target) -> list[list[int]]:
+    """The held-out evaluation prompts every drafter is measured on: ``--skip .. --skip + --prompts`` of the
+    fit config's evaluation prompts, as ``fit`` reads them (an ``--override`` of ``data.eval_sources``
+    included; their equals are left out of every training sample)."""
+    from exittrain.data.prompts.prompt_plan import PromptPlan
+
+    plan = PromptPlan.from_data_args(_eval_data(args))
+    prompts = plan.eval_ids(target.tokenizer, args.skip + args.prompts)[args.skip:]
+    if len(prompts) < args.prompts:
+        held = plan.prompts()
+        raise ValueError(f"--skip {args.skip} --prompts {args.prompts}: the {args.domain} evaluation prompts "
+                         f"({', '.join(s.source for s in held.eval_stats)}) are {len(held.eval)}; lower --skip or "
+                         "--prompts, or name others with --override 'data.eval_sources=[...]'")
+    return prompts
 
 
 def measure_in_vllm(args, target, drafters: dict[str, Path], warm_name: str) -> dict:
@@ -232,7 +257,7 @@ def measure(args, target, drafters: dict[str, Path], on_step=None) -> dict:
     layers = list(first.config.target_layer_ids)
     K = first.config.num_draft_tokens
     prompts = heldout_prompts(args, target)
-    cache = MeasureCache(Path(args.out) / "measured", {k: getattr(args, k) for k in MEASURE_SETTINGS})
+    cache = MeasureCache(Path(args.out) / "measured", measure_settings(args))
     oracle_name = f"oracle-{args.oracle_prompts}-prompts"
     per_row = {name: cache.load(name, drafters[name]) for name in loaded}
     oracle = cache.load(oracle_name)

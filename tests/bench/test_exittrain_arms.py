@@ -68,6 +68,30 @@ def test_fresh_rows_leave_out_the_warm_starts_whole_sample():
         bx.fresh_overrides(args, None)
 
 
+@pytest.mark.real_model
+def test_heldout_prompts_follow_the_configs_evaluation_sources(tmp_path):
+    """The bench measures on the prompts fit evaluates: an override of data.eval_sources moves them (its
+    equals leave the training sample), and asking for more than the list holds names the list."""
+    from exittrain.data import chat_prompt_ids
+    from exittrain.models import load_target
+
+    target = load_target(None)
+    args = bx.parse_args(["--domain", "dialogue", "--skip", "2", "--prompts", "3", "--out", str(tmp_path)])
+    default = bx.heldout_prompts(args, target)
+    args.override = ["data.eval_sources=['pkg:ifbench?limit=8&seed=5']"]
+    moved = bx.heldout_prompts(args, target)
+    assert len(default) == len(moved) == 3 and default != moved
+    from exittrain.data import load_domain
+
+    ifbench = load_domain("dialogue", train=["pkg:sharegpt_dummy"], eval=["pkg:ifbench?limit=8&seed=5"]).eval
+    assert moved == [chat_prompt_ids(target.tokenizer, t) for t in ifbench[2:5]]
+    assert bx.measure_settings(args)["eval_sources"] == ["pkg:ifbench?limit=8&seed=5"]  # keys the measured cache
+    args.skip, args.override = 78, []
+    assert bx.measure_settings(args) == {k: getattr(args, k) for k in bx.MEASURE_SETTINGS}  # the key caches had
+    with pytest.raises(ValueError, match=r"pkg:mt_bench\) are 80; lower --skip"):
+        bx.heldout_prompts(args, target)
+
+
 def _measured(shift: float, noise: float, prompts: int = 12, anchors: int = 20) -> dict:
     """Per-row block lengths of the warm start, the control and one ExitTrain arm that adds ``shift``."""
     g = torch.Generator().manual_seed(0)
