@@ -13,8 +13,7 @@ The training prompts (:func:`choose_train_prompts`): the domain's sources, clean
 prompt equal to an evaluation prompt (:func:`exittrain.data.prompts.prompt_sets.load_domain`); then, with
 ``exclude_seed``, without every task of the sample of ``exclude_size`` (default
 ``max_train_prompts``) prompts that seed draws (:func:`~exittrain.data.prompts.selection.unseen_tasks`);
-then a ``max_train_prompts`` sample under
-``seed`` (:func:`~exittrain.data.prompts.selection.seeded_sample`).
+then a ``max_train_prompts`` sample under ``seed`` (:func:`~exittrain.data.prompts.selection.seeded_sample`).
 
 The cache key hashes the target name, the prompt-set description (:func:`prompt_set_description`),
 the training prompts and the generation settings (:func:`exittrain.data.regen_cache.cache_key`):
