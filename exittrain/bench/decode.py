@@ -64,7 +64,7 @@ import time
 import torch
 
 from exittrain import progress as progress_log
-from exittrain.cpu_decode.auto_settings import auto_decoder
+from exittrain.cpu_decode.auto_settings import AutoChoice, auto_decoder
 from exittrain.cpu_decode.decode_settings import DecodeSetting
 from exittrain.cpu_decode.draft_vocab import load_draft_vocabulary, load_token_counts
 from exittrain.cpu_decode.fast_products import FastCpuDecoder
@@ -245,15 +245,16 @@ def _fixed_decoders(target, drafter, drafter_path, budgets, caches, head_layouts
 
 
 def _auto_decoder(target, drafter, drafter_path, probe_prompts, max_budget: int,
-                  new_tokens: int) -> tuple[dict, FastCpuDecoder]:
-    """``(row settings, decoder)`` at the setting the probe finds fastest on ``probe_prompts``,
+                  new_tokens: int) -> tuple[dict, FastCpuDecoder, AutoChoice]:
+    """``(row settings, decoder, choice)`` at the setting the probe finds fastest on ``probe_prompts``,
     whose answers it scores as long as the bench decodes them (``new_tokens``)."""
     counts = load_token_counts(drafter_path) if drafter_path else None
-    decoder = auto_decoder(target, drafter, probe_prompts, max_budget=max_budget, token_counts=counts,
-                           answer_tokens=new_tokens)
-    s = decoder.auto_choice.setting
-    return ({"budget": s.budget, "drafter_cache": True, "head_layout": "auto", "packed": True, "copy_tail": s.copy_tail,
-             "draft_vocab": s.draft_vocab, "copy_lead": s.copy_lead, "miss_steps": s.miss_steps, "auto": True}, decoder)
+    decoder, choice = auto_decoder(target, drafter, probe_prompts, max_budget=max_budget, token_counts=counts,
+                                   answer_tokens=new_tokens)
+    s = choice.setting
+    meta = {"budget": s.budget, "drafter_cache": True, "head_layout": "auto", "packed": True, "copy_tail": s.copy_tail,
+            "draft_vocab": s.draft_vocab, "copy_lead": s.copy_lead, "miss_steps": s.miss_steps, "auto": True}
+    return meta, decoder, choice
 
 
 def _measure_set(target, prompts, decoders, new_tokens: int, lookup_tokens: int, name: str) -> dict:
@@ -323,9 +324,8 @@ def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int,
             stretch = set_prompts(target, name, n_prompts + probe_prompts, skip)
             prompts, probe = interleaved_split(stretch, n_prompts, probe_prompts)
             indices, _ = interleaved_split(list(range(skip, skip + len(stretch))), n_prompts, probe_prompts)
-            meta, decoder = _auto_decoder(target, drafter, drafter_path, probe, max(budgets), new_tokens)
+            meta, decoder, choice = _auto_decoder(target, drafter, drafter_path, probe, max(budgets), new_tokens)
             decoders.append((meta, decoder))
-            choice = decoder.auto_choice
             print(f"{name}: {choice.reason}")
         else:
             prompts = set_prompts(target, name, n_prompts, skip)

@@ -391,7 +391,7 @@ def probe_decode_settings(
 
 
 def auto_decoder(target, drafter, prompts, *, max_budget: int = 16, verifier: str = "tev",
-                 token_counts: dict | None = None, **probe):
+                 token_counts: dict | None = None, **probe) -> tuple[object, AutoChoice]:
     """A :class:`~exittrain.cpu_decode.fast_products.FastCpuDecoder` at the setting this host and
     drafter decode fastest (``decode: auto``).
 
@@ -401,8 +401,8 @@ def auto_decoder(target, drafter, prompts, *, max_budget: int = 16, verifier: st
     settings. When no setting is expected to beat greedy decoding, the decoder is a
     :class:`~exittrain.decoding.speculative.GreedyDecoder` (no drafter at all).
     ``token_counts`` (default: the drafter folder's ``draft_vocab.json``, when it was loaded from
-    one) lets the probe try a draft vocabulary. The returned decoder's ``auto_choice`` holds the
-    verdict and its one-line ``reason``.
+    one) lets the probe try a draft vocabulary. Returns ``(decoder, choice)``: the
+    :class:`AutoChoice` holds the verdict and its one-line ``reason``.
     """
     counts = token_counts if token_counts is not None else drafter_token_counts(drafter)
     choice = probe_decode_settings(target, drafter, prompts, max_budget=max_budget, token_counts=counts,
@@ -411,14 +411,13 @@ def auto_decoder(target, drafter, prompts, *, max_budget: int = 16, verifier: st
         decoder = GreedyDecoder(target)
     else:
         decoder = FastCpuDecoder(target, drafter, verifier=verifier, **choice.decoder_kwargs())
-    decoder.auto_choice = choice
-    return decoder
+    return decoder, choice
 
 
 def auto_probe(target, verifier: str = "tev", token_counts: dict | None = None) -> Callable:
     """The ``auto`` argument of :class:`~exittrain.heldout.evaluator.HeldOutEvaluator` for
     ``eval.decode=auto``: ``probe(drafter, prompts, max_budget, answer_tokens)`` returns
-    :func:`auto_decoder`'s decoder for that drafter (``token_counts``: as there)."""
+    :func:`auto_decoder`'s ``(decoder, choice)`` for that drafter (``token_counts``: as there)."""
     def probe(drafter, prompts, max_budget: int, answer_tokens: int):
         return auto_decoder(target, drafter, prompts, max_budget=max_budget, verifier=verifier,
                             token_counts=token_counts, answer_tokens=answer_tokens)

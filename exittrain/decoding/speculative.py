@@ -224,7 +224,6 @@ class SpeculativeDecoder:
         self.copy_ngrams = check_ngrams(copy_ngrams, key="copy_ngrams")
         self.draft_vocab = _check_vocab(draft_vocab, target.vocab_size, budget)
         self.layers = list(drafter.config.target_layer_ids)
-        self.auto_choice = None  # set by cpu_decode's auto_decoder: what the probe measured and why it chose this
 
     def _most_nodes(self) -> int:
         """The most draft nodes a round verifies: the budget plus the copy tail's (both chains'
@@ -382,7 +381,6 @@ class GreedyDecoder:
 
     def __init__(self, target):
         self.target = target
-        self.auto_choice = None
 
     def generate(self, input_ids, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None) -> GenerationResult:

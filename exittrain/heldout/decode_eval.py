@@ -82,7 +82,7 @@ def evaluate_prompts(
 
     Every decode runs the plain :class:`~exittrain.decoding.SpeculativeDecoder` (``eval.decode=fixed``)
     unless ``auto`` is given (``eval.decode=auto``): a function ``auto(drafter, prompts, max_budget,
-    answer_tokens)`` that returns a decoder with its ``auto_choice``
+    answer_tokens)`` that returns ``(decoder, choice)``
     (:func:`exittrain.cpu_decode.auto_settings.auto_decoder`, bound by the command that asked for it:
     this layer does not import the CPU's decode layer). It is called once, its choice logged with
     its reason, and every prompt is decoded twice: at the row's budget for the quality columns, and
@@ -123,8 +123,8 @@ def evaluate_prompts(
         raise ValueError("live walks rounds instead of decoding them, and the speed columns time real decodes: "
                          "pass live=None with speed or auto")
     if auto is not None:  # eval.decode=auto: the speed columns decode at the probe's choice
-        auto = auto(drafter, prompts, max(budgets), max_new_tokens)
-        log.info("eval %s: %s", label or "-", auto.auto_choice.reason)
+        auto, choice = auto(drafter, prompts, max(budgets), max_new_tokens)
+        log.info("eval %s: %s", label or "-", choice.reason)
         speed = True
     auto_results: dict = {}  # (temperature, prompt index) -> the auto decode
     rows: list[dict] = []
@@ -171,7 +171,7 @@ def evaluate_prompts(
                     auto_results[temperature, i] = auto.generate(prompt, max_new_tokens, temperature=temperature,
                                                                  seed=run_seed)
                 decoded.append(auto_results[temperature, i])
-                _auto_columns(row, result, auto_results[temperature, i], auto.auto_choice)
+                _auto_columns(row, result, auto_results[temperature, i], choice)
             if baseline:
                 key = (temperature, i)
                 if key not in ar_cache:  # the baseline does not depend on the budget

@@ -130,8 +130,8 @@ def test_a_set_is_measured_with_every_output_checked_against_greedy(target, monk
     drafter = new_drafter(target, block_size=4, num_layers=1, hidden_size=32, seed=0, copy_ngrams=[2, 1]).eval()
     prompts = [PROMPT, PROMPT[3:] + PROMPT]
     fixed = bench_decode._fixed_decoders(target, drafter, None, [4], [True], ["auto"], [0], [0], [0, 2])
-    auto = auto_decoder(target, drafter, prompts, max_budget=4, answer_tokens=8, copy_tails=(0, 10),
-                                   timer=lambda s: 1.0 if s is None else 1.0 + s.budget / 4)
+    auto, _ = auto_decoder(target, drafter, prompts, max_budget=4, answer_tokens=8, copy_tails=(0, 10),
+                           timer=lambda s: 1.0 if s is None else 1.0 + s.budget / 4)
     measured = bench_decode._measure_set(
         target, prompts, [*fixed, ({"budget": auto.budget, "drafter_cache": True, "head_layout": "auto",
                                     "copy_tail": auto.copy_tail, "draft_vocab": 0, "auto": True}, auto)],

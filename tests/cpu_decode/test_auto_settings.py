@@ -189,9 +189,9 @@ def test_when_no_setting_beats_greedy_auto_decodes_greedily_and_says_why(target,
     assert f"{best.round_ms:.0f} ms for {best.tau:.2f} tokens" in choice.reason
     assert "against 5 ms a greedy step" in choice.reason
     # the decoder auto builds then has no drafter, and decodes what greedy decoding does
-    decoder = auto_decoder(target, drafter, PROMPTS[:1], max_budget=4, answer_tokens=8, copy_tails=(0,),
-                           timer=scripted_timer(lambda s: 100.0 + s.budget, greedy_ms=5.0)[0])
-    assert isinstance(decoder, GreedyDecoder) and decoder.auto_choice.setting == GREEDY
+    decoder, chosen = auto_decoder(target, drafter, PROMPTS[:1], max_budget=4, answer_tokens=8, copy_tails=(0,),
+                                   timer=scripted_timer(lambda s: 100.0 + s.budget, greedy_ms=5.0)[0])
+    assert isinstance(decoder, GreedyDecoder) and chosen.setting == GREEDY
     assert decoder.generate(REPEATING, 12).tokens == autoregressive_generate(target, REPEATING, 12).tokens
     # without the fallback, the least slow candidate is chosen and the reason says it is slower
     kept = auto.probe_decode_settings(target, drafter, PROMPTS[:1], max_budget=4, answer_tokens=8, copy_tails=(0,),
@@ -407,11 +407,11 @@ def test_the_auto_decoder_decodes_at_the_choice_and_stays_greedy(target, drafter
     def cost(s: DecodeSetting) -> float:  # only B=2 with the tail is cheap
         return 1.0 if (s.budget, s.copy_tail) == (2, 5) else 50.0
 
-    decoder = auto_decoder(target, drafter, PROMPTS, max_budget=4, token_counts=COUNTS,
-                                      vocab_sizes=(0, 16), copy_tails=(0, 5), answer_tokens=8,
-                                      timer=scripted_timer(cost, 10.0)[0])
+    decoder, chosen = auto_decoder(target, drafter, PROMPTS, max_budget=4, token_counts=COUNTS,
+                                   vocab_sizes=(0, 16), copy_tails=(0, 5), answer_tokens=8,
+                                   timer=scripted_timer(cost, 10.0)[0])
     assert (decoder.budget, decoder.copy_tail) == (2, 5)
-    assert decoder.auto_choice.setting.budget == 2
+    assert chosen.setting.budget == 2
     assert decoder.generate(REPEATING, 20).tokens == autoregressive_generate(target, REPEATING, 20).tokens
 
 
