@@ -84,10 +84,14 @@ def check_node_probs(tree: DraftTree, probs: torch.Tensor, *, name: str = "probs
         )
 
 
-def edge_probabilities(tree: DraftTree, probs: torch.Tensor) -> torch.Tensor:
-    """(N, B) ``p_{pi(v)}(x_v)`` for every node, 0 on padding: one flat gather."""
+def edge_probabilities(tree: DraftTree, probs: torch.Tensor, parent_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """(N, B) ``p_{pi(v)}(x_v)`` for every node, 0 on padding: one flat gather.
+
+    ``probs``: (N, B+1, V), one row per root and node; or, with ``parent_rows`` (N, B), the rows
+    each node's parent reads (:meth:`~exittrain.core.tree.DraftTree.interior`: the parents' rows only)."""
     N, B1, V = probs.shape
-    flat_index = tree.parents * V + tree.tokens  # (N, B)
+    parents = tree.parents if parent_rows is None else parent_rows
+    flat_index = parents * V + tree.tokens  # (N, B)
     edge = probs.reshape(N, B1 * V).gather(1, flat_index)
     return torch.where(tree.valid, edge, torch.zeros_like(edge))
 

@@ -153,6 +153,34 @@ class DraftTree:
         mask = mask[:, :width]
         return mask if rows is not None else mask.view(N, B + 1, vocab_size)
 
+    def interior(self) -> tuple[DraftTree, torch.Tensor]:
+        """The rows that are some node's parent, as trees of their own, and where each node's parent sits in them.
+
+        Returns ``(inner, parent_row)``: ``inner`` (N trees of W = the most interior nodes of any tree)
+        holds every valid node with a valid child, in column order, with its token, depth and parent
+        (an interior node's parent is interior too); ``parent_row`` (N, B) gives, for every node of
+        this tree, the row of ``inner`` (root-first, 0 = the root) that is its parent, 0 on padding.
+        A node's edge probability reads its parent's row only (:func:`~exittrain.core.exit_law.exit_law_from_edges`),
+        so scoring ``inner`` instead of the whole tree gives every edge with fewer target rows:
+        leaves, about half of a best-first tree, need none.
+        """
+        N, B = self.tokens.shape
+        children_NB1 = torch.zeros(N, B + 1, dtype=torch.long, device=self.tokens.device)
+        children_NB1.scatter_add_(1, self.parents, self.valid.long())  # padding hangs off the root, adding 0
+        keep_NB = (children_NB1[:, 1:] > 0) & self.valid
+        row_NB1 = torch.cat([keep_NB.new_zeros(N, 1, dtype=torch.long), keep_NB.long().cumsum(1)], 1)  # old -> new
+        W = int(keep_NB.sum(1).max()) if B and N else 0
+        order_NW = (~keep_NB).long().argsort(dim=1, stable=True)[:, :W]  # the interior columns first, in order
+        valid_NW = keep_NB.gather(1, order_NW)
+
+        def pick(x):
+            return torch.where(valid_NW, x.gather(1, order_NW), torch.zeros_like(order_NW))
+
+        inner = DraftTree(tokens=pick(self.tokens), parents=pick(row_NB1.gather(1, self.parents)),
+                          depths=pick(self.depths), valid=valid_NW, max_depth=self.max_depth)
+        parent_row = torch.where(self.valid, row_NB1.gather(1, self.parents), torch.zeros_like(self.parents))
+        return inner, parent_row
+
     def index(self, idx) -> DraftTree:
         """The sub-batch of trees selected by ``idx`` (any index valid for dim 0)."""
         return DraftTree(

@@ -11,7 +11,8 @@ last prompt token first): its token is the root, ``ids[:a]`` the committed conte
 - :func:`analytic_block_lengths`: the drafter's tree is built exactly as
   :class:`~exittrain.decoding.SpeculativeDecoder` builds it (``build_tree`` of the raw drafter
   log-probabilities, fp32 target features of the context), the target scores every row of it
-  (``score_trees(mode="exact")``), and the exit law under the target warped to T
+  (``score_trees(mode="exact")``, the rows a node's edge reads: the root and the nodes with
+  children, :meth:`~exittrain.core.DraftTree.interior`), and the exit law under the target warped to T
   (``warp_probs``) gives ``sum_v P(v)``: exactly what one TEV round started at that anchor yields
   in expectation (docs/algorithm.md sections 4.2 and 6.5). ``shape="chain"``: the same on the
   drafter's greedy chain of ``min(budget, K)`` nodes (``chain_tree``), the draft vLLM and SGLang
@@ -24,10 +25,10 @@ last prompt token first): its token is the root, ``ids[:a]`` the committed conte
 
 Limits: these are per-round expectations at positions of target samples, not the decoded tau,
 which visits only the positions where rounds start. Each anchor costs one target forward of
-B + 1 rows (the oracle: one per wave, of all rows held so far), so only a fixed-seed subset of
-anchors is scored (:func:`heldout_anchors`), the same for every drafter of one block size. The
-causal pass over a row (its K/V and the drafter's features) runs once for every drafter, budget
-and temperature (a bounded memo of the last 64 rows).
+at most B + 1 rows, its tree's interior (the oracle: one per wave, of all rows held so far), so
+only a fixed-seed subset of anchors is scored (:func:`heldout_anchors`), the same for every
+drafter of one block size. The causal pass over a row (its K/V and the drafter's features) runs
+once for every drafter, budget and temperature (:func:`~exittrain.heldout.row_prefix.row_prefix`).
 """
 
 from __future__ import annotations
@@ -159,7 +160,8 @@ def analytic_block_lengths(
     target's argmax.
     """
     from exittrain.core import warp_probs
-    from exittrain.core.exit_law import exit_law
+    from exittrain.core.exit_law import edge_probabilities, exit_law_from_edges
+    from exittrain.heldout.row_prefix import row_prefix
 
     _check_temperature(temperature)
     _check_budget(budget)
@@ -176,40 +178,13 @@ def analytic_block_lengths(
         ids_1T, anchors_1A = ids[None].to(target.device), anchors_A[None].to(target.device)
         tree = drafter_trees(drafter, target, ids, anchors_A, budget,
                              features[:, pick].float() if stored_features else None, shape=shape)
-        prefix = _row_prefix(target, ids, own)  # the pass that gave the drafter's features gives the K/V
-        scores_ABV = target.score_trees(ids_1T, anchors_1A, tree, mode="exact", prefix=prefix).logits  # (A, B+1, V)
-        law = exit_law(tree, warp_probs(scores_ABV, temperature, top_k, top_p), validate=False)
-        out.append(law.expected_block_length.float().cpu())
+        prefix = row_prefix(target, ids, own)  # the pass that gave the drafter's features gives the K/V
+        # an edge reads its parent's row only: the target scores the root and the nodes with children
+        inner, parent_row = tree.interior()
+        scores_AWV = target.score_trees(ids_1T, anchors_1A, inner, mode="exact", prefix=prefix).logits  # (A, W+1, V)
+        edge = edge_probabilities(tree, warp_probs(scores_AWV, temperature, top_k, top_p), parent_row)
+        out.append(exit_law_from_edges(tree, edge).expected_block_length.float().cpu())
     return out
-
-
-# (target, ids, layers) -> the row's causal pass (SequencePrefix: K/V and fp32 features): every
-# drafter, budget and call on one row reads the same context, and one causal target pass over it
-# costs as much as scoring all its trees. A row's K/V is ~2 x layers x T x KV width floats (12 MB
-# for 250 tokens of SmolLM2): the memo is bounded.
-_PREFIXES: dict[tuple[int, int, tuple[int, ...]], tuple[object, torch.Tensor, object]] = {}
-_PREFIXES_KEPT = 64
-
-
-def _row_prefix(target, ids: torch.Tensor, layers: list[int] | None):
-    """The :class:`~exittrain.models.target_scoring.SequencePrefix` of ``ids[None]`` with the fp32
-    features of ``layers``, computed once per row tensor, target and layers."""
-    key = (id(target), id(ids), tuple(layers or ()))
-    hit = _PREFIXES.get(key)
-    if hit is not None and hit[0] is target and hit[1] is ids:  # the same objects, not a reused id
-        return hit[2]
-    prefix = target.sequence_prefix(ids[None].to(target.device), layers)
-    if prefix.features is not None:
-        prefix.features = prefix.features.float()
-    if len(_PREFIXES) >= _PREFIXES_KEPT:
-        _PREFIXES.pop(next(iter(_PREFIXES)))  # the oldest row
-    _PREFIXES[key] = (target, ids, prefix)  # holding ids and target keeps their ids unique
-    return prefix
-
-
-def _context_features(target, ids: torch.Tensor, layers: list[int]) -> torch.Tensor:
-    """(1, T, F) fp32 target features of ``ids`` at ``layers`` (the row's memoised causal pass)."""
-    return _row_prefix(target, ids, list(layers)).features
 
 
 @torch.no_grad()
@@ -221,9 +196,10 @@ def drafter_trees(drafter, target, ids: torch.Tensor, anchors_A: torch.Tensor, b
     the target features before the anchor; ``features_TF`` (the drafter's own layers) or, when
     None, the fp32 features of one causal target pass."""
     from exittrain.heldout.round_walk import anchor_trees
+    from exittrain.heldout.row_prefix import row_prefix
 
     if features_TF is None:
-        features_1TF = _context_features(target, ids, list(drafter.config.target_layer_ids))
+        features_1TF = row_prefix(target, ids, drafter.config.target_layer_ids).features
     else:
         features_1TF = features_TF[None].to(target.device)
     return anchor_trees(drafter, features_1TF, ids[None].to(target.device), anchors_A, budget, shape)
@@ -242,6 +218,7 @@ def _oracle_row(target, ids: torch.Tensor, anchors_A: torch.Tensor, budget: int,
                 top_k, top_p) -> torch.Tensor:
     """(A,) oracle ``sum P`` at the anchors of one sequence, in waves (see :func:`oracle_block_lengths`)."""
     from exittrain.core import DraftTree, warp_probs
+    from exittrain.heldout.row_prefix import row_prefix
 
     A = anchors_A.numel()
     ids_1T, anchors_1A = ids[None].to(target.device), anchors_A[None].to(target.device)
@@ -254,7 +231,7 @@ def _oracle_row(target, ids: torch.Tensor, anchors_A: torch.Tensor, budget: int,
     logr, dep = torch.cat([logr, neg.expand(A, 1)], 1), torch.cat([dep, torch.zeros(A, 1, dtype=torch.long)], 1)
     cand_lp, cand_tok = torch.full((A, 2, M), float("-inf")), torch.zeros(A, 2, M, dtype=torch.long)
     new_from = 0  # rows >= new_from (root-first) still need their conditionals
-    prefix = _row_prefix(target, ids, None)  # one causal pass for every wave
+    prefix = row_prefix(target, ids, None)  # one causal pass for every wave
     while True:
         tree = DraftTree(tokens=tok, parents=par, depths=dep[:, 1:], valid=val, max_depth=K)
         logits = target.score_trees(ids_1T, anchors_1A, tree, mode="exact", prefix=prefix).logits[:, new_from:].cpu()

@@ -11,7 +11,8 @@ nodes a serving engine verifies (:class:`~exittrain.decoding.chain_decoder.Chain
 :func:`walked_rounds` computes that acceptance at every p teacher-forced and walks the rounds:
 
 1. one causal target pass over ``prompt + y`` gives the fp32 features the drafter reads (and the
-   K/V for step 4), and one drafter pass the states of every anchor, its copy branch looking the
+   K/V for step 4; :func:`~exittrain.heldout.row_prefix.row_prefix`: every drafter and track walking
+   the same answer shares it), and one drafter pass the states of every anchor, its copy branch looking the
    n-grams up in the ids up to the anchor, as the decoder's does (``forward_anchors``);
 2. the accepted length at p: for the chain, :func:`chain_accept_lengths`, the run of depths whose
    greedy chain token (the argmax of the drafter's log-probabilities there,
@@ -142,6 +143,7 @@ def walked_rounds(target, drafter, prompt: Sequence[int], answer: Sequence[int],
     budget, or the answer stops short of both an EOS and ``max_new_tokens`` tokens.
     """
     from exittrain.core import VERIFIERS, followed_depth, greedy_walk
+    from exittrain.heldout.row_prefix import row_prefix
 
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1 (eval.max_new_tokens), got {max_new_tokens!r}")
@@ -167,8 +169,8 @@ def walked_rounds(target, drafter, prompt: Sequence[int], answer: Sequence[int],
     n = len(prompt)
     ids_T = torch.tensor(list(prompt) + answer[: stop + 1], dtype=torch.long)
     ids_1T = ids_T[None].to(target.device)
-    prefix = target.sequence_prefix(ids_1T, list(drafter.config.target_layer_ids))
-    features_1TF = prefix.features.float()
+    prefix = row_prefix(target, ids_T, drafter.config.target_layer_ids)  # shared by every drafter and track
+    features_1TF = prefix.features
     anchors_P = torch.arange(n, n + stop)  # the roots y[0] .. y[stop - 1]
     # row p: y[p + 1 .. p + K], -1 (no token) past the stop
     padded = torch.cat([ids_T[n:], ids_T.new_full((K,), -1)])

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from exittrain.core import build_tree, exit_law, exit_law_reference
+from exittrain.core.exit_law import edge_probabilities, exit_law_from_edges
 
 from .helpers import random_logprobs, random_tree_and_probs
 
@@ -68,3 +69,43 @@ def test_bad_input():
         exit_law(tree, probs, alpha=1.5)
     with pytest.raises(ValueError, match="vocabulary"):
         exit_law(tree, torch.full((2, 7, 2), 0.5))
+
+
+def _interior_reference(tree):
+    """Loop twin of DraftTree.interior: per tree, the rows (root-first) that some valid node hangs off."""
+    N, B = tree.tokens.shape
+    out = []
+    for n in range(N):
+        parents = {int(tree.parents[n, j]) for j in range(B) if tree.valid[n, j]}
+        out.append([0] + sorted(r for r in parents if r > 0))
+    return out
+
+
+@pytest.mark.parametrize("shape", ["ddtree", "chain"])
+def test_the_interior_gives_every_edge_from_the_parents_rows_alone(shape):
+    """Scoring only the rows that are parents (the interior) gives the whole tree's edges, reach and
+    block length exactly; its rows are the loop's, in order, each with its path's tokens."""
+    from exittrain.core import shaped_tree
+
+    g = torch.Generator().manual_seed(3)
+    for budget, K in ((12, 4), (1, 3), (30, 6)):
+        tree = shaped_tree(random_logprobs(9, K, 7, g), budget, shape)
+        probs = torch.softmax(torch.randn(9, tree.budget + 1, 7, generator=g, dtype=torch.float64), -1)
+        inner, parent_row = tree.interior()
+        rows = _interior_reference(tree)
+        assert inner.budget == max(map(len, rows)) - 1
+        # the interior's rows are the original rows, so their distributions are the whole tree's
+        picked = torch.zeros(9, inner.budget + 1, 7, dtype=torch.float64)
+        for n, kept in enumerate(rows):
+            picked[n, : len(kept)] = probs[n, kept]
+            assert inner.valid[n].sum() == len(kept) - 1
+            for new, old in enumerate(kept[1:], 1):  # same token, depth and parent, renumbered
+                assert int(inner.tokens[n, new - 1]) == int(tree.tokens[n, old - 1])
+                assert int(inner.depths[n, new - 1]) == int(tree.depths[n, old - 1])
+                assert kept[int(inner.parents[n, new - 1])] == int(tree.parents[n, old - 1])
+        whole = exit_law(tree, probs)
+        edge = edge_probabilities(tree, picked, parent_row)
+        torch.testing.assert_close(edge, whole.edge, rtol=0, atol=0)
+        torch.testing.assert_close(exit_law_from_edges(tree, edge).expected_block_length, whole.expected_block_length)
+        if shape == "chain":  # a chain's interior is all but its last node
+            assert inner.budget == tree.budget - 1

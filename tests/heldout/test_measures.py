@@ -4,6 +4,7 @@ one-node-at-a-time oracle, the shared anchors and the argument checks."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +13,8 @@ import torch
 from exittrain.bench import heldout as bench_heldout
 from exittrain.decoding import SpeculativeDecoder
 from exittrain.heldout import measures as hl
+from exittrain.heldout import row_prefix as row_prefix_module
+from exittrain.heldout.row_prefix import row_prefix
 from exittrain.models import new_drafter
 from tests.models.helpers import tiny_target
 
@@ -60,6 +63,25 @@ def test_analytic_tau_tends_to_the_greedy_block_length_at_zero_temperature(model
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, atol=atol, rtol=0.0)
     assert any(float(w.max()) > 1 for w in want)  # some anchor accepts a draft token: the test can fail
+
+
+@pytest.mark.parametrize("shape", ["ddtree", "chain"])
+def test_scoring_the_trees_interior_gives_the_whole_trees_expected_block_length(models, shape):
+    """The fast path scores the root and the nodes with children only; its slow twin scores every
+    row of the tree. Equal up to the float rounding of a forward over other rows."""
+    from exittrain.core import exit_law, warp_probs
+
+    target, drafter = models
+    rows = hl.answer_rows(target, PROMPTS, [2], max_new_tokens=12, batch=2, temperature=1.0, seed=3)
+    anchors = hl.heldout_anchors(rows, K, per_row=4, seed=0)
+    for budget, temperature in ((8, 1.0), (3, 0.6)):
+        fast = hl.analytic_block_lengths(drafter, target, rows, [2], anchors, budget, temperature, shape=shape)
+        for (ids, _, _), anchors_A, got in zip(rows, anchors, fast, strict=True):
+            tree = hl.drafter_trees(drafter, target, ids, anchors_A, budget, shape=shape)
+            logits = target.score_trees(ids[None], anchors_A[None], tree).logits
+            want = exit_law(tree, warp_probs(logits, temperature)).expected_block_length.float()
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+            assert tree.interior()[0].budget < tree.budget  # the leaves were left out: the paths differ
 
 
 def test_anchors_are_seeded_shared_and_inside_the_answers(models):
@@ -128,6 +150,7 @@ def test_the_rows_causal_pass_runs_once_and_equals_a_fresh_one(models, monkeypat
     target, drafter = models
     ids = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12])
     rows, anchors = [(ids, 3, None)], [torch.tensor([2, 4])]
+    monkeypatch.setattr(row_prefix_module, "_PASSES", OrderedDict())  # no pass from an earlier test
     calls, real = [], target.sequence_prefix
     monkeypatch.setattr(target, "sequence_prefix", lambda *a, **k: calls.append(k or a[1:]) or real(*a, **k))
     first = hl.analytic_block_lengths(drafter, target, rows, [2], anchors, 4, 1.0)
@@ -136,15 +159,18 @@ def test_the_rows_causal_pass_runs_once_and_equals_a_fresh_one(models, monkeypat
     hl.oracle_block_lengths(target, rows, anchors, 4, K, 1.0)
     hl.oracle_block_lengths(target, rows, anchors, 4, K, 0.6)
     assert len(calls) == 2, "the oracle's waves ran a causal pass each"  # its own, without features
-    fresh = hl._context_features(target, ids.clone(), [2])  # another tensor: computed anew
-    assert len(calls) == 3 and torch.equal(fresh, target.sequence_features(ids[None], [2]).float())
+    same = row_prefix(target, ids.clone(), [2]).features  # another tensor of the same tokens: reused
+    assert len(calls) == 2 and torch.equal(same, target.sequence_features(ids[None], [2]).float())
+    other = ids.flip(0)
+    fresh = row_prefix(target, other, [2]).features  # other tokens: computed anew
+    assert len(calls) == 3 and torch.equal(fresh, target.sequence_features(other[None], [2]).float())
     assert first[0].shape == again[0].shape == (2,)
     # the memoised pass scores exactly as score_trees' own
     tree = hl.drafter_trees(drafter, target, ids, anchors[0], 4)
     own = target.score_trees(ids[None], anchors[0][None], tree).logits
-    reused = target.score_trees(ids[None], anchors[0][None], tree, prefix=hl._row_prefix(target, ids, [2])).logits
+    reused = target.score_trees(ids[None], anchors[0][None], tree, prefix=row_prefix(target, ids, [2])).logits
     assert torch.equal(own, reused)
     with pytest.raises(ValueError, match="other sequences"):
-        target.score_trees(ids[None].flip(1), anchors[0][None], tree, prefix=hl._row_prefix(target, ids, [2]))
+        target.score_trees(ids[None].flip(1), anchors[0][None], tree, prefix=row_prefix(target, ids, [2]))
     with pytest.raises(ValueError, match="layers"):
-        target.score_trees(ids[None], anchors[0][None], tree, layers=[0], prefix=hl._row_prefix(target, ids, [2]))
+        target.score_trees(ids[None], anchors[0][None], tree, layers=[0], prefix=row_prefix(target, ids, [2]))

@@ -119,6 +119,30 @@ def test_the_walked_tree_gives_the_plain_decoders_rounds_exactly(one_thread, tar
         walked_rounds(target, drafter, prompts[0], answers[0], max_new_tokens=NEW_TOKENS, shape="fan", budget=4)
 
 
+def test_the_tree_and_chain_walks_of_one_answer_share_one_causal_pass(one_thread, target, drafter, prompts, answers,
+                                                                      monkeypatch):
+    """The tree track walks prompt[-1:] + answer after prompt[:-1], the chain track answer after
+    prompt: the same tokens, so one target pass serves both (and every other drafter); another
+    answer runs its own. The shared pass gives the rounds a fresh pass gives."""
+    from collections import OrderedDict
+
+    from exittrain.heldout import row_prefix
+
+    prompt, answer = prompts[0], answers[0]
+    expected = (walked_rounds(target, drafter, prompt, answer, max_new_tokens=NEW_TOKENS),
+                walked_rounds(target, drafter, prompt[:-1], prompt[-1:] + answer, max_new_tokens=NEW_TOKENS + 1,
+                              shape="ddtree", budget=4))
+    monkeypatch.setattr(row_prefix, "_PASSES", OrderedDict())
+    calls, real = [], target.sequence_prefix
+    monkeypatch.setattr(target, "sequence_prefix", lambda *a, **k: calls.append(1) or real(*a, **k))
+    chain = walked_rounds(target, drafter, prompt, answer, max_new_tokens=NEW_TOKENS)
+    tree = walked_rounds(target, drafter, prompt[:-1], prompt[-1:] + answer, max_new_tokens=NEW_TOKENS + 1,
+                         shape="ddtree", budget=4)
+    assert len(calls) == 1 and (chain, tree) == expected
+    walked_rounds(target, drafter, prompts[1], answers[1], max_new_tokens=NEW_TOKENS)
+    assert len(calls) == 2
+
+
 def test_evaluate_prompts_walks_all_but_the_live_prompt(one_thread, target, drafter, prompts):
     """The tree track at eval's settings without speed columns: walked rows equal the decoded ones,
     the live prompt is checked and lossless; a walk that disagrees with its decode is flagged."""
