@@ -192,6 +192,17 @@ class DraftTree:
             scores=None if self.scores is None else self.scores[idx],
         )
 
+    def columns(self, width: int) -> DraftTree:
+        """The first ``width`` columns of every tree: ValueError unless the nodes past them are padding
+        (a tree cut there would lose nodes)."""
+        if not 0 <= width <= self.budget:
+            raise ValueError(f"width={width} must lie in [0, {self.budget}] (the trees' budget)")
+        if bool(self.valid[:, width:].any()):
+            raise ValueError(f"a tree has a node past column {width}: cutting there would lose it")
+        return DraftTree(tokens=self.tokens[:, :width], parents=self.parents[:, :width],
+                         depths=self.depths[:, :width], valid=self.valid[:, :width], max_depth=self.max_depth,
+                         scores=None if self.scores is None else self.scores[:, :width])
+
     def expand(self, n: int) -> DraftTree:
         """A batch of ``n`` copies of a single tree (N must be 1); used for batched sampling."""
         if self.num_trees != 1:

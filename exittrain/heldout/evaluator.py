@@ -95,23 +95,24 @@ class HeldOutEvaluator:
             rows = evaluate_prompts(self.target, drafter, self.prompts, label=label, ar_cache=self.ar_cache,
                                     auto=self.auto, speed=self.speed, live=None if self.speed else 1, **self.settings)
             table = summarize(rows)
-            if self.law is not None:
-                log.info("eval %s: expected tau at T = %s", label, ", ".join(f"{t:g}" for t in self.law.temperatures))
-                self.analytic[label] = self.law.measure(drafter, self.settings["budgets"])
-                self.law.attach(table, self.analytic[label], paired_reference(self.analytic, label, self.reference))
         else:
             table = [{"label": label, "budget": b, "temperature": 0.0, "prompts": len(self.prompts)}
                      for b in self.settings["budgets"]]
+        if self.law is not None and (tree or self.chain):  # the tree's and the chain's, one drafter pass a row
+            log.info("eval %s: expected tau at T = %s", label, ", ".join(f"{t:g}" for t in self.law.temperatures))
+            trees, chains = self.law.measure_both(drafter, self.settings["budgets"] if tree else [], chain=self.chain)
+            if tree:
+                self.analytic[label] = trees
+                self.law.attach(table, trees, paired_reference(self.analytic, label, self.reference))
+            if self.chain:
+                self.analytic_chain[label] = chains
+                self.law.attach_chain(table, chains, paired_reference(self.analytic_chain, label, self.reference))
         chain = []
         if self.chain:
             log.info("eval %s: chain tau (the greedy chain a serving engine verifies)", label)
             chain = chain_rows(self.target, drafter, self.prompts, max_new_tokens=self.settings["max_new_tokens"],
                                seed=self.settings["seed"], label=label, ar_cache=self.ar_cache)
             attach_chain(table, summarize_chain(chain))
-            if self.law is not None:
-                self.analytic_chain[label] = self.law.measure_chain(drafter)
-                self.law.attach_chain(table, self.analytic_chain[label],
-                                      paired_reference(self.analytic_chain, label, self.reference))
         return table, rows, chain
 
     def measure_vllm(self, table: list[dict], vllm_python: str | os.PathLike, target_dir: str,

@@ -90,35 +90,33 @@ class HeldOutLaw:
                                                  self.anchors_per_answer, self.seed)
         return self._anchors[key]
 
-    @torch.no_grad()
     def measure(self, drafter, budgets: Sequence[int]) -> dict[tuple[int, float], list[torch.Tensor]]:
         """``{(budget, T): per-answer (A_r,) expected block lengths}`` of ``drafter``."""
-        from exittrain.heldout.measures import analytic_block_lengths
+        return self.measure_both(drafter, budgets, chain=False)[0]
 
-        K = drafter.config.num_draft_tokens
-        layers = list(drafter.config.target_layer_ids)
-        out = {}
-        for T in self.temperatures:
-            rows, anchors = self._rows_at(T), self.anchors(T, K)
-            for budget in budgets:
-                with Heartbeat(f"analytic tau: scoring trees of {budget} nodes at T={T:g}"):
-                    out[(budget, T)] = analytic_block_lengths(drafter, self.target, rows, layers, anchors, budget, T)
-        return out
-
-    @torch.no_grad()
     def measure_chain(self, drafter) -> dict[tuple[int, float], list[torch.Tensor]]:
         """``{(K, T): per-answer (A_r,) expected block lengths}`` of ``drafter``'s greedy chain of K nodes
         (K = ``num_draft_tokens``), at the anchors :meth:`measure` uses; the tree numbers are untouched."""
-        from exittrain.heldout.measures import analytic_block_lengths
+        return self.measure_both(drafter, [], chain=True)[1]
+
+    @torch.no_grad()
+    def measure_both(self, drafter, budgets: Sequence[int], *, chain: bool = True) -> tuple[dict, dict]:
+        """``(trees, chain)``: :meth:`measure`'s and (with ``chain``) :meth:`measure_chain`'s dicts, from
+        one drafter pass a row (:func:`~exittrain.heldout.measures.expected_block_lengths`)."""
+        from exittrain.heldout.measures import expected_block_lengths
 
         K = drafter.config.num_draft_tokens
         layers = list(drafter.config.target_layer_ids)
-        out = {}
+        drafts = [("ddtree", b) for b in budgets] + ([("chain", K)] if chain else [])
+        what = ", ".join([f"trees of {b} nodes" for b in budgets] + ([f"chains of {K} nodes"] if chain else []))
+        trees, chains = {}, {}
         for T in self.temperatures:
             rows, anchors = self._rows_at(T), self.anchors(T, K)
-            with Heartbeat(f"analytic tau: scoring chains of {K} nodes at T={T:g}"):
-                out[(K, T)] = analytic_block_lengths(drafter, self.target, rows, layers, anchors, K, T, shape="chain")
-        return out
+            with Heartbeat(f"analytic tau: scoring {what} at T={T:g}"):
+                measured = expected_block_lengths(drafter, self.target, rows, layers, anchors, drafts, T)
+            for (shape, budget), per_row in measured.items():
+                (chains if shape == "chain" else trees)[(budget, T)] = per_row
+        return trees, chains
 
     @staticmethod
     def attach_chain(table: list[dict], measured: dict, reference: dict | None = None,

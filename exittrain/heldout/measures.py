@@ -34,6 +34,7 @@ once for every drafter, budget and temperature (:func:`~exittrain.heldout.row_pr
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import combinations
 
 import torch
 
@@ -43,10 +44,13 @@ __all__ = [
     "greedy_answers",
     "heldout_anchors",
     "analytic_block_lengths",
+    "drafter_logprobs",
     "drafter_trees",
+    "expected_block_lengths",
     "oracle_block_lengths",
     "oracle_block_lengths_reference",
     "paired_difference",
+    "width_groups",
 ]
 
 
@@ -155,35 +159,96 @@ def analytic_block_lengths(
     drafter's greedy chain of ``min(budget, K)`` nodes: the expected block length of a serving
     engine's chain verification at T). The drafter sees the fp32 target features of the context,
     recomputed by one causal target pass (what decoding feeds it); ``stored_features=True`` reads
-    the rows' stored (bf16) features instead, sliced out of ``layers`` (the layers they hold, a superset of the
-    drafter's, in that order). At T = 0 the result is the greedy followed depth + 1 along the
-    target's argmax.
+    the rows' stored (bf16) features instead, sliced out of ``layers`` (the layers they hold, a
+    superset of the drafter's, in that order). At T = 0 the result is the greedy followed depth + 1
+    along the target's argmax. :func:`expected_block_lengths` measures several drafts at once.
     """
-    from exittrain.core import warp_probs
+    return expected_block_lengths(drafter, target, rows, layers, anchors, [(shape, budget)], temperature, top_k,
+                                  top_p, stored_features=stored_features)[shape, budget]
+
+
+@torch.no_grad()
+def expected_block_lengths(
+    drafter, target, rows, layers: list[int], anchors: list[torch.Tensor], drafts: Sequence[tuple[str, int]],
+    temperature: float, top_k: int | None = None, top_p: float | None = None, *, stored_features: bool = False,
+) -> dict[tuple[str, int], list[torch.Tensor]]:
+    """:func:`analytic_block_lengths` of several drafts, ``(shape, budget)`` pairs, from one drafter
+    pass a row: ``{draft: per-row (A_r,) expected block lengths}``. The drafter's log-probabilities
+    at an anchor do not depend on the draft built from them, so the tree and the chain of one
+    drafter (fit's table measures both) cost one drafter forward."""
+    from exittrain.core import shaped_tree, warp_probs
     from exittrain.core.exit_law import edge_probabilities, exit_law_from_edges
     from exittrain.heldout.row_prefix import row_prefix
 
     _check_temperature(temperature)
-    _check_budget(budget)
-    _check_shape(shape)
+    for shape, budget in drafts:
+        _check_budget(budget)
+        _check_shape(shape)
     own = list(drafter.config.target_layer_ids)
     H = drafter.config.target_hidden_size
     pick = torch.cat([torch.arange(layers.index(x) * H, (layers.index(x) + 1) * H) for x in own]) if stored_features \
         else None
-    out = []
+    out: dict[tuple[str, int], list[torch.Tensor]] = {tuple(d): [] for d in drafts}
     for (ids, _, features), anchors_A in zip(rows, anchors, strict=True):
         if anchors_A.numel() == 0:
-            out.append(torch.zeros(0))
+            for per_row in out.values():
+                per_row.append(torch.zeros(0))
             continue
-        ids_1T, anchors_1A = ids[None].to(target.device), anchors_A[None].to(target.device)
-        tree = drafter_trees(drafter, target, ids, anchors_A, budget,
-                             features[:, pick].float() if stored_features else None, shape=shape)
+        logprobs_AKV = drafter_logprobs(drafter, target, ids, anchors_A,
+                                        features[:, pick].float() if stored_features else None)
         prefix = row_prefix(target, ids, own)  # the pass that gave the drafter's features gives the K/V
-        # an edge reads its parent's row only: the target scores the root and the nodes with children
-        inner, parent_row = tree.interior()
-        scores_AWV = target.score_trees(ids_1T, anchors_1A, inner, mode="exact", prefix=prefix).logits  # (A, W+1, V)
-        edge = edge_probabilities(tree, warp_probs(scores_AWV, temperature, top_k, top_p), parent_row)
-        out.append(exit_law_from_edges(tree, edge).expected_block_length.float().cpu())
+        for (shape, budget), per_row in out.items():
+            tree = shaped_tree(logprobs_AKV, budget, shape, validate=False)
+            # an edge reads its parent's row only: the target scores the root and the nodes with children
+            inner, parent_row = tree.interior()
+            scores_AWV = _interior_scores(target, ids, anchors_A, inner, prefix)
+            edge = edge_probabilities(tree, warp_probs(scores_AWV, temperature, top_k, top_p), parent_row)
+            per_row.append(exit_law_from_edges(tree, edge).expected_block_length.float().cpu())
+    return out
+
+
+_WIDTH_GROUPS = 3  # target forwards a row's interiors take at most: each pads its anchors to its widest
+
+
+def width_groups(widths: Sequence[int], groups: int = _WIDTH_GROUPS) -> list[list[int]]:
+    """``widths``' indices split into at most ``groups`` runs of the width-sorted order, chosen so that
+    the rows scored (each run padded to its widest) are fewest; ties go to fewer runs."""
+    order = sorted(range(len(widths)), key=lambda i: widths[i])
+    w = [widths[i] for i in order]
+    n = len(w)
+    best: tuple[int, tuple[int, ...]] = (n * (w[-1] if w else 0), ())
+
+    def cost(cuts: tuple[int, ...]) -> int:
+        bounds = (0, *cuts, n)
+        return sum((b - a) * w[b - 1] for a, b in zip(bounds, bounds[1:]) if b > a)
+
+    for k in range(1, groups):
+        for cuts in combinations(range(1, n), k):
+            c = cost(cuts)
+            if c < best[0]:
+                best = (c, cuts)
+    bounds = (0, *best[1], n)
+    return [order[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _interior_scores(target, ids: torch.Tensor, anchors_A: torch.Tensor, inner, prefix) -> torch.Tensor:
+    """(A, W+1, V) target logits of the rows of ``inner`` (:meth:`~exittrain.core.DraftTree.interior`)
+    at each anchor of ``ids``. The interiors' sizes differ from anchor to anchor (a best-first tree's
+    is about half its budget, its widest near the budget): the anchors are scored in a few groups of
+    similar width (:func:`width_groups`), each padded to its own widest, not all to the widest of
+    all. Rows past an anchor's interior hold zeros: no edge reads them."""
+    sizes = inner.valid.sum(1).tolist()  # (A,) interior nodes, root excluded
+    out = None
+    ids_1T = ids[None].to(target.device)
+    for group in width_groups(sizes):
+        width = max(sizes[i] for i in group)
+        index = torch.tensor(group, device=inner.tokens.device)
+        sub = inner.index(index).columns(width)
+        logits = target.score_trees(ids_1T, anchors_A[index][None].to(target.device), sub, mode="exact",
+                                    prefix=prefix).logits  # (a, width+1, V)
+        if out is None:
+            out = logits.new_zeros(len(sizes), inner.budget + 1, logits.shape[-1])
+        out[index.to(out.device), : width + 1] = logits
     return out
 
 
@@ -192,17 +257,27 @@ def drafter_trees(drafter, target, ids: torch.Tensor, anchors_A: torch.Tensor, b
                   features_TF: torch.Tensor | None = None, *, shape: str = "ddtree"):
     """The (A trees) DraftTree the decoder would build for a round rooted at each anchor of ``ids``:
     ``build_tree(log_softmax(drafter logits), budget)`` (``shape="chain"``: the greedy chain of
-    ``min(budget, K)`` nodes, :class:`~exittrain.decoding.chain_decoder.ChainDecoder`'s) with the drafter seeing
-    the target features before the anchor; ``features_TF`` (the drafter's own layers) or, when
-    None, the fp32 features of one causal target pass."""
-    from exittrain.heldout.round_walk import anchor_trees
+    ``min(budget, K)`` nodes, :class:`~exittrain.decoding.chain_decoder.ChainDecoder`'s) of
+    :func:`drafter_logprobs`."""
+    from exittrain.core import shaped_tree
+
+    return shaped_tree(drafter_logprobs(drafter, target, ids, anchors_A, features_TF), budget, shape, validate=False)
+
+
+@torch.no_grad()
+def drafter_logprobs(drafter, target, ids: torch.Tensor, anchors_A: torch.Tensor,
+                     features_TF: torch.Tensor | None = None) -> torch.Tensor:
+    """(A, K, V) fp32 log-probabilities of the drafter at each anchor of ``ids``, seeing the target
+    features before the anchor: ``features_TF`` (the drafter's own layers) or, when None, the fp32
+    features of the row's causal target pass (:func:`~exittrain.heldout.row_prefix.row_prefix`)."""
+    from exittrain.heldout.round_walk import anchor_logprobs
     from exittrain.heldout.row_prefix import row_prefix
 
     if features_TF is None:
         features_1TF = row_prefix(target, ids, drafter.config.target_layer_ids).features
     else:
         features_1TF = features_TF[None].to(target.device)
-    return anchor_trees(drafter, features_1TF, ids[None].to(target.device), anchors_A, budget, shape)
+    return anchor_logprobs(drafter, features_1TF, ids[None].to(target.device), anchors_A)
 
 
 def _rank(score: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:

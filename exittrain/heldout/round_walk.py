@@ -60,7 +60,10 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["WALK_SHAPES", "anchor_trees", "chain_accept_lengths", "check_live", "walk_checks", "walked_rounds"]
+__all__ = [
+    "WALK_SHAPES", "anchor_logprobs", "anchor_trees", "chain_accept_lengths", "check_live", "walk_checks",
+    "walked_rounds",
+]
 
 WALK_SHAPES = ("ddtree", "chain")  # the draft trees walked: the plain decoder's best-first tree, the greedy chain
 
@@ -88,12 +91,19 @@ def anchor_trees(drafter, features_1TF: torch.Tensor, ids_1T: torch.Tensor, anch
                  shape: str = "ddtree"):
     """The (A trees) DraftTree the plain decoder would draft for a round rooted at each anchor of
     ``ids_1T`` (1, T), the drafter seeing ``features_1TF`` (1, T, F) before the anchor:
-    :func:`~exittrain.core.shaped_tree` of its log-probabilities (``build_tree`` of ``budget``
+    :func:`~exittrain.core.shaped_tree` of :func:`anchor_logprobs` (``build_tree`` of ``budget``
     nodes, or the greedy chain of ``min(budget, K)``)."""
     from exittrain.core import shaped_tree
 
+    return shaped_tree(anchor_logprobs(drafter, features_1TF, ids_1T, anchors_A), budget, shape, validate=False)
+
+
+@torch.no_grad()
+def anchor_logprobs(drafter, features_1TF: torch.Tensor, ids_1T: torch.Tensor, anchors_A: torch.Tensor) -> torch.Tensor:
+    """(A, K, V) fp32 log-probabilities the drafter gives at each anchor of ``ids_1T`` (1, T), seeing
+    ``features_1TF`` (1, T, F) before it: what the plain decoder builds a round's draft from."""
     logits_AKV = drafter.forward_anchors(features_1TF, ids_1T, anchors_A[None].to(ids_1T.device)).float()
-    return shaped_tree(torch.log_softmax(logits_AKV, -1), budget, shape, validate=False)
+    return torch.log_softmax(logits_AKV, -1)
 
 
 @torch.no_grad()

@@ -174,3 +174,30 @@ def test_the_rows_causal_pass_runs_once_and_equals_a_fresh_one(models, monkeypat
         target.score_trees(ids[None].flip(1), anchors[0][None], tree, prefix=row_prefix(target, ids, [2]))
     with pytest.raises(ValueError, match="layers"):
         target.score_trees(ids[None], anchors[0][None], tree, layers=[0], prefix=row_prefix(target, ids, [2]))
+
+
+def test_width_groups_pad_each_group_to_its_own_widest():
+    """The anchors' interiors are scored in at most three groups: every index once, each group
+    padded to its widest, fewer rows than padding all to the widest (and never more)."""
+    widths = [9, 2, 3, 10, 2, 6, 3, 9]
+    groups = hl.width_groups(widths)
+    assert sorted(i for g in groups for i in g) == list(range(len(widths))) and len(groups) <= 3
+    padded = sum(len(g) * max(widths[i] for i in g) for g in groups)
+    # by hand, the best of the sorted runs {2, 2, 3, 3} {6} {9, 9, 10}: 4 x 3 + 6 + 3 x 10, against 8 x 10
+    assert padded == 48 and sorted(map(len, groups)) == [1, 3, 4]
+    assert hl.width_groups([4, 4, 4]) == [[0, 1, 2]]  # equal widths: one forward
+    assert hl.width_groups([1, 1, 1, 12]) == [[0, 1, 2], [3]]
+    assert hl.width_groups([]) == []
+
+
+def test_a_tree_cut_to_its_first_columns_keeps_every_node():
+    from exittrain.core import build_tree
+
+    tree = build_tree(torch.log_softmax(torch.randn(3, 3, 6, generator=torch.Generator().manual_seed(0)), -1), 8)
+    inner, _ = tree.interior()
+    widest = int(inner.valid.sum(1).max())
+    cut = inner.columns(widest)
+    assert cut.budget == widest and torch.equal(cut.tokens, inner.tokens[:, :widest])
+    assert bool(tree.valid[:, -1].any())  # a full best-first tree: its last column holds nodes
+    with pytest.raises(ValueError, match="past column"):
+        tree.columns(tree.budget - 1)
