@@ -13,7 +13,7 @@
 """
 
 from .anchors import anchor_generator, sample_anchors, sample_anchors_reference
-from .chain import TREE_SHAPES, chain_tree, chain_tree_reference, greedy_walk, shaped_tree
+from .chain import TREE_SHAPES, chain_tree, chain_tree_reference, graft_chain, greedy_walk, shaped_tree
 from .exit_law import ExitLaw, exit_law, exit_law_reference
 from .losses import (
     WEIGHT_TYPES,
@@ -53,6 +53,7 @@ __all__ = [
     "TREE_SHAPES",
     "chain_tree",
     "chain_tree_reference",
+    "graft_chain",
     "greedy_walk",
     "shaped_tree",
     "ExitLaw",

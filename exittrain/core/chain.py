@@ -23,7 +23,7 @@ import torch
 
 from .tree import DraftTree, build_tree
 
-__all__ = ["TREE_SHAPES", "chain_tree", "chain_tree_reference", "greedy_walk", "shaped_tree"]
+__all__ = ["TREE_SHAPES", "chain_tree", "chain_tree_reference", "graft_chain", "greedy_walk", "shaped_tree"]
 
 TREE_SHAPES = ("ddtree", "chain")
 """The draft trees exittrain trains and measures on: DDTree's best-first tree, or the greedy chain."""
@@ -69,6 +69,50 @@ def chain_tree_reference(logprobs_NKV: torch.Tensor, budget: int | None = None) 
     argmax_NK = logprobs_NKV.argmax(dim=-1, keepdim=True)
     one_hot = torch.full_like(logprobs_NKV, float("-inf")).scatter(-1, argmax_NK, 0.0)
     return build_tree(one_hot, budget)
+
+
+def graft_chain(tree: DraftTree, chain: DraftTree) -> tuple[DraftTree, torch.Tensor]:
+    """One tree holding both ``tree`` (N trees of B columns) and ``chain`` (N chains of C nodes, from
+    :func:`chain_tree`, one per tree, the same root): ``(union, chain_columns)``.
+
+    ``union`` has B + C columns: ``tree``'s first, unchanged, then one column per chain depth d,
+    valid only where the chain's node at depth d is not already a node of ``tree`` (a path of
+    ``tree`` spelling the chain's first d tokens), hanging off the chain's node at depth d - 1
+    wherever that one sits. ``chain_columns`` (N, C) gives the union column of each chain node.
+    Every union row sees its own path only, so the target's scores of ``union``'s rows are those of
+    ``tree``'s and of ``chain``'s: one forward scores both (docs/algorithm.md section 4.6).
+    Siblings carry distinct tokens (``build_tree``), so at most one node of ``tree`` sits on the
+    chain at each depth.
+    """
+    N, B = tree.tokens.shape
+    C = chain.budget
+    if chain.num_trees != N:
+        raise ValueError(f"chain holds {chain.num_trees} chains for {N} trees: one chain per tree, the same root")
+    device = tree.tokens.device
+    depth_C = torch.arange(1, C + 1, device=device)
+    # a tree node is on the chain when its token is the chain's at its depth, and so are its ancestors'
+    want_NB = chain.tokens.gather(1, (tree.depths - 1).clamp(0, max(C - 1, 0))) if C else tree.tokens
+    match_NB = tree.valid & (tree.depths <= C) & (tree.tokens == want_NB)
+    ok_NB1 = torch.cat([match_NB.new_ones(N, 1), match_NB], 1)  # the root is on every path
+    on_NB = ~(tree.ancestor_mask & ~ok_NB1.unsqueeze(1)).any(-1)[:, 1:] & tree.valid
+    # per depth d, the column of tree's node on the chain (B where none), and how deep the chain is in tree
+    at_NCB = on_NB.unsqueeze(1) & (tree.depths.unsqueeze(1) == depth_C.view(1, C, 1))
+    in_tree_NC = at_NCB.any(-1)
+    tree_col_NC = torch.where(in_tree_NC, at_NCB.long().argmax(-1), torch.full_like(in_tree_NC, B, dtype=torch.long))
+    held_N = in_tree_NC.long().sum(1)  # chain depths 1..held are tree's nodes (paths are prefix-closed)
+    extra_NC = depth_C.view(1, C) > held_N.view(N, 1)
+    chain_columns = torch.where(extra_NC, B + depth_C.view(1, C) - 1, tree_col_NC)
+    # parent row of the chain's node at depth d: its node at depth d - 1 (root-first rows: column + 1)
+    above_NC = torch.cat([chain_columns.new_full((N, 1), -1), chain_columns[:, :-1]], 1) + 1
+    parents = torch.where(extra_NC, above_NC, torch.zeros_like(above_NC))
+    union = DraftTree(
+        tokens=torch.cat([tree.tokens, torch.where(extra_NC, chain.tokens, torch.zeros_like(chain.tokens))], 1),
+        parents=torch.cat([tree.parents, parents], 1),
+        depths=torch.cat([tree.depths, torch.where(extra_NC, depth_C.expand(N, C), torch.zeros_like(parents))], 1),
+        valid=torch.cat([tree.valid, extra_NC], 1),
+        max_depth=max(tree.max_depth, chain.max_depth),
+    )
+    return union, chain_columns
 
 
 def shaped_tree(logprobs_NKV: torch.Tensor, budget: int, shape: str = "ddtree", *, validate: bool = True) -> DraftTree:

@@ -175,15 +175,19 @@ def expected_block_lengths(
     """:func:`analytic_block_lengths` of several drafts, ``(shape, budget)`` pairs, from one drafter
     pass a row: ``{draft: per-row (A_r,) expected block lengths}``. The drafter's log-probabilities
     at an anchor do not depend on the draft built from them, so the tree and the chain of one
-    drafter (fit's table measures both) cost one drafter forward."""
-    from exittrain.core import shaped_tree, warp_probs
-    from exittrain.core.exit_law import edge_probabilities, exit_law_from_edges
+    drafter (fit's table measures both) cost one drafter forward; and the chain's nodes that the
+    largest tree lacks are grafted onto it (:func:`~exittrain.core.graft_chain`), so one target
+    forward scores both."""
+    from exittrain.core import graft_chain, shaped_tree
     from exittrain.heldout.row_prefix import row_prefix
 
     _check_temperature(temperature)
     for shape, budget in drafts:
         _check_budget(budget)
         _check_shape(shape)
+    chains = [tuple(d) for d in drafts if d[0] == "chain"]
+    hosts = sorted((tuple(d) for d in drafts if d[0] != "chain"), key=lambda d: d[1])
+    graft = (chains[0], hosts[-1]) if chains and hosts else (None, None)  # (chain, the largest tree)
     own = list(drafter.config.target_layer_ids)
     H = drafter.config.target_hidden_size
     pick = torch.cat([torch.arange(layers.index(x) * H, (layers.index(x) + 1) * H) for x in own]) if stored_features \
@@ -197,14 +201,38 @@ def expected_block_lengths(
         logprobs_AKV = drafter_logprobs(drafter, target, ids, anchors_A,
                                         features[:, pick].float() if stored_features else None)
         prefix = row_prefix(target, ids, own)  # the pass that gave the drafter's features gives the K/V
-        for (shape, budget), per_row in out.items():
-            tree = shaped_tree(logprobs_AKV, budget, shape, validate=False)
-            # an edge reads its parent's row only: the target scores the root and the nodes with children
-            inner, parent_row = tree.interior()
-            scores_AWV = _interior_scores(target, ids, anchors_A, inner, prefix)
-            edge = edge_probabilities(tree, warp_probs(scores_AWV, temperature, top_k, top_p), parent_row)
-            per_row.append(exit_law_from_edges(tree, edge).expected_block_length.float().cpu())
+        trees = {draft: shaped_tree(logprobs_AKV, draft[1], draft[0], validate=False) for draft in out}
+        for draft, tree in trees.items():
+            if draft == graft[0]:
+                continue  # scored with its host tree
+            if draft == graft[1]:  # the chain's nodes the tree lacks join it: one forward scores both
+                union, columns_AC = graft_chain(tree, trees[graft[0]])
+                edge = _edges(target, ids, anchors_A, union, prefix, temperature, top_k, top_p)
+                out[graft[0]].append(_block_length(trees[graft[0]], edge.gather(1, columns_AC)))
+                edge = edge[:, : tree.budget]
+            else:
+                edge = _edges(target, ids, anchors_A, tree, prefix, temperature, top_k, top_p)
+            out[draft].append(_block_length(tree, edge))
     return out
+
+
+def _edges(target, ids: torch.Tensor, anchors_A: torch.Tensor, tree, prefix, temperature: float, top_k, top_p):
+    """(A, B) edge probabilities of ``tree`` at each anchor under the target warped to T. An edge
+    reads its parent's row only: the target scores the root and the nodes with children
+    (:meth:`~exittrain.core.DraftTree.interior`)."""
+    from exittrain.core import warp_probs
+    from exittrain.core.exit_law import edge_probabilities
+
+    inner, parent_row = tree.interior()
+    scores_AWV = _interior_scores(target, ids, anchors_A, inner, prefix)
+    return edge_probabilities(tree, warp_probs(scores_AWV, temperature, top_k, top_p), parent_row)
+
+
+def _block_length(tree, edge: torch.Tensor) -> torch.Tensor:
+    """(A,) fp32 ``sum_v P(v)`` on the CPU from ``tree``'s (A, B) edge probabilities."""
+    from exittrain.core.exit_law import exit_law_from_edges
+
+    return exit_law_from_edges(tree, edge).expected_block_length.float().cpu()
 
 
 _WIDTH_GROUPS = 3  # target forwards a row's interiors take at most: each pads its anchors to its widest

@@ -124,3 +124,37 @@ def test_greedy_walk_follows_the_rounds_and_keeps_the_last_block_whole():
         greedy_walk(accepted, -1)
     with pytest.raises(ValueError, match=">= 0"):
         greedy_walk([0, -1], 2)
+
+
+def test_grafting_the_chain_onto_the_tree_keeps_both_and_adds_only_what_the_tree_lacks():
+    """graft_chain against a loop: the tree's columns unchanged; each chain node found on the tree
+    where a path spells the chain, else one new column hanging off the chain's node above; the
+    union's path to each chain column spells the chain."""
+    from exittrain.core import build_tree, chain_tree, graft_chain
+
+    g = torch.Generator().manual_seed(4)
+    for budget, K, V in ((6, 4, 5), (1, 3, 4), (20, 5, 6), (3, 6, 3)):
+        logprobs = torch.log_softmax(torch.randn(12, K, V, generator=g) * 2, -1)
+        tree, chain = build_tree(logprobs, budget), chain_tree(logprobs)
+        union, columns = graft_chain(tree, chain)
+        B = tree.budget
+        assert torch.equal(union.tokens[:, :B], tree.tokens) and torch.equal(union.parents[:, :B], tree.parents)
+        held_somewhere = added_somewhere = False
+        for n in range(12):
+            above = 0  # root-first row of the chain's node above
+            for d in range(K):
+                token = int(chain.tokens[n, d])
+                found = [j for j in range(B) if tree.valid[n, j] and int(tree.parents[n, j]) == above
+                         and int(tree.tokens[n, j]) == token]
+                col = int(columns[n, d])
+                if found and (d == 0 or above > 0 and above - 1 < B):  # on the tree while its parent is
+                    assert col == found[0]
+                    held_somewhere = True
+                else:
+                    assert col == B + d and bool(union.valid[n, col])
+                    added_somewhere = True
+                assert int(union.tokens[n, col]) == token and int(union.parents[n, col]) == above
+                assert int(union.depths[n, col]) == d + 1
+                above = col + 1
+            assert int(union.valid[n, B:].sum()) == sum(int(c) >= B for c in columns[n])
+        assert added_somewhere and (held_somewhere or budget == 1)

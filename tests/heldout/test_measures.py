@@ -176,6 +176,31 @@ def test_the_rows_causal_pass_runs_once_and_equals_a_fresh_one(models, monkeypat
         target.score_trees(ids[None], anchors[0][None], tree, layers=[0], prefix=row_prefix(target, ids, [2]))
 
 
+def test_the_tree_and_chain_measured_together_equal_each_measured_alone(models):
+    """expected_block_lengths grafts the chain onto the largest tree and scores both in one forward;
+    each equals its own measure (up to the float rounding of a forward over other rows)."""
+    target, drafter = models
+    rows = hl.answer_rows(target, PROMPTS, [2], max_new_tokens=12, batch=2, temperature=1.0, seed=5)
+    anchors = hl.heldout_anchors(rows, K, per_row=4, seed=0)
+    drafts = [("ddtree", 2), ("ddtree", 6), ("chain", K)]
+    for temperature in (1.0, 0.6):
+        together = hl.expected_block_lengths(drafter, target, rows, [2], anchors, drafts, temperature)
+        for shape, budget in drafts:
+            alone = hl.analytic_block_lengths(drafter, target, rows, [2], anchors, budget, temperature, shape=shape)
+            for got, want in zip(together[shape, budget], alone, strict=True):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    # the graft scored rows the tree lacks: some anchor's chain leaves the tree of 6 nodes
+    from exittrain.core import build_tree, chain_tree, graft_chain
+
+    left = 0
+    for (ids, _, _), anchors_A in zip(rows, anchors, strict=True):
+        if anchors_A.numel() == 0:
+            continue
+        logprobs = hl.drafter_logprobs(drafter, target, ids, anchors_A)
+        left += int((graft_chain(build_tree(logprobs, 6), chain_tree(logprobs))[1] >= 6).sum())
+    assert left > 0
+
+
 def test_width_groups_pad_each_group_to_its_own_widest():
     """The anchors' interiors are scored in at most three groups: every index once, each group
     padded to its widest, fewer rows than padding all to the widest (and never more)."""
