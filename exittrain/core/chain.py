@@ -91,7 +91,7 @@ def graft_chain(tree: DraftTree, chain: DraftTree) -> tuple[DraftTree, torch.Ten
     device = tree.tokens.device
     depth_C = torch.arange(1, C + 1, device=device)
     # a tree node is on the chain when its token is the chain's at its depth, and so are its ancestors'
-    want_NB = chain.tokens.gather(1, (tree.depths - 1).clamp(0, max(C - 1, 0))) if C else tree.tokens
+    want_NB = chain.tokens.gather(1, (tree.depths - 1).clamp(0, C - 1))  # a chain has C >= 1 nodes (chain_tree)
     match_NB = tree.valid & (tree.depths <= C) & (tree.tokens == want_NB)
     ok_NB1 = torch.cat([match_NB.new_ones(N, 1), match_NB], 1)  # the root is on every path
     on_NB = ~(tree.ancestor_mask & ~ok_NB1.unsqueeze(1)).any(-1)[:, 1:] & tree.valid

@@ -182,17 +182,18 @@ def expected_block_lengths(
     from exittrain.heldout.row_prefix import row_prefix
 
     _check_temperature(temperature)
+    drafts = [tuple(d) for d in drafts]  # dict keys
     for shape, budget in drafts:
         _check_budget(budget)
         _check_shape(shape)
-    chains = [tuple(d) for d in drafts if d[0] == "chain"]
-    hosts = sorted((tuple(d) for d in drafts if d[0] != "chain"), key=lambda d: d[1])
+    chains = [d for d in drafts if d[0] == "chain"]
+    hosts = sorted((d for d in drafts if d[0] != "chain"), key=lambda d: d[1])
     graft = (chains[0], hosts[-1]) if chains and hosts else (None, None)  # (chain, the largest tree)
     own = list(drafter.config.target_layer_ids)
     H = drafter.config.target_hidden_size
     pick = torch.cat([torch.arange(layers.index(x) * H, (layers.index(x) + 1) * H) for x in own]) if stored_features \
         else None
-    out: dict[tuple[str, int], list[torch.Tensor]] = {tuple(d): [] for d in drafts}
+    out: dict[tuple[str, int], list[torch.Tensor]] = {d: [] for d in drafts}
     for (ids, _, features), anchors_A in zip(rows, anchors, strict=True):
         if anchors_A.numel() == 0:
             for per_row in out.values():
