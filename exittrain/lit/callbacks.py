@@ -40,6 +40,7 @@ from exittrain.core import TREE_SHAPES, VERIFIERS
 from exittrain.heldout.decode_eval import decode_check
 from exittrain.lit.heldout_callback import HeldOutBlockLengthCallback
 from exittrain.lit.sharding import drafter_and_target, full_drafter
+from exittrain.progress import Heartbeat
 from exittrain.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -229,7 +230,11 @@ class DecodeEvalCallback(Callback):
         drafter, target = drafter_and_target(pl_module)
         drafter = full_drafter(drafter, target)  # sharded: a collective, the full copy on rank 0 only
         if trainer.is_global_zero:
-            stats = self.evaluate(drafter, target)
+            # tens of seconds on a CPU between two step lines: say so at once, then beat while it decodes
+            what = "the chain" if self.shape == "chain" else f"trees of {self.budget}"
+            log.info("decode check at step %d: %d held-out prompts, %s", trainer.global_step, len(self.prompts), what)
+            with Heartbeat(f"decode check at step {trainer.global_step}"):
+                stats = self.evaluate(drafter, target)
         stats = trainer.strategy.broadcast(stats, src=0)
         entry = {"step": float(trainer.global_step), **stats}
         self.history.append(entry)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -51,14 +52,19 @@ def test_decode_eval_on_the_chain_decodes_what_a_serving_engine_verifies(target)
     assert stats["block_length"] == pytest.approx(sum(r.block_length for x in results for r in x.rounds) / rounds)
 
 
-def test_decode_eval_feeds_model_checkpoint_without_a_validation_loop(target, tmp_path):
+def test_decode_eval_feeds_model_checkpoint_without_a_validation_loop(target, tmp_path, caplog):
     """Logged from on_train_batch_end, val/block_length reaches callback_metrics before ModelCheckpoint runs."""
     decode = DecodeEvalCallback(PROMPTS, every_n_steps=2, budget=8, max_new_tokens=6)
     ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="val/block_length", mode="max", every_n_train_steps=2)
     logger = ListLogger()
     fit = trainer(4, callbacks=[decode, ckpt], logger=logger, checkpointing=True)
-    fit.fit(make_module(target, stage="pretrain", analytic_every=0), loader(8))
+    with caplog.at_level(logging.INFO, logger="exittrain"):
+        fit.fit(make_module(target, stage="pretrain", analytic_every=0), loader(8))
     assert [h["step"] for h in decode.history] == [2, 4]
+    # each check says it started (a CPU decode check is silent for tens of seconds otherwise)
+    started = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode check at step")]
+    assert started == ["decode check at step 2: 2 held-out prompts, trees of 8",
+                       "decode check at step 4: 2 held-out prompts, trees of 8"]
     assert Path(ckpt.best_model_path).is_file()
     assert float(ckpt.best_model_score) == pytest.approx(max(h["block_length"] for h in decode.history))
     # the value logged at step 2 is the one evaluated at step 2
