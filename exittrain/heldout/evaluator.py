@@ -44,9 +44,12 @@ from pathlib import Path
 
 from exittrain.heldout.decode_eval import auto_reasons, evaluate_prompts, format_table, summarize
 from exittrain.heldout.heldout_law import format_differences, held_out_law
+from exittrain.heldout.measures import cache_answers
 from exittrain.heldout.serving_track import attach_chain, chain_rows, summarize_chain, vllm_track
 
 log = logging.getLogger("exittrain")
+
+LIVE = 1  # without speed columns, prompts decoded for real (the walks' live check); the rest are walked
 
 DECODE_MODES = ("fixed", "auto")  # eval.decode: the plain decoder, or the CPU's decode probe for the speed columns
 
@@ -89,11 +92,17 @@ class HeldOutEvaluator:
         budget at T = 0 with no tree columns."""
         log.info("eval %s: %s on %d held-out prompts", label, "tree and chain tracks" if tree else "chain track",
                  len(self.prompts))
+        if self.law is not None and not self.speed:
+            # the law's samples and the greedy answers the walks follow, from one prefill of the prompts
+            greedy = self.law.sample(greedy=True).get(0.0, [])
+            cache_answers(self.ar_cache, {i: row for i, row in enumerate(greedy)
+                                          if i >= LIVE and (0.0, i) not in self.ar_cache})
         rows = []
         if tree:
             # without speed columns nothing needs a decode's clock: the T = 0 rounds are walked, one prompt decoded
             rows = evaluate_prompts(self.target, drafter, self.prompts, label=label, ar_cache=self.ar_cache,
-                                    auto=self.auto, speed=self.speed, live=None if self.speed else 1, **self.settings)
+                                    auto=self.auto, speed=self.speed, live=None if self.speed else LIVE,
+                                    **self.settings)
             table = summarize(rows)
         else:
             table = [{"label": label, "budget": b, "temperature": 0.0, "prompts": len(self.prompts)}
@@ -111,7 +120,7 @@ class HeldOutEvaluator:
         if self.chain:
             log.info("eval %s: chain tau (the greedy chain a serving engine verifies)", label)
             chain = chain_rows(self.target, drafter, self.prompts, max_new_tokens=self.settings["max_new_tokens"],
-                               seed=self.settings["seed"], label=label, ar_cache=self.ar_cache)
+                               seed=self.settings["seed"], label=label, ar_cache=self.ar_cache, live=LIVE)
             attach_chain(table, summarize_chain(chain))
         return table, rows, chain
 

@@ -45,10 +45,10 @@ def check_analytic_settings(temperatures: Sequence, anchors_per_answer, key: str
 class HeldOutLaw:
     """Analytic tau of drafters at ``temperatures`` on the target's answers to ``prompts``.
 
-    ``prompts``: templated token ids (the held-out prompts the table decodes). Answers at T are
-    sampled once, on first use, seeded by ``seed`` and without touching the global RNG (training
-    that follows draws what it would have drawn); anchors: ``anchors_per_answer`` seeded positions
-    per answer and block size.
+    ``prompts``: templated token ids (the held-out prompts the table decodes). The answers of every
+    temperature are sampled together, once, on first use (:meth:`sample`), seeded by ``seed`` and
+    without touching the global RNG (training that follows draws what it would have drawn);
+    anchors: ``anchors_per_answer`` seeded positions per answer and block size.
     """
 
     def __init__(self, target, prompts: Sequence[Sequence[int]], temperatures: Sequence[float], *,
@@ -64,20 +64,26 @@ class HeldOutLaw:
         self._rows: dict[float, list] = {}  # T -> answer rows
         self._anchors: dict[tuple[float, int], list[torch.Tensor]] = {}  # (T, K) -> per-row anchors
 
-    def _rows_at(self, temperature: float) -> list:
-        from exittrain.heldout.measures import answer_rows
+    def sample(self, greedy: bool = False) -> dict[float, list]:
+        """Sample the answers of every temperature not yet held, in one pass a batch of prompts
+        (:func:`~exittrain.heldout.measures.answer_sets`); ``greedy`` adds the T = 0 answers, which
+        the law keeps too. Returns ``{T: rows}`` of what was sampled now (empty when all were held)."""
+        from exittrain.heldout.measures import answer_sets
 
+        todo = [T for T in [*self.temperatures, *([0.0] if greedy else [])] if T not in self._rows]
+        if not todo:
+            return {}
+        t0 = time.perf_counter()
+        what = ", ".join(f"{T:g}" for T in todo)
+        with Heartbeat(f"analytic tau: the target's answers at T = {what}"):
+            sets = answer_sets(self.target, self.prompts, todo, self.max_new_tokens, seed=self.seed, batch=self.batch)
+        self._rows.update(sets)
+        log.info("analytic tau: %d answers at each T = %s (%.0f s)", len(self.prompts), what, time.perf_counter() - t0)
+        return sets
+
+    def _rows_at(self, temperature: float) -> list:
         if temperature not in self._rows:
-            t0 = time.perf_counter()
-            # answer_rows seeds the global generators (torch.manual_seed seeds CUDA's too): fork the CPU's
-            # and, on a GPU target, its device's, so the caller's random streams go on untouched
-            devices = [self.target.device] if self.target.device.type == "cuda" else []
-            sampling = Heartbeat(f"analytic tau: sampling answers at T={temperature:g}")
-            with torch.random.fork_rng(devices=devices), sampling:
-                self._rows[temperature] = answer_rows(self.target, self.prompts, [], self.max_new_tokens,
-                                                      self.batch, temperature, self.seed)
-            log.info("analytic tau: %d answers sampled at T=%g (%.0f s)", len(self.prompts), temperature,
-                     time.perf_counter() - t0)
+            self.sample()
         return self._rows[temperature]
 
     def anchors(self, temperature: float, num_draft_tokens: int) -> list[torch.Tensor]:

@@ -18,8 +18,9 @@ last prompt token first): its token is the root, ``ids[:a]`` the committed conte
   drafter's greedy chain of ``min(budget, K)`` nodes (``chain_tree``), the draft vLLM and SGLang
   verify, where ``sum_v P(v) = 1 + sum_k prod_{j<=k} p_j(x_j)`` is their expected acceptance
   length at T (docs/algorithm.md section 4.6).
-- :func:`greedy_answers`: the target's greedy answers, in batches, that the T = 0 tracks walk their
-  rounds along (:mod:`exittrain.heldout.round_walk`).
+- :func:`answer_sets`: the target's answers at several temperatures from one prefill a batch: the
+  law's samples at T > 0 and the greedy answers that the T = 0 tracks walk their rounds along
+  (:func:`greedy_answers`, :mod:`exittrain.heldout.round_walk`).
 - :func:`oracle_block_lengths`: ``sum_v P(v)`` of the tree of the B nodes of highest warped
   target reach, depth <= K (docs/algorithm.md section 5.2): the bound of every tree of B nodes.
 
@@ -41,6 +42,8 @@ import torch
 __all__ = [
     "ANSWER_BATCH",
     "answer_rows",
+    "answer_sets",
+    "cache_answers",
     "greedy_answers",
     "heldout_anchors",
     "analytic_block_lengths",
@@ -104,28 +107,120 @@ def answer_rows(
     return rows
 
 
-ANSWER_BATCH = 16  # walked prompts answered per generation batch (greedy_answers)
+ANSWER_BATCH = 16  # held-out prompts prefilled together by answer_sets
+
+
+def _next_tokens(logits_RV: torch.Tensor, temperatures: list[float], generators: list) -> torch.Tensor:
+    """(R,) next tokens of rows ``r``, row r at ``temperatures[r % C]``: the argmax where T = 0, a draw
+    from ``softmax(logits / T)`` by that temperature's generator elsewhere."""
+    C = len(temperatures)
+    tokens_R = logits_RV.argmax(-1)
+    for c, (T, generator) in enumerate(zip(temperatures, generators, strict=True)):
+        if T > 0:
+            probs_NV = torch.softmax(logits_RV[c::C] / T, dim=-1)
+            tokens_R[c::C] = torch.multinomial(probs_NV, 1, generator=generator).squeeze(1)
+    return tokens_R
+
+
+@torch.no_grad()
+def answer_sets(
+    target, prompts: Sequence[Sequence[int]], temperatures: Sequence[float], max_new_tokens: int, *,
+    seed: int = 0, batch: int = ANSWER_BATCH,
+) -> dict[float, list[tuple[torch.Tensor, int, None]]]:
+    """The target's answers to templated ``prompts`` at each of ``temperatures``: ``{T: rows}``, a row
+    per prompt in order, ``(ids (n,) long, n_prompt, None)`` (the row layout of :func:`answer_rows`,
+    without features).
+
+    T = 0: greedy, the argmax of the target's raw logits (the token the decoders' target law puts
+    first); T > 0: drawn from ``softmax(logits / T)``, top-k and top-p off, by a generator of its own
+    seeded with ``seed + round(1000 T)`` (the global random streams are untouched), so a temperature
+    and a seed give the same answers whatever sets are drawn beside them (up to the float rounding of
+    another batch's width). An answer stops after one of ``target.eos_token_ids`` (kept) or ``max_new_tokens``
+    tokens, where the decoders stop.
+
+    Why one function for every temperature: a batch of ``batch`` prompts is prefilled once and its
+    cache copied for each temperature, and the copies decode together. The prefill of a held-out
+    prompt costs several times its 64-token answer, so the sets cost little more than one set. Rows
+    are left-padded to the batch's widest prompt, as batched generation pads them: a row's logits
+    differ from its prompt's alone by float rounding only.
+    """
+    from exittrain.data.generation import split_response
+    from exittrain.models.hf_cache import cache_kwargs, output_cache
+
+    temps = [float(t) for t in temperatures]
+    for t in temps:
+        _check_temperature(t)
+    if len(set(temps)) != len(temps) or not temps:
+        raise ValueError(f"temperatures={list(temperatures)}: need distinct temperatures, at least one")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}: need an integer >= 1")
+    model, device, C = target.model, target.device, len(temps)
+    eos = torch.tensor(target.eos_token_ids, dtype=torch.long, device=device)
+    pad = target.eos_token_ids[0] if target.eos_token_ids else 0  # left padding and finished rows: masked or dropped
+    # a generator per temperature: a set's answers do not depend on the sets drawn beside it
+    generators = [torch.Generator(device=device).manual_seed(seed + round(1000 * t)) for t in temps]
+    out: dict[float, list] = {t: [] for t in temps}
+    for start in range(0, len(prompts), batch):
+        chunk = [list(p) for p in prompts[start : start + batch]]
+        N, W = len(chunk), max(len(p) for p in chunk)
+        ids_NW = torch.full((N, W), pad, dtype=torch.long)
+        mask_NW = torch.zeros((N, W), dtype=torch.long)
+        for i, p in enumerate(chunk):
+            ids_NW[i, W - len(p) :], mask_NW[i, W - len(p) :] = torch.tensor(p, dtype=torch.long), 1
+        mask_NW = mask_NW.to(device)
+        prefill = model(input_ids=ids_NW.to(device), attention_mask=mask_NW,
+                        position_ids=(mask_NW.cumsum(-1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
+        cache = output_cache(prefill)
+        cache.batch_repeat_interleave(C)  # row r: prompt r // C at temps[r % C]
+        R = N * C
+        logits_RV = prefill.logits[:, -1].float().repeat_interleave(C, 0)
+        mask_RS = mask_NW.repeat_interleave(C, 0)
+        done_R = torch.zeros(R, dtype=torch.bool, device=device)
+        new_RG = []
+        for step in range(max_new_tokens):
+            tokens_R = torch.where(done_R, pad, _next_tokens(logits_RV, temps, generators))
+            new_RG.append(tokens_R)
+            done_R |= torch.isin(tokens_R, eos)
+            if bool(done_R.all()) or step == max_new_tokens - 1:
+                break
+            mask_RS = torch.cat([mask_RS, torch.ones(R, 1, dtype=torch.long, device=device)], dim=1)
+            logits_RV = model(input_ids=tokens_R[:, None], attention_mask=mask_RS,
+                              position_ids=mask_RS.sum(1, keepdim=True) - 1, use_cache=True,
+                              **cache_kwargs(cache)).logits[:, -1].float()
+        new_RG = torch.stack(new_RG, dim=1).cpu()
+        for r in range(R):
+            answer, _ = split_response(new_RG[r].tolist(), target.eos_token_ids)
+            prompt = chunk[r // C]
+            out[temps[r % C]].append((torch.tensor(prompt + answer, dtype=torch.long), len(prompt), None))
+    return out
 
 
 def greedy_answers(target, prompts: Sequence[Sequence[int]], ar_cache: dict, *, live: int, max_new_tokens: int) -> None:
     """Fill ``ar_cache[(0.0, i)]`` for every walked prompt (``i >= live``) it lacks with the target's
     greedy answer, a :class:`~exittrain.decoding.GenerationResult` of ``max_new_tokens`` tokens at
-    most (EOS kept), from batched generation (:func:`answer_rows`).
+    most (EOS kept), from :func:`answer_sets` (the evaluator fills them with its sampled sets
+    instead, one prefill for all: :meth:`~exittrain.heldout.evaluator.HeldOutEvaluator.measure`).
 
     The entries carry no timing (``seconds`` 0): they are answers to walk along, not baselines to
     time a decode against, so a cache filled here must not feed speed columns (the evaluator's
     cache serves one mode for its life). The live prompts (``i < live``) are left to the
     one-prompt baseline their lossless check needs."""
-    from exittrain.decoding import GenerationResult
     from exittrain.progress import Heartbeat
 
     todo = [i for i in range(live, len(prompts)) if (0.0, i) not in ar_cache]
     if not todo:
         return
     with Heartbeat(f"eval: the target's greedy answers to {len(todo)} prompts"):
-        rows = answer_rows(target, [list(prompts[i]) for i in todo], [], max_new_tokens, ANSWER_BATCH,
-                           eos_ids=target.eos_token_ids)  # where the decoders stop
-    for i, (ids, n_prompt, _) in zip(todo, rows, strict=True):
+        rows = answer_sets(target, [prompts[i] for i in todo], [0.0], max_new_tokens)[0.0]
+    cache_answers(ar_cache, dict(zip(todo, rows, strict=True)))
+
+
+def cache_answers(ar_cache: dict, rows: dict[int, tuple]) -> None:
+    """``ar_cache[(0.0, i)]``: the greedy answer of ``rows[i]`` (an :func:`answer_sets` row) as a
+    :class:`~exittrain.decoding.GenerationResult` without timing, for the T = 0 walks."""
+    from exittrain.decoding import GenerationResult
+
+    for i, (ids, n_prompt, _) in rows.items():
         ar_cache[0.0, i] = GenerationResult(ids[n_prompt:].tolist())
 
 
