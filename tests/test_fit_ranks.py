@@ -190,16 +190,16 @@ RANK_ZERO_FILES = ("eval_warm_start.json", "eval_exittrain.json", "tree_example.
 
 def test_fit_on_rank_zero_regenerates_evaluates_and_writes(rank, tmp_path, monkeypatch):
     cfg, target = _tiny_fit(tmp_path)
-    from exittrain.heldout import decode_eval
+    from exittrain import decoding
 
     baselines = []
-    real_ar = decode_eval.autoregressive_generate
+    real_ar = decoding.autoregressive_generate
 
     def counting_ar(target, prompt, *args, **kwargs):
         baselines.append(list(prompt))
         return real_ar(target, prompt, *args, **kwargs)
 
-    monkeypatch.setattr(decode_eval, "autoregressive_generate", counting_ar)
+    monkeypatch.setattr(decoding, "autoregressive_generate", counting_ar)  # the evaluator's baselines read it here
     rank(0)
     summary = fit(cfg, target=target)
     assert set(summary["tables"]) == {"warm_start", "exittrain"}

@@ -29,9 +29,9 @@ from tqdm.auto import tqdm
 
 from exittrain import progress as progress_log
 from exittrain.core import bootstrap_ci
-from exittrain.decoding import SpeculativeDecoder, autoregressive_generate, oracle_generate
+from exittrain.decoding import SpeculativeDecoder, oracle_generate
 from exittrain.decoding.chain_decoder import ChainDecoder
-from exittrain.heldout.measures import greedy_answers
+from exittrain.heldout.measures import cached_baseline, greedy_answers
 from exittrain.heldout.round_walk import check_live, walk_checks, walked_rounds
 
 __all__ = [
@@ -143,10 +143,7 @@ def evaluate_prompts(
                "decode": "fixed" if auto is None else "auto"}
         walked = None
         if live is not None and temperature == 0:
-            if (temperature, i) not in ar_cache:
-                ar_cache[temperature, i] = autoregressive_generate(target, prompt, max_new_tokens, temperature,
-                                                                   seed=run_seed)
-            answer = ar_cache[temperature, i].tokens
+            answer = cached_baseline(ar_cache, target, prompt, i, max_new_tokens, temperature, run_seed).tokens
             # the plain decoder roots its first round at the prompt's last token (round_walk's module)
             walked = walked_rounds(target, drafter, prompt[:-1], prompt[-1:] + answer,
                                    max_new_tokens=max_new_tokens + 1, shape="ddtree", budget=budget)
@@ -173,13 +170,12 @@ def evaluate_prompts(
                 decoded.append(auto_results[temperature, i])
                 _auto_columns(row, result, auto_results[temperature, i], choice)
             if baseline:
-                key = (temperature, i)
-                if key not in ar_cache:  # the baseline does not depend on the budget
-                    ar_cache[key] = autoregressive_generate(target, prompt, max_new_tokens, temperature, seed=run_seed)
-                if speed and ar_cache[key].tokens and not ar_cache[key].seconds:
-                    raise ValueError(f"ar_cache[{key}] holds a batched greedy answer (no timing) from a walk: speed "
-                                     "columns need the one-prompt baseline; give a speed evaluation its own ar_cache")
-                _baseline_columns(row, ar_cache[key], decoded, speed=speed, greedy=temperature == 0)
+                ar = cached_baseline(ar_cache, target, prompt, i, max_new_tokens, temperature, run_seed)
+                if speed and ar.tokens and not ar.seconds:
+                    raise ValueError(f"ar_cache[{(temperature, i)}] holds a batched greedy answer (no timing) from a "
+                                     "walk: speed columns need the one-prompt baseline; give a speed evaluation its "
+                                     "own ar_cache")
+                _baseline_columns(row, ar, decoded, speed=speed, greedy=temperature == 0)
         if oracle:
             depth = drafter.config.num_draft_tokens
             ores, analytic = oracle_generate(target, prompt, budget, max_new_tokens, temperature, seed=run_seed,

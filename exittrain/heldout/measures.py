@@ -44,6 +44,7 @@ __all__ = [
     "answer_rows",
     "answer_sets",
     "cache_answers",
+    "cached_baseline",
     "greedy_answers",
     "heldout_anchors",
     "analytic_block_lengths",
@@ -222,6 +223,19 @@ def cache_answers(ar_cache: dict, rows: dict[int, tuple]) -> None:
 
     for i, (ids, n_prompt, _) in rows.items():
         ar_cache[0.0, i] = GenerationResult(ids[n_prompt:].tolist())
+
+
+def cached_baseline(ar_cache: dict, target, prompt: Sequence[int], i: int, max_new_tokens: int,
+                    temperature: float = 0.0, seed: int = 0):
+    """``ar_cache[(temperature, i)]``, the target's own decode of prompt ``i``
+    (:func:`~exittrain.decoding.autoregressive_generate`, timed), decoded now if absent: it depends on
+    neither the drafter nor the budget, so every row of one prompt shares it."""
+    from exittrain.decoding import autoregressive_generate
+
+    key = (temperature, i)
+    if key not in ar_cache:
+        ar_cache[key] = autoregressive_generate(target, list(prompt), max_new_tokens, temperature, seed=seed)
+    return ar_cache[key]
 
 
 def heldout_anchors(rows, num_draft_tokens: int, per_row: int, seed: int) -> list[torch.Tensor]:

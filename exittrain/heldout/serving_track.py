@@ -121,9 +121,8 @@ def chain_rows(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tok
 
     ``ar_cache``: the tree track's autoregressive baselines, keyed ``(temperature, prompt index)``
     (:func:`~exittrain.heldout.decode_eval.evaluate_prompts`), reused and filled at T = 0."""
-    from exittrain.decoding import autoregressive_generate
     from exittrain.decoding.chain_decoder import ChainDecoder, decode_after_prefill
-    from exittrain.heldout.measures import greedy_answers
+    from exittrain.heldout.measures import cached_baseline, greedy_answers
     from exittrain.heldout.round_walk import check_live, walked_rounds
 
     check_live(live)
@@ -135,10 +134,7 @@ def chain_rows(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tok
     rows = []
     for i, prompt in enumerate(prompts):
         ticker.update(i)
-        key = (0.0, i)
-        if key not in ar_cache:
-            ar_cache[key] = autoregressive_generate(target, list(prompt), max_new_tokens, 0.0, seed=seed + i)
-        plain = ar_cache[key].tokens
+        plain = cached_baseline(ar_cache, target, prompt, i, max_new_tokens, 0.0, seed + i).tokens
         row = {"label": label, "prompt_index": i, "budget": decoder.budget, "new_tokens": len(plain),
                "decoded": live is None or i < live}
         if not plain:  # no new token asked for: no round
