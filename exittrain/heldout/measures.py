@@ -303,14 +303,16 @@ def expected_block_lengths(
     pick = torch.cat([torch.arange(layers.index(x) * H, (layers.index(x) + 1) * H) for x in own]) if stored_features \
         else None
     out: dict[tuple[str, int], list[torch.Tensor]] = {d: [] for d in drafts}
-    for (ids, _, features), anchors_A in zip(rows, anchors, strict=True):
+    for (ids, n_prompt, features), anchors_A in zip(rows, anchors, strict=True):
         if anchors_A.numel() == 0:
             for per_row in out.values():
                 per_row.append(torch.zeros(0))
             continue
+        # the K/V the trees attend to and (without stored features) the drafter's features; the prompt's
+        # part is kept for the answers to it at the other temperatures
+        prefix = row_prefix(target, ids, own, shared=n_prompt)
         logprobs_AKV = drafter_logprobs(drafter, target, ids, anchors_A,
                                         features[:, pick].float() if stored_features else None)
-        prefix = row_prefix(target, ids, own)  # the pass that gave the drafter's features gives the K/V
         trees = {draft: shaped_tree(logprobs_AKV, draft[1], draft[0], validate=False) for draft in out}
         for draft, tree in trees.items():
             if draft == graft[0]:

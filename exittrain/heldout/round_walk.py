@@ -179,7 +179,7 @@ def walked_rounds(target, drafter, prompt: Sequence[int], answer: Sequence[int],
     n = len(prompt)
     ids_T = torch.tensor(list(prompt) + answer[: stop + 1], dtype=torch.long)
     ids_1T = ids_T[None].to(target.device)
-    prefix = row_prefix(target, ids_T, drafter.config.target_layer_ids)  # shared by every drafter and track
+    prefix = row_prefix(target, ids_T, drafter.config.target_layer_ids, shared=n)  # every drafter and track
     features_1TF = prefix.features
     anchors_P = torch.arange(n, n + stop)  # the roots y[0] .. y[stop - 1]
     # row p: y[p + 1 .. p + K], -1 (no token) past the stop

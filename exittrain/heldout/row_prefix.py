@@ -6,7 +6,9 @@ drafter, budget, temperature and tree shape on the same sampled answers; the wal
 tracks (:mod:`exittrain.heldout.round_walk`) of every drafter walk the same greedy answers. On a
 small target the pass over a 250-token sequence costs about as much as scoring all of its trees,
 so :func:`row_prefix` keeps the last :data:`KEPT` passes, keyed by the sequence's tokens (not its
-tensor: each walk builds its own), the layers and the target object.
+tensor: each walk builds its own), the layers and the target object. The answers at each temperature
+continue the same prompts, and a prompt is most of its row: a row's pass continues the kept pass over
+its prompt instead of running it again.
 
 Limits: the target must not change between calls (it is frozen while anything is measured). A
 pass holds about 2 x layers x T x KV width floats (12 MB for 250 tokens of SmolLM2-135M; a few GB
@@ -22,24 +24,51 @@ import torch
 
 __all__ = ["KEPT", "row_prefix"]
 
-KEPT = 64  # passes kept: fit's table reads 48 (16 walked answers, 16 sampled at each of two temperatures)
+KEPT = 96  # passes kept: fit's table reads 48 rows (16 walked answers, 16 sampled at each of two
+# temperatures) and up to two passes over each of their 16 prompts
 
 # (id(target), tokens, layers) -> (target, SequencePrefix); holding the target keeps its id unique
 _PASSES: OrderedDict[tuple, tuple[object, object]] = OrderedDict()
 
 
-def row_prefix(target, ids_T: torch.Tensor, layers: Sequence[int] | None):
+def _kept(target, tokens: tuple, layers: tuple | None):
+    hit = _PASSES.get((id(target), tokens, layers))
+    if hit is None or hit[0] is not target:
+        return None
+    _PASSES.move_to_end((id(target), tokens, layers))
+    return hit[1]
+
+
+def _longest_kept_prefix(target, tokens: tuple, layers: tuple | None):
+    """The kept pass over the longest proper prefix of ``tokens`` (same target and layers), or None."""
+    best = None
+    for (tid, kept, kept_layers), (kept_target, prefix) in _PASSES.items():
+        if kept_target is target and tid == id(target) and kept_layers == layers and len(kept) < len(tokens) \
+                and (best is None or len(kept) > best.input_ids.shape[1]) and tokens[: len(kept)] == kept:
+            best = prefix
+    return best
+
+
+def row_prefix(target, ids_T: torch.Tensor, layers: Sequence[int] | None, shared: int = 0):
     """The :class:`~exittrain.models.target_scoring.SequencePrefix` of ``ids_T[None]`` (T,) with the
-    fp32 features of ``layers`` (None: no features), computed once per token sequence, layers and target."""
-    key = (id(target), tuple(ids_T.tolist()), None if layers is None else tuple(layers))
-    hit = _PASSES.get(key)
-    if hit is not None and hit[0] is target:
-        _PASSES.move_to_end(key)
-        return hit[1]
-    prefix = target.sequence_prefix(ids_T[None].to(target.device), None if layers is None else list(layers))
+    fp32 features of ``layers`` (None: no features), computed once per token sequence, layers and target.
+
+    ``shared``: how many first tokens other sequences share (the prompt of an answer). Their pass is
+    kept too, and a new sequence runs only what follows the longest kept pass over its first tokens
+    (:meth:`~exittrain.models.target_scoring.TreeScoring.sequence_prefix` with ``past``): the
+    answers to one prompt at every temperature pay for the prompt once."""
+    tokens, key_layers = tuple(ids_T.tolist()), None if layers is None else tuple(layers)
+    hit = _kept(target, tokens, key_layers)
+    if hit is not None:
+        return hit
+    past = _longest_kept_prefix(target, tokens, key_layers)
+    if 0 < shared < len(tokens) and (past is None or past.input_ids.shape[1] < shared):
+        past = row_prefix(target, ids_T[:shared], layers)
+    prefix = target.sequence_prefix(ids_T[None].to(target.device), None if layers is None else list(layers),
+                                    past=past)
     if prefix.features is not None:
         prefix.features = prefix.features.float()
-    _PASSES[key] = (target, prefix)
+    _PASSES[(id(target), tokens, key_layers)] = (target, prefix)
     if len(_PASSES) > KEPT:
         _PASSES.popitem(last=False)
     return prefix

@@ -53,18 +53,33 @@ class TreeScoring:
     """Training-time operations of :class:`~exittrain.models.target_model.TargetModel`."""
 
     @torch.no_grad()
-    def sequence_prefix(self, input_ids_LT: torch.Tensor, layers: Sequence[int] | None = None) -> SequencePrefix:
+    def sequence_prefix(self, input_ids_LT: torch.Tensor, layers: Sequence[int] | None = None, *,
+                        past: SequencePrefix | None = None) -> SequencePrefix:
         """The causal pass of exact tree scoring over ``input_ids_LT`` (L, T), with the features of
         ``layers``: reuse it across ``score_trees`` calls on the same sequences (other trees,
-        budgets or drafters), each of which would otherwise run it again."""
+        budgets or drafters), each of which would otherwise run it again.
+
+        ``past``: the pass over the first P < T tokens of these sequences, with the same layers (a
+        prompt that several answers continue): only the last T - P positions run, attending to its
+        keys and values, which stay untouched. The result equals a whole pass up to float rounding
+        (the attention of the last positions is summed in another order)."""
         self._check_ids(input_ids_LT, "input_ids_LT", 2)
         layers = self.check_layers(layers)
         input_ids_LT = input_ids_LT.to(self.device)
-        cache = self.new_cache()
+        P = 0 if past is None else past.input_ids.shape[1]
+        if past is not None:
+            if past.layers != layers or not 0 < P < input_ids_LT.shape[1] or \
+                    not torch.equal(past.input_ids.to(self.device), input_ids_LT[:, :P]):
+                raise ValueError(f"past: a pass over the first tokens of these sequences with layers={layers} "
+                                 f"(it covers {P} tokens with layers={past.layers}); pass None to run them all")
+        cache = self.new_cache() if past is None else self._cache_from_kv(past.kv)
         with self._capture(layers) as captured:
-            self._decoder(input_ids=input_ids_LT, use_cache=True, **cache_kwargs(cache))
+            self._decoder(input_ids=input_ids_LT[:, P:], use_cache=True, **cache_kwargs(cache))
         kv = [(layer.keys, layer.values) for layer in cache.layers]
-        return SequencePrefix(input_ids_LT, kv, self._features(captured, layers), layers)
+        features = self._features(captured, layers)
+        if past is not None and features is not None:
+            features = torch.cat([past.features, features.to(past.features.dtype)], dim=1)
+        return SequencePrefix(input_ids_LT, kv, features, layers)
 
     @torch.no_grad()
     def sequence_features(

@@ -146,34 +146,61 @@ def test_bad_arguments_name_the_option(models):
 def test_the_rows_causal_pass_runs_once_and_equals_a_fresh_one(models, monkeypatch):
     """One causal pass per row gives the drafter's features and the K/V of every later scoring:
     a second budget, temperature or the oracle on the same row runs none, and the scores equal
-    those of score_trees' own pass."""
+    those of score_trees' own pass (exactly for a whole pass, up to float rounding for a row that
+    continues its prompt's kept pass)."""
     target, drafter = models
     ids = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12])
     rows, anchors = [(ids, 3, None)], [torch.tensor([2, 4])]
     monkeypatch.setattr(row_prefix_module, "_PASSES", OrderedDict())  # no pass from an earlier test
     calls, real = [], target.sequence_prefix
-    monkeypatch.setattr(target, "sequence_prefix", lambda *a, **k: calls.append(k or a[1:]) or real(*a, **k))
+    monkeypatch.setattr(target, "sequence_prefix",
+                        lambda ids_LT, *a, **k: calls.append(ids_LT.shape[1]) or real(ids_LT, *a, **k))
     first = hl.analytic_block_lengths(drafter, target, rows, [2], anchors, 4, 1.0)
     again = hl.analytic_block_lengths(drafter, target, rows, [2], anchors, 8, 0.6)
-    assert len(calls) == 1, "a second budget or temperature on the same row re-ran the target"
+    assert calls == [3, 8], "the prompt's pass, then the row's continuing it; a second budget or temperature: none"
     hl.oracle_block_lengths(target, rows, anchors, 4, K, 1.0)
     hl.oracle_block_lengths(target, rows, anchors, 4, K, 0.6)
-    assert len(calls) == 2, "the oracle's waves ran a causal pass each"  # its own, without features
+    assert calls == [3, 8, 8], "the oracle's waves ran a causal pass each"  # its own, without features
+    whole = target.sequence_features(ids[None], [2]).float()
     same = row_prefix(target, ids.clone(), [2]).features  # another tensor of the same tokens: reused
-    assert len(calls) == 2 and torch.equal(same, target.sequence_features(ids[None], [2]).float())
+    assert len(calls) == 3 and torch.allclose(same, whole, rtol=0, atol=1e-5) and same.shape == whole.shape
     other = ids.flip(0)
-    fresh = row_prefix(target, other, [2]).features  # other tokens: computed anew
-    assert len(calls) == 3 and torch.equal(fresh, target.sequence_features(other[None], [2]).float())
+    fresh = row_prefix(target, other, [2]).features  # other tokens, no kept prompt: a whole pass, computed anew
+    assert len(calls) == 4 and torch.equal(fresh, target.sequence_features(other[None], [2]).float())
     assert first[0].shape == again[0].shape == (2,)
-    # the memoised pass scores exactly as score_trees' own
+    # the memoised passes score as score_trees' own
+    for row, exact in ((other, True), (ids, False)):
+        tree = hl.drafter_trees(drafter, target, row, anchors[0], 4)
+        own = target.score_trees(row[None], anchors[0][None], tree).logits
+        reused = target.score_trees(row[None], anchors[0][None], tree, prefix=row_prefix(target, row, [2])).logits
+        assert torch.equal(own, reused) if exact else torch.allclose(own, reused, rtol=0, atol=1e-4)
     tree = hl.drafter_trees(drafter, target, ids, anchors[0], 4)
-    own = target.score_trees(ids[None], anchors[0][None], tree).logits
-    reused = target.score_trees(ids[None], anchors[0][None], tree, prefix=row_prefix(target, ids, [2])).logits
-    assert torch.equal(own, reused)
     with pytest.raises(ValueError, match="other sequences"):
         target.score_trees(ids[None].flip(1), anchors[0][None], tree, prefix=row_prefix(target, ids, [2]))
     with pytest.raises(ValueError, match="layers"):
         target.score_trees(ids[None], anchors[0][None], tree, layers=[0], prefix=row_prefix(target, ids, [2]))
+
+
+def test_a_pass_continued_from_its_prompts_equals_a_whole_one(models):
+    """sequence_prefix(past=...): the K/V and features of the prompt's pass followed by the rest's
+    equal a whole pass's up to float rounding, and the past is left as it was; a past over other
+    tokens or layers is refused."""
+    target, _ = models
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    whole = target.sequence_prefix(ids, [0, 2])
+    past = target.sequence_prefix(ids[:, :5], [0, 2])
+    kept = [(k.clone(), v.clone()) for k, v in past.kv]
+    continued = target.sequence_prefix(ids, [0, 2], past=past)
+    assert continued.features.shape == whole.features.shape == (1, 8, 2 * target.hidden_size)
+    assert torch.allclose(continued.features, whole.features, rtol=0, atol=1e-5)
+    for (k, v), (wk, wv) in zip(continued.kv, whole.kv, strict=True):
+        assert k.shape == wk.shape and torch.allclose(k, wk, rtol=0, atol=1e-5)
+        assert torch.allclose(v, wv, rtol=0, atol=1e-5)
+    assert all(torch.equal(k, pk) and torch.equal(v, pv) for (k, v), (pk, pv) in zip(kept, past.kv, strict=True))
+    for bad, match in ((target.sequence_prefix(ids[:, 1:6], [0, 2]), "first tokens"),
+                       (target.sequence_prefix(ids[:, :5], [2]), "layers"), (whole, "covers 8 tokens")):
+        with pytest.raises(ValueError, match=match):
+            target.sequence_prefix(ids, [0, 2], past=bad)
 
 
 def test_the_tree_and_chain_measured_together_equal_each_measured_alone(models):

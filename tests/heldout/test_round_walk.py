@@ -134,13 +134,15 @@ def test_the_tree_and_chain_walks_of_one_answer_share_one_causal_pass(one_thread
                               shape="ddtree", budget=4))
     monkeypatch.setattr(row_prefix, "_PASSES", OrderedDict())
     calls, real = [], target.sequence_prefix
-    monkeypatch.setattr(target, "sequence_prefix", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(target, "sequence_prefix",
+                        lambda ids_LT, *a, **k: calls.append(ids_LT.shape[1]) or real(ids_LT, *a, **k))
     chain = walked_rounds(target, drafter, prompt, answer, max_new_tokens=NEW_TOKENS)
     tree = walked_rounds(target, drafter, prompt[:-1], prompt[-1:] + answer, max_new_tokens=NEW_TOKENS + 1,
                          shape="ddtree", budget=4)
-    assert len(calls) == 1 and (chain, tree) == expected
+    # the prompt's pass (kept for other answers to it), then the answer's continuing it; the tree walk runs none
+    assert calls[0] == len(prompt) and len(calls) == 2 and (chain, tree) == expected
     walked_rounds(target, drafter, prompts[1], answers[1], max_new_tokens=NEW_TOKENS)
-    assert len(calls) == 2
+    assert len(calls) == 4 and calls[2] == len(prompts[1])
 
 
 def test_evaluate_prompts_walks_all_but_the_live_prompt(one_thread, target, drafter, prompts):

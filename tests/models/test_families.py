@@ -187,6 +187,12 @@ def test_features_at_the_drafter_layer_ids_equal_plain_hidden_states(target, one
     torch.testing.assert_close(target.prefill(ids, layers=layers).features, want, atol=1e-5, rtol=0)
     prefix = target.sequence_prefix(ids, layers)
     torch.testing.assert_close(prefix.features, want, atol=1e-5, rtol=0)
+    # a prompt's pass, continued across the window: the same up to the rounding of another sequence length
+    past = target.sequence_prefix(ids[:, : WINDOW + 1], layers)
+    continued = target.sequence_prefix(ids, layers, past=past)
+    torch.testing.assert_close(continued.features, want, atol=1e-4, rtol=0)
+    for (k, v), (wk, wv) in zip(continued.kv, prefix.kv, strict=True):
+        torch.testing.assert_close((k, v), (wk, wv), atol=1e-4, rtol=0)
 
 
 def _decode_rounds(target: TargetModel, context: list[int]):
