@@ -10,28 +10,7 @@ import torch
 from exittrain.decoding import autoregressive_generate
 from exittrain.heldout.measures import answer_sets
 
-VOCAB = 16
 NEW_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def target():
-    """A tiny fp32 Llama whose EOS (id 1) ends some answers early."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from exittrain.models import TargetModel
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         initializer_range=0.2, eos_token_id=1, attn_implementation="sdpa")
-    return TargetModel(LlamaForCausalLM(config), None, name="tiny-llama-v16-answers")
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(2, VOCAB, (6 + i % 5,), generator=g).tolist() for i in range(8)]
 
 
 def test_greedy_rows_are_the_one_prompt_decode_alone_or_beside_sampled_sets(one_thread, target, prompts):
@@ -74,7 +53,7 @@ def test_each_set_draws_from_the_target_law_at_its_own_temperature(one_thread, t
     assert 0.5 * (laws[0.5] - laws[2.0]).abs().sum() > 0.2
     for T, rows in sets.items():
         first = torch.tensor([ids[len(prompt)].item() for ids, _, _ in rows])
-        freq = torch.bincount(first, minlength=VOCAB).float() / n
+        freq = torch.bincount(first, minlength=target.vocab_size).float() / n
         assert 0.5 * (freq - laws[T]).abs().sum() < 0.04, T
 
 

@@ -14,28 +14,7 @@ from exittrain.heldout.decode_eval import evaluate_prompts, summarize
 from exittrain.heldout.round_walk import walked_rounds
 from exittrain.heldout.serving_track import chain_rows, summarize_chain
 
-VOCAB = 16  # small, so the target's greedy answers repeat and a briefly trained drafter accepts often
 NEW_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def target():
-    """A tiny fp32 Llama whose EOS (id 1) ends some greedy answers early."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from exittrain.models import TargetModel
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         initializer_range=0.2, eos_token_id=1, attn_implementation="sdpa")
-    return TargetModel(LlamaForCausalLM(config), None, name="tiny-llama-v16")
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(2, VOCAB, (6 + i % 5,), generator=g).tolist() for i in range(8)]
 
 
 @pytest.fixture(scope="module")
