@@ -95,8 +95,7 @@ class HeldOutEvaluator:
         if self.law is not None and not self.speed:
             # the law's samples and the greedy answers the walks follow, from one prefill of the prompts
             greedy = self.law.sample(greedy=True).get(0.0, [])
-            cache_answers(self.ar_cache, {i: row for i, row in enumerate(greedy)
-                                          if i >= LIVE and (0.0, i) not in self.ar_cache})
+            cache_answers(self.ar_cache, {i: row for i, row in enumerate(greedy) if i >= LIVE})
         rows = []
         if tree:
             # without speed columns nothing needs a decode's clock: the T = 0 rounds are walked, one prompt decoded

@@ -218,11 +218,12 @@ def greedy_answers(target, prompts: Sequence[Sequence[int]], ar_cache: dict, *, 
 
 def cache_answers(ar_cache: dict, rows: dict[int, tuple]) -> None:
     """``ar_cache[(0.0, i)]``: the greedy answer of ``rows[i]`` (an :func:`answer_sets` row) as a
-    :class:`~exittrain.decoding.GenerationResult` without timing, for the T = 0 walks."""
+    :class:`~exittrain.decoding.GenerationResult` without timing, for the T = 0 walks; an entry the
+    cache holds already is kept."""
     from exittrain.decoding import GenerationResult
 
     for i, (ids, n_prompt, _) in rows.items():
-        ar_cache[0.0, i] = GenerationResult(ids[n_prompt:].tolist())
+        ar_cache.setdefault((0.0, i), GenerationResult(ids[n_prompt:].tolist()))
 
 
 def cached_baseline(ar_cache: dict, target, prompt: Sequence[int], i: int, max_new_tokens: int,

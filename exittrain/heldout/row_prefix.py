@@ -32,18 +32,19 @@ _PASSES: OrderedDict[tuple, tuple[object, object]] = OrderedDict()
 
 
 def _kept(target, tokens: tuple, layers: tuple | None):
-    hit = _PASSES.get((id(target), tokens, layers))
+    key = (id(target), tokens, layers)
+    hit = _PASSES.get(key)
     if hit is None or hit[0] is not target:
         return None
-    _PASSES.move_to_end((id(target), tokens, layers))
+    _PASSES.move_to_end(key)
     return hit[1]
 
 
 def _longest_kept_prefix(target, tokens: tuple, layers: tuple | None):
     """The kept pass over the longest proper prefix of ``tokens`` (same target and layers), or None."""
     best = None
-    for (tid, kept, kept_layers), (kept_target, prefix) in _PASSES.items():
-        if kept_target is target and tid == id(target) and kept_layers == layers and len(kept) < len(tokens) \
+    for (_, kept, kept_layers), (kept_target, prefix) in _PASSES.items():
+        if kept_target is target and kept_layers == layers and len(kept) < len(tokens) \
                 and (best is None or len(kept) > best.input_ids.shape[1]) and tokens[: len(kept)] == kept:
             best = prefix
     return best
