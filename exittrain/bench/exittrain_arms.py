@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -90,6 +91,7 @@ from exittrain.bench.ablation import compose_fit_config, train_drafter
 from exittrain.bench.exittrain_grid import ARMS, replicate, selected_arms, split_replicate
 from exittrain.bench.exittrain_report import plot, replicate_verdicts, to_markdown
 from exittrain.build import build_datamodule
+from exittrain.progress import Heartbeat
 from exittrain.settings import module_overrides
 
 PARTIAL = "exittrain_partial.json"
@@ -97,6 +99,17 @@ PARTIAL = "exittrain_partial.json"
 
 def _log(msg: str) -> None:
     print(f"[bench exittrain {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+@contextmanager
+def _measuring(label: str):
+    """Log one measurement's start and end, with a heartbeat each minute between them: one drafter's
+    greedy walks at K = 15 over 64 answers run for minutes on a CPU, and were silent before."""
+    _log(f"{label}: measuring")
+    t0 = time.perf_counter()
+    with Heartbeat(label, every_s=60):
+        yield
+    _log(f"{label}: done ({time.perf_counter() - t0:.0f} s)")
 
 
 def fresh_overrides(args, warm_prompts: int | None) -> list[str]:
@@ -277,8 +290,9 @@ def measure(args, target, drafters: dict[str, Path], on_step=None) -> dict:
         if T == 0:  # every answer position; one drafter pass per row serves every budget and the chain
             key_of = {**keys, "chain": chain_key}  # greedy's keys: the budgets and "chain"
             for name in todo:
-                greedy = greedy_block_lengths_by_budget(loaded[name], rows, layers, list(args.budgets),
-                                                        chain=args.chain)[0]
+                with _measuring(f"T=0: {name}, greedy walks"):
+                    greedy = greedy_block_lengths_by_budget(loaded[name], rows, layers, list(args.budgets),
+                                                            chain=args.chain)[0]
                 per_row[name].update({key_of[b]: v for b, v in greedy.items()})
         else:
             for budget, per_answer in zip(args.budgets, args.budget_anchors):
@@ -288,17 +302,20 @@ def measure(args, target, drafters: dict[str, Path], on_step=None) -> dict:
                 # drafter-free, and a few times a drafter tree's rows per anchor: the first prompts only
                 n = args.oracle_prompts
                 if key not in oracle:
-                    oracle[key] = oracle_block_lengths(target, rows[:n], mine[:n], budget, K, T)
+                    with _measuring(f"T={T:g} B={budget}: the oracle on {n} prompts"):
+                        oracle[key] = oracle_block_lengths(target, rows[:n], mine[:n], budget, K, T)
                     cache.save(oracle_name, oracle)
                 for name in todo:
                     if key not in per_row[name]:
-                        per_row[name][key] = analytic_block_lengths(loaded[name], target, rows, layers, mine,
-                                                                    budget, T)
+                        with _measuring(f"T={T:g} B={budget}: {name}"):
+                            per_row[name][key] = analytic_block_lengths(loaded[name], target, rows, layers, mine,
+                                                                        budget, T)
             # the chain at every anchor: it costs K + 1 target rows per anchor, fewer than a tree of B = 16
             for name in todo if chain_key else ():
                 if chain_key not in per_row[name]:
-                    per_row[name][chain_key] = analytic_block_lengths(loaded[name], target, rows, layers, anchors,
-                                                                      K, T, shape="chain")
+                    with _measuring(f"T={T:g} chain of {K}: {name}"):
+                        per_row[name][chain_key] = analytic_block_lengths(loaded[name], target, rows, layers,
+                                                                          anchors, K, T, shape="chain")
         for name in todo:
             cache.save(name, per_row[name], drafters[name])
         _log(f"T={T:g}: {len(todo)} drafters measured ({time.perf_counter() - t0:.0f} s)")

@@ -11,8 +11,10 @@ continue the same prompts, and a prompt is most of its row: a row's pass continu
 its prompt instead of running it again.
 
 Limits: the target must not change between calls (it is frozen while anything is measured). A
-pass holds about 2 x layers x T x KV width floats (12 MB for 250 tokens of SmolLM2-135M; a few GB
-for an 8B target on a GPU at :data:`KEPT`), hence the bound; the least recently used goes first.
+pass holds about 2 x layers x T x KV width floats and the features (12 MB for 250 tokens of
+SmolLM2-135M; about 50 MB for an 8B target in bf16), hence two bounds: at most :data:`KEPT` passes
+and :data:`KEPT_BYTES` bytes, so that a large target's passes cannot fill the GPU the drafter trains
+on. The least recently used goes first; the newest pass is always kept.
 """
 
 from __future__ import annotations
@@ -22,28 +24,34 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["KEPT", "row_prefix"]
+__all__ = ["KEPT", "KEPT_BYTES", "row_prefix"]
 
 KEPT = 96  # passes kept: fit's table reads 48 rows (16 walked answers, 16 sampled at each of two
 # temperatures) and up to two passes over each of their 16 prompts
+KEPT_BYTES = 2 << 30  # 2 GiB: all of fit's passes on SmolLM2-135M (about 1 GB); some 40 of an 8B target's
 
-# (id(target), tokens, layers) -> (target, SequencePrefix); holding the target keeps its id unique
-_PASSES: OrderedDict[tuple, tuple[object, object]] = OrderedDict()
+# (id(target), tokens, layers) -> (target, SequencePrefix, bytes); holding the target keeps its id unique
+_PASSES: OrderedDict[tuple, tuple[object, object, int]] = OrderedDict()
+
+
+def _nbytes(prefix) -> int:
+    """The bytes a kept pass holds: its keys, values and features."""
+    kv = sum(k.nbytes + v.nbytes for k, v in prefix.kv)
+    return kv + (0 if prefix.features is None else prefix.features.nbytes)
 
 
 def _kept(target, tokens: tuple, layers: tuple | None):
-    key = (id(target), tokens, layers)
-    hit = _PASSES.get(key)
-    if hit is None or hit[0] is not target:
+    key = (id(target), tokens, layers)  # an id held in _PASSES is its target's alone
+    if key not in _PASSES:
         return None
     _PASSES.move_to_end(key)
-    return hit[1]
+    return _PASSES[key][1]
 
 
 def _longest_kept_prefix(target, tokens: tuple, layers: tuple | None):
     """The kept pass over the longest proper prefix of ``tokens`` (same target and layers), or None."""
     best = None
-    for (_, kept, kept_layers), (kept_target, prefix) in _PASSES.items():
+    for (_, kept, kept_layers), (kept_target, prefix, _) in _PASSES.items():
         if kept_target is target and kept_layers == layers and len(kept) < len(tokens) \
                 and (best is None or len(kept) > best.input_ids.shape[1]) and tokens[: len(kept)] == kept:
             best = prefix
@@ -69,7 +77,8 @@ def row_prefix(target, ids_T: torch.Tensor, layers: Sequence[int] | None, shared
                                     past=past)
     if prefix.features is not None:
         prefix.features = prefix.features.float()
-    _PASSES[(id(target), tokens, key_layers)] = (target, prefix)
-    if len(_PASSES) > KEPT:
-        _PASSES.popitem(last=False)
+    _PASSES[(id(target), tokens, key_layers)] = (target, prefix, _nbytes(prefix))
+    held = sum(entry[2] for entry in _PASSES.values())
+    while len(_PASSES) > 1 and (len(_PASSES) > KEPT or held > KEPT_BYTES):
+        held -= _PASSES.popitem(last=False)[1][2]
     return prefix

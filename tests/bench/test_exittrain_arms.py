@@ -324,7 +324,7 @@ def test_vllm_pairs_each_arm_with_its_control_and_the_warm_start_on_the_same_pro
 
 
 @pytest.mark.slow
-def test_the_experiment_runs_end_to_end_on_the_embedded_target(tmp_path, monkeypatch):
+def test_the_experiment_runs_end_to_end_on_the_embedded_target(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("EXITTRAIN_CACHE", str(tmp_path / "cache"))
     args = bx.parse_args([
         "--steps", "2", "--fresh-prompts", "8", "--prompts", "2", "--max-new-tokens", "12",
@@ -353,6 +353,10 @@ def test_the_experiment_runs_end_to_end_on_the_embedded_target(tmp_path, monkeyp
     assert arm[4]["vs_control"] is not None and arm[4]["anchors"] == 2 * 2 and arm[3]["anchors"] == 2 * 1
     assert os.path.exists(tmp_path / "out" / "exittrain_vs_control.png")
     assert not (tmp_path / "out" / bx.PARTIAL).exists()  # the partial file lives while it runs only
+    said = capsys.readouterr().out  # every drafter's measurement says when it starts and ends
+    for label in ["T=0: warm start, greedy walks", "T=1 B=4: the oracle on 1 prompts",
+                  "T=1 B=3: exittrain-soft-flow-l1-fresh", f"T=1 chain of {K}: control-soft-fresh"]:
+        assert f"{label}: measuring" in said and f"{label}: done (" in said, label
 
     # a rerun reuses the trained arms and every measurement: nothing is trained, sampled or scored again
     def never(*a, **k):

@@ -181,6 +181,28 @@ def test_the_rows_causal_pass_runs_once_and_equals_a_fresh_one(models, monkeypat
         target.score_trees(ids[None], anchors[0][None], tree, layers=[0], prefix=row_prefix(target, ids, [2]))
 
 
+def test_the_kept_passes_stay_under_the_byte_bound_and_keep_the_newest(models, monkeypatch):
+    """Passes beyond KEPT_BYTES go, least recently used first, so a large target's passes cannot fill
+    its device; a reused pass counts as recent, and the newest stays even when it alone is over."""
+    target, _ = models
+    monkeypatch.setattr(row_prefix_module, "_PASSES", OrderedDict())
+    rows = [torch.tensor([5, 6, 7, 8, 9, 10, 11, 12]) + i for i in range(4)]  # four passes of one size
+    size = row_prefix_module._nbytes(target.sequence_prefix(rows[0][None], [2]))
+    assert size > 0
+    monkeypatch.setattr(row_prefix_module, "KEPT_BYTES", 2 * size)
+    first = row_prefix(target, rows[0], [2])
+    row_prefix(target, rows[1], [2])
+    assert row_prefix(target, rows[0], [2]) is first  # reused, and now the most recent
+    row_prefix(target, rows[2], [2])  # over the bound: rows[1], the least recently used, goes
+    kept = [key[1] for key in row_prefix_module._PASSES]
+    assert kept == [tuple(rows[0].tolist()), tuple(rows[2].tolist())]
+    assert sum(entry[2] for entry in row_prefix_module._PASSES.values()) <= 2 * size
+    monkeypatch.setattr(row_prefix_module, "KEPT_BYTES", size // 2)  # not even one pass fits
+    newest = row_prefix(target, rows[3], [2])
+    assert list(row_prefix_module._PASSES) == [(id(target), tuple(rows[3].tolist()), (2,))]
+    assert row_prefix(target, rows[3], [2]) is newest
+
+
 def test_a_pass_continued_from_its_prompts_equals_a_whole_one(models):
     """sequence_prefix(past=...): the K/V and features of the prompt's pass followed by the rest's
     equal a whole pass's up to float rounding, and the past is left as it was; a past over other
