@@ -182,7 +182,7 @@ class ExitTrainDataModule(pl.LightningDataModule):
 
     def answer_token_rows(self):
         """``(input_ids, loss_mask)`` of every training and validation row (after :meth:`setup`):
-        what the draft vocabulary counts (exittrain/decoding/draft_vocab.py)."""
+        what the draft vocabulary counts (exittrain/cpu_decode/draft_vocab.py)."""
         self.setup("fit")
         return split_rows(self.train_set, self.val_set, "input_ids", "loss_mask")
 
