@@ -92,9 +92,12 @@ from exittrain.bench.exittrain_grid import ARMS, replicate, selected_arms, split
 from exittrain.bench.exittrain_report import plot, replicate_verdicts, to_markdown
 from exittrain.build import build_datamodule
 from exittrain.progress import Heartbeat
+from exittrain.run_dir import write_json_atomic
+from exittrain.safe_io import load_json_object
 from exittrain.settings import module_overrides
 
 PARTIAL = "exittrain_partial.json"
+TRAIN_INFO = "bench_train.json"  # an arm's training record, beside its saved drafter
 
 
 def _log(msg: str) -> None:
@@ -163,7 +166,10 @@ def train_arms(args, target, warm_path: Path) -> tuple[dict, dict]:
             name = replicate(arm.name, seed)
             folder = Path(args.out) / name
             if args.resume and (folder / "config.json").is_file():
-                paths[name], info[name] = folder, {"reused": True}
+                trained = folder / TRAIN_INFO  # absent in folders saved before it was written
+                kept = load_json_object(trained, what="an arm's training record", fix=f"delete {trained}") \
+                    if trained.is_file() else {}
+                paths[name], info[name] = folder, {**kept, "reused": True}
                 _log(f"{name}: reused {folder}")
                 continue
             cfg = cfgs[arm.rows]
@@ -178,6 +184,7 @@ def train_arms(args, target, warm_path: Path) -> tuple[dict, dict]:
             paths[name] = save_drafter(drafter, folder)
             info[name] = {"train_s": seconds, "s_per_step": seconds / args.steps, **asdict(arm),
                           "train_seed": seed, "final": final}
+            write_json_atomic(folder / TRAIN_INFO, info[name])  # a --resume run reports it again
             _log(f"{name}: trained {args.steps} steps in {seconds:.0f} s")
     return paths, info
 
@@ -415,7 +422,6 @@ def run(args) -> dict:
     from hydra.utils import instantiate
 
     from exittrain.report.results_page import host_info
-    from exittrain.run_dir import write_json_atomic
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

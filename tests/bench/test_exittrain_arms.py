@@ -370,6 +370,8 @@ def test_the_experiment_runs_end_to_end_on_the_embedded_target(tmp_path, monkeyp
     args.resume = True
     again = bx.run(args)
     assert again["rows"] == result["rows"]
+    for name, trained in result["train"].items():  # each arm's training record comes back with it
+        assert again["train"][name] == {**trained, "reused": True}, name
 
 
 @pytest.mark.slow
