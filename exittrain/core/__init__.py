@@ -27,7 +27,14 @@ from .losses import (
     sampled_block_cross_entropy_reference,
 )
 from .ngram_copy import check_ngrams, mix_copy, mix_copy_reference, ngram_lookup, ngram_lookup_reference
-from .resample import bootstrap_ci, resampled_ratios, resampled_ratios_reference
+from .resample import (
+    bootstrap_ci,
+    paired_pooled_difference,
+    paired_pooled_difference_reference,
+    pooled,
+    resampled_ratios,
+    resampled_ratios_reference,
+)
 from .tree import DraftTree, build_tree, build_tree_reference, followed_depth, followed_depth_reference
 from .tree_metrics import select_trees, tree_metrics, tree_metrics_reference
 from .verify import (
@@ -43,6 +50,9 @@ from .verify import (
 
 __all__ = [
     "bootstrap_ci",
+    "paired_pooled_difference",
+    "paired_pooled_difference_reference",
+    "pooled",
     "resampled_ratios",
     "resampled_ratios_reference",
     "DraftTree",

@@ -35,3 +35,31 @@ def test_a_draw_of_units_without_rounds_is_zero_and_bad_input_is_named():
         resampled_ratios([1.0, 2.0], [1.0])
     with pytest.raises(ValueError, match="draws must be >= 1"):
         resampled_ratios([1.0], [1.0], draws=0)
+
+
+def test_paired_pooled_difference_matches_its_twin_and_pools_rounds():
+    """The fast paired bootstrap equals its loop twin draw for draw, and its delta is the difference of
+    pooled taus (tokens / rounds), not of per-prompt means: prompt 0's many short rounds weigh more."""
+    from exittrain.core import paired_pooled_difference, paired_pooled_difference_reference, pooled
+
+    a = [[1, 1, 1, 1, 1, 1], [5, 5], [2, 3, 1]]
+    b = [[1, 2, 1, 1, 1, 1], [3, 3, 2], [2, 2, 2]]
+    fast = paired_pooled_difference(a, b, draws=500, seed=3)
+    slow = paired_pooled_difference_reference(a, b, draws=500, seed=3)
+    assert fast["ci95"] == pytest.approx(slow["ci95"], abs=1e-12)
+    assert fast["delta"] == pytest.approx(pooled(a) - pooled(b))
+    assert pooled(a) == pytest.approx(22 / 11)
+    per_prompt_mean = sum(sum(p) / len(p) for p in a) / len(a)
+    assert abs(pooled(a) - per_prompt_mean) > 0.5  # the two statistics differ here, so the test can fail
+    assert fast["ci95"][0] <= fast["delta"] <= fast["ci95"][1]
+    assert fast["prompts"] == 3
+
+
+def test_paired_pooled_difference_of_a_drafter_with_itself_is_zero_and_bad_pairs_are_refused():
+    from exittrain.core import paired_pooled_difference
+
+    a = [[1, 2], [3], [1, 1, 4]]
+    same = paired_pooled_difference(a, a, draws=200)
+    assert same["delta"] == 0.0 and same["ci95"] == [0.0, 0.0]
+    with pytest.raises(ValueError, match="same prompts"):
+        paired_pooled_difference(a, a[:2])
