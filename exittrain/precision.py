@@ -8,7 +8,9 @@ bf16 default that is right on one host makes a run 100 times slower on another.
 Every config key that takes a compute dtype accepts ``auto``:
 
 - ``trainer.precision`` (:func:`trainer_precision`): ``bf16-mixed`` on a CUDA device with bf16 or a
-  CPU with fast bf16; ``16-mixed`` on a CUDA device without bf16; ``32-true`` otherwise;
+  CPU with fast bf16; on a CUDA device without bf16 (a V100, a T4) ``16-mixed``, or ``32-true``
+  under a sharded strategy (``trainer=fsdp``: Lightning's ``ModelParallelStrategy`` refuses
+  ``16-mixed``, :data:`SHARDED_PRECISIONS`); ``32-true`` otherwise;
 - ``data.generation.dtype`` (:func:`generation_dtype`): ``bfloat16`` where bf16 is fast, else
   ``None`` (answer with the target as loaded);
 - ``target.dtype`` (:func:`target_dtype`): fp32 on a CPU (the target's batch-1 decode is faster
@@ -49,6 +51,18 @@ FAST_RATIO = 1.25
 
 # (M, K, N) of the probe: the shape of a small model's MLP product (rows x hidden x intermediate)
 _PROBE_SHAPE = (256, 576, 1536)
+
+PRECISIONS = ("transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true", "bf16-mixed",
+              "32-true", "64-true")
+"""Lightning's ``precision`` values (``_PRECISION_INPUT_STR`` of lightning.fabric.plugins.precision.precision;
+tests/test_precision.py pins the copy). Its older spellings name the same ones: :data:`_ALIASES`."""
+_ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}  # 16 and "16" alike
+
+SHARDED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
+"""The precisions Lightning's ``ModelParallelStrategy`` (``trainer=fsdp``'s ``DrafterFSDPStrategy``)
+accepts: its Trainer refuses any other one, ``16-mixed`` included, when it is built
+(``_validate_precision_choice`` in lightning/pytorch/trainer/connectors/accelerator_connector.py;
+tests/test_precision.py builds one with every value)."""
 
 
 @dataclass(frozen=True)
@@ -143,23 +157,60 @@ def _accelerator_device(accelerator: str | None) -> torch.device:
     return torch.device(name)
 
 
-def trainer_precision(value: str | int | None, accelerator: str | None = "cpu", *, key: str = "trainer.precision"):
+def lightning_precision(value: str | int, *, key: str = "trainer.precision") -> str:
+    """``value`` as Lightning names it (``16`` and ``"16"`` are ``16-mixed``, ``"bf16"`` is ``bf16-mixed``);
+    ValueError naming ``key`` for a value that is neither ``auto`` nor one of Lightning's."""
+    name = str(value)
+    name = _ALIASES.get(name, name)
+    if name not in PRECISIONS:
+        raise ValueError(f"{key}={value!r} is not a Lightning precision: set it to auto (chosen from the hardware) "
+                         f"or one of {', '.join(PRECISIONS)}")
+    return name
+
+
+def check_sharded_precision(value: str | int, *, key: str = "trainer.precision") -> None:
+    """ValueError naming ``key`` and the fix when Lightning's ``ModelParallelStrategy`` (``trainer=fsdp``)
+    would refuse ``value``: anything outside :data:`SHARDED_PRECISIONS`, fp16 autocast (``16-mixed``)
+    above all. ``auto`` passes (:func:`trainer_precision` picks an accepted value)."""
+    if value == AUTO:
+        return
+    name = lightning_precision(value, key=key)
+    if name not in SHARDED_PRECISIONS:
+        raise ValueError(
+            f"{key}={value!r}: trainer=fsdp (Lightning's ModelParallelStrategy) refuses {name} and accepts only "
+            f"{', '.join(SHARDED_PRECISIONS)}. Set {key}=auto (bf16-mixed on a GPU with bf16, 32-true on one "
+            f"without, such as a V100 or T4) or {key}=32-true; or train with trainer=ddp, which takes 16-mixed"
+        )
+
+
+def trainer_precision(
+    value: str | int | None, accelerator: str | None = "cpu", *, sharded: bool = False, key: str = "trainer.precision",
+):
     """Lightning's ``precision`` for ``value``; ``auto`` is decided from ``accelerator``'s device.
 
-    ``bf16-mixed`` where bf16 is fast; on a CUDA device without it ``16-mixed`` (fp16 autocast with
-    loss scaling); ``32-true`` otherwise. Any other value is returned unchanged.
+    ``bf16-mixed`` where bf16 is fast. On a CUDA device without it: ``16-mixed`` (fp16 autocast with
+    loss scaling), or ``32-true`` when ``sharded`` (the trainer's strategy is Lightning's
+    ``ModelParallelStrategy``, which refuses ``16-mixed``; its ``16-true`` would keep the AdamW
+    states in fp16 with no loss scaling). ``32-true`` otherwise. Any other value is returned
+    unchanged, after :func:`check_sharded_precision` when ``sharded`` (ValueError naming ``key``).
     """
     if value != AUTO:
+        if sharded:
+            check_sharded_precision(value, key=key)
         return value
     device = _accelerator_device(accelerator)
     check = bf16_check(device)
+    reason = check.reason
     if check.fast:
         choice = "bf16-mixed"
+    elif device.type == "cuda" and sharded:
+        choice = "32-true"
+        reason += "; trainer=fsdp (Lightning's ModelParallelStrategy) refuses 16-mixed"
     elif device.type == "cuda":
         choice = "16-mixed"
     else:
         choice = "32-true"
-    _log_once(key, f"{choice} ({check.reason})")
+    _log_once(key, f"{choice} ({reason})")
     return choice
 
 

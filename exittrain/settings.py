@@ -12,6 +12,8 @@ and the first stage (minutes here, hours on a GPU run). :func:`check_fit_config`
   run-time arguments, so its own constructor checks its values;
 - the data (``data.*``, :func:`check_data`): the DataModule's own argument check, without a
   tokenizer;
+- the trainer's precision (``trainer.precision``, :func:`check_trainer_precision`): a Lightning
+  value, and one the strategy accepts (``trainer=fsdp`` refuses ``16-mixed``);
 - the drafter folder of ``eval`` (:func:`require_drafter_folder`).
 
 Nothing here loads a model, a tokenizer or data.
@@ -39,8 +41,9 @@ from exittrain.heldout.evaluator import DECODE_MODES
 from exittrain.heldout.heldout_law import check_analytic_settings
 from exittrain.heldout.serving_track import VLLM_MODES
 from exittrain.lit.module import check_module_args
+from exittrain.lit.sharding import is_model_parallel
 from exittrain.objective import STAGES
-from exittrain.precision import AUTO
+from exittrain.precision import AUTO, check_sharded_precision, lightning_precision
 from exittrain.safe_io import load_checkpoint
 
 __all__ = [
@@ -59,6 +62,7 @@ __all__ = [
     "analytic_settings",
     "check_callbacks",
     "check_data",
+    "check_trainer_precision",
     "require_drafter_folder",
 ]
 
@@ -102,6 +106,7 @@ def check_fit_config(cfg: DictConfig) -> FitSettings:
     check_objective(cfg, stages)
     check_callbacks(cfg)
     check_data(cfg)
+    check_trainer_precision(cfg)
     _check_int(cfg.data_wait_s, "data_wait_s", 0, "seconds ranks > 0 wait for rank 0's data", number=True)
     return FitSettings(stages=stages, eval=settings, analytic=analytic, vllm=vllm_mode(cfg))
 
@@ -342,3 +347,27 @@ def check_data(cfg: DictConfig) -> None:
         check_loader_settings(**{k: data[k] for k in ("max_length", "batch_size", "val_fraction") if k in data})
     except (ValueError, TypeError) as e:
         raise ValueError(f"data: {e}") from e
+
+# ----------------------------------------------------------------------------------------------
+# the trainer's precision
+
+
+def check_trainer_precision(cfg: DictConfig) -> None:
+    """``trainer.precision`` as the Trainer will take it: ``auto`` or a Lightning value
+    (:func:`exittrain.precision.lightning_precision`), and under a ``ModelParallelStrategy``
+    (``trainer=fsdp``) one that strategy accepts, so ``16-mixed`` stops here and not when the first
+    stage builds its Trainer (:func:`exittrain.precision.check_sharded_precision`). ``auto`` is
+    decided later, on the run's device (:func:`exittrain.lit.trainer.build_trainer`); an unset
+    precision is Lightning's ``32-true``, which every strategy takes."""
+    precision = cfg.trainer.get("precision")
+    if precision is None:
+        return
+    if precision != AUTO:
+        lightning_precision(precision)
+    try:
+        sharded = is_model_parallel(cfg.trainer.get("strategy"))
+    except Exception as e:  # a _target_ that does not import: Hydra's error, with the key
+        raise ValueError(f"trainer.strategy cannot be resolved ({type(e).__name__}: {e}); fix its _target_, or pick "
+                         "trainer=ddp or trainer=fsdp") from e
+    if sharded:
+        check_sharded_precision(precision)  # auto passes

@@ -1,17 +1,23 @@
 """``auto`` precision: each branch forced (fast and slow bf16 CPUs, CUDA with and without bf16, other
-devices), explicit values untouched, the log line, and the configs and objects that read ``auto``."""
+devices), explicit values untouched, the log line, the configs and objects that read ``auto``, and the
+precisions ``trainer=fsdp``'s strategy takes (pinned against Lightning's own Trainer)."""
 
 from __future__ import annotations
 
 import logging
+from typing import get_args
 
+import lightning as L
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from exittrain import precision
+from exittrain.configs import CONF_DIR, register_recipes
 from exittrain.data.generation import GenerationConfig
 from exittrain.data.regen_cache import cache_key
+from exittrain.lit.sharding import DrafterFSDPStrategy
 from exittrain.lit.trainer import build_trainer
 
 
@@ -182,3 +188,84 @@ def test_build_trainer_turns_auto_into_a_lightning_precision(monkeypatch, tmp_pa
     kwargs = dict(max_steps=1, logger=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
     assert build_trainer(node, **kwargs).precision == "32-true"
     assert build_trainer(node, precision="bf16-mixed", **kwargs).precision == "bf16-mixed"
+
+
+# -- trainer=fsdp: Lightning's ModelParallelStrategy refuses 16-mixed ------------------------------
+
+
+def trainer_arguments(trainer: str, tmp_path, *overrides: str):
+    """The shipped ``conf/trainer/<trainer>.yaml`` with a recorder (``dict``) in place of
+    ``lightning.Trainer``: :func:`build_trainer` returns the arguments it would give the Trainer, so
+    a GPU trainer is checked on a host without one."""
+    register_recipes()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("fit", overrides=["+recipe=code", f"trainer={trainer}", f"paths.output_dir={tmp_path}",
+                                         *overrides])
+    node = cfg.trainer
+    node._target_ = "builtins.dict"
+    return node
+
+
+# ids that are not the bare word "gpu": tests/conftest.py skips items with that keyword on a host without CUDA
+@pytest.mark.parametrize("accelerator", ["gpu", "auto"], ids=["accelerator-is-gpu", "accelerator-is-auto"])
+def test_fsdp_on_a_cuda_device_without_bf16_trains_in_fp32_and_says_why(monkeypatch, caplog, tmp_path, accelerator):
+    """A V100 or T4: 16-mixed would stop Lightning's Trainer at start-up under trainer=fsdp, so auto gives 32-true."""
+    fake_cuda(monkeypatch, bf16=False)
+    with caplog.at_level(logging.INFO, logger="exittrain"):
+        args = build_trainer(trainer_arguments("fsdp", tmp_path, f"trainer.accelerator={accelerator}"), max_steps=1)
+    assert isinstance(args["strategy"], DrafterFSDPStrategy)
+    assert args["precision"] == "32-true" and args["precision"] in precision.SHARDED_PRECISIONS
+    assert ("trainer.precision auto -> 32-true (CUDA device Fake GPU has no bf16 units; trainer=fsdp (Lightning's "
+            "ModelParallelStrategy) refuses 16-mixed)") in caplog.messages
+
+
+def test_fsdp_on_a_cuda_device_with_bf16_and_other_trainers_without_it_keep_mixed_precision(monkeypatch, tmp_path):
+    """Negative controls: only the sharded strategy on a GPU without bf16 changes its choice."""
+    fake_cuda(monkeypatch, bf16=True)
+    assert build_trainer(trainer_arguments("fsdp", tmp_path), max_steps=1)["precision"] == "bf16-mixed"
+    fake_cuda(monkeypatch, bf16=False)
+    assert build_trainer(trainer_arguments("gpu", tmp_path), max_steps=1)["precision"] == "16-mixed"
+    assert build_trainer(trainer_arguments("ddp", tmp_path), max_steps=1)["precision"] == "16-mixed"
+    # a strategy passed at run time counts, not only the config's
+    node = trainer_arguments("gpu", tmp_path)
+    assert build_trainer(node, strategy=DrafterFSDPStrategy(), max_steps=1)["precision"] == "32-true"
+
+
+@pytest.mark.parametrize("value", ["16-mixed", 16, "16", "64-true"], ids=["16-mixed", "int-16", "str-16", "64-true"])
+def test_fsdp_refuses_an_explicit_precision_its_strategy_refuses_before_the_trainer_is_built(tmp_path, value):
+    fake = trainer_arguments("fsdp", tmp_path)
+    with pytest.raises(ValueError) as err:
+        build_trainer(fake, precision=value, max_steps=1)
+    message = str(err.value)
+    assert f"trainer.precision={value!r}" in message
+    assert "trainer.precision=auto" in message and "trainer.precision=32-true" in message and "trainer=ddp" in message
+
+
+@pytest.mark.parametrize("value", precision.PRECISIONS)
+def test_the_sharded_precisions_are_those_lightnings_model_parallel_trainer_accepts(value):
+    """Pins SHARDED_PRECISIONS to Lightning: its Trainer, given trainer=fsdp's strategy (on the CPU), is
+    built with each accepted value and refuses each other one."""
+    make = dict(accelerator="cpu", devices=1, strategy=DrafterFSDPStrategy(), precision=value, logger=False,
+                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    if value in precision.SHARDED_PRECISIONS:
+        assert L.Trainer(**make).strategy.precision_plugin is not None
+        precision.check_sharded_precision(value)
+    else:
+        with pytest.raises(ValueError, match="ModelParallelStrategy"):
+            L.Trainer(**make)
+        with pytest.raises(ValueError, match="trainer=fsdp"):
+            precision.check_sharded_precision(value)
+
+
+def test_the_precision_names_are_lightnings():
+    from lightning.fabric.plugins.precision.precision import (
+        _PRECISION_INPUT_STR,
+        _PRECISION_INPUT_STR_ALIAS_CONVERSION,
+    )
+
+    assert precision.PRECISIONS == get_args(_PRECISION_INPUT_STR)
+    assert precision._ALIASES == _PRECISION_INPUT_STR_ALIAS_CONVERSION
+    assert precision.lightning_precision(16) == precision.lightning_precision("16") == "16-mixed"
+    assert precision.lightning_precision("bf16") == "bf16-mixed" and precision.lightning_precision(32) == "32-true"
+    with pytest.raises(ValueError, match=r"trainer\.precision='banana' is not a Lightning precision: set it to auto"):
+        precision.lightning_precision("banana")

@@ -106,3 +106,33 @@ def test_the_shipped_settings_pass_and_give_the_plan(tmp_path, extra):
     assert checked.eval["budgets"] == list(cfg.eval.budgets) and checked.eval["seed"] == cfg.seed
     assert checked.eval["decode"] == "fixed"  # the plain decoder: the CPU's decode probe only when asked for
     assert checked.analytic == (list(cfg.eval.analytic_temperatures), cfg.eval.analytic_anchors)
+
+
+# trainer=fsdp (Lightning's ModelParallelStrategy) refuses 16-mixed when its Trainer is built, after the
+# target and the data: the precision is checked up front instead
+@pytest.mark.parametrize("override, message", [
+    ("trainer.precision=16-mixed", "trainer.precision='16-mixed': trainer=fsdp"),
+    ("trainer.precision=16", "trainer.precision=16: trainer=fsdp"),  # Lightning's old name of 16-mixed
+    ("trainer.precision=64-true", "trainer.precision='64-true': trainer=fsdp"),
+])
+def test_fsdp_with_a_precision_its_strategy_refuses_fails_before_the_target_loads(tmp_path, override, message):
+    cfg = compose_config("fit", "trainer=fsdp", override, f"paths.output_dir={tmp_path}")
+    with pytest.raises(ValueError) as err:
+        fit(cfg, target=no_target)
+    assert message in str(err.value)
+    assert "trainer.precision=auto" in str(err.value) and "trainer.precision=32-true" in str(err.value)  # the fix
+
+
+def test_a_precision_lightning_does_not_know_fails_before_the_target_loads(tmp_path):
+    cfg = compose_config("fit", "trainer.precision=bf16_mixed", f"paths.output_dir={tmp_path}")
+    with pytest.raises(ValueError, match=r"trainer\.precision='bf16_mixed' is not a Lightning precision"):
+        fit(cfg, target=no_target)
+
+
+@pytest.mark.parametrize("trainer, value", [("fsdp", "auto"), ("fsdp", "32-true"), ("fsdp", "bf16-mixed"),
+                                            ("gpu", "16-mixed"), ("ddp", "16-mixed"), ("cpu", "32-true")])
+def test_precisions_every_strategy_takes_pass_the_checks(tmp_path, trainer, value):
+    """Negative control: fsdp's accepted precisions, and 16-mixed under the strategies that take it."""
+    cfg = compose_config("fit", f"trainer={trainer}", f"trainer.precision={value}", f"paths.output_dir={tmp_path}")
+    settings.check_trainer_precision(cfg)
+    assert settings.check_fit_config(cfg).stages

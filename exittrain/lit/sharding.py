@@ -24,17 +24,21 @@ How (lightning 2.6, torch 2.13; read in ``lightning/pytorch/strategies/model_par
   Lightning gathers it on every rank and global rank 0 writes it, through the trainer's
   ``CheckpointIO``. ``ExitTrainModule.drafter_from_checkpoint``, ``fit ckpt_path=...`` and
   Lightning's resume (which scatters the full state back into the shards) read it unchanged.
+- Precision: ``ModelParallelStrategy`` takes only :data:`exittrain.precision.SHARDED_PRECISIONS`
+  (no ``16-mixed``); :func:`is_model_parallel` tells ``trainer.precision: auto`` and the config
+  checks when that applies.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy, StrategyRegistry
 from torch import nn
 
 if TYPE_CHECKING:
@@ -42,7 +46,8 @@ if TYPE_CHECKING:
 
     from exittrain.models import BlockDrafter, TargetModel
 
-__all__ = ["DrafterFSDPStrategy", "drafter_and_target", "full_drafter", "is_sharded", "shard_drafter"]
+__all__ = ["DrafterFSDPStrategy", "drafter_and_target", "full_drafter", "is_model_parallel", "is_sharded",
+           "shard_drafter"]
 
 # FSDP2 warns once per process that the drafter's output is a view (forward_anchors returns a
 # reshape): an in-place op on it would skip the pre-backward all-gather. ExitTrainModule never
@@ -94,6 +99,27 @@ class DrafterFSDPStrategy(ModelParallelStrategy):
         self._data_parallel_size = self.num_nodes * self.num_processes
         self._tensor_parallel_size = 1
         super().setup_environment()
+
+
+def is_model_parallel(strategy: Any) -> bool:
+    """True when ``strategy`` is Lightning's ``ModelParallelStrategy`` or a subclass (``trainer=fsdp``'s
+    :class:`DrafterFSDPStrategy`): the strategy that refuses ``16-mixed``.
+
+    ``strategy`` is a ``trainer.strategy`` value as a config holds it (None, a registered name such
+    as ``"ddp"``, a mapping with a ``_target_``, which is imported but not built) or as a Trainer
+    receives it (a ``Strategy``). A ``_target_`` that cannot be imported raises Hydra's error.
+    """
+    if isinstance(strategy, Strategy):
+        return isinstance(strategy, ModelParallelStrategy)
+    if isinstance(strategy, str):
+        cls = StrategyRegistry[strategy]["strategy"] if strategy in StrategyRegistry else None
+    elif isinstance(strategy, Mapping) and "_target_" in strategy:  # a DictConfig too
+        from hydra.utils import get_class
+
+        cls = get_class(str(strategy["_target_"]))
+    else:
+        cls = None
+    return isinstance(cls, type) and issubclass(cls, ModelParallelStrategy)
 
 
 def is_sharded(module: nn.Module) -> bool:
