@@ -52,7 +52,7 @@ def run_eval(cfg: DictConfig, *, target=None) -> dict:
     _check_prompt_lengths(prompts, target, settings)
     # the evaluator fit's final table comes from: the same measures and columns
     auto = auto_probe(target, settings["verifier"]) if settings["decode"] == "auto" else None
-    evaluator = HeldOutEvaluator(target, prompts, settings, checked.analytic, auto=auto, reference=None)
+    evaluator = HeldOutEvaluator(target, prompts, settings, auto=auto, reference=None)
     logger = make_logger(cfg, f"{cfg.recipe_name}-eval")
     try:
         table, rows, chain = evaluator.measure(drafter, cfg.recipe_name)

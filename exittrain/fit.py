@@ -56,7 +56,7 @@ from exittrain.run_dir import STAGE_LABELS, RunDir, write_json_atomic
 from exittrain.settings import check_fit_config
 from exittrain.vllm_interpreter import default_vllm_python
 
-__all__ = ["fit", "FitRun", "setup_run", "train_stage", "evaluate_held_out", "finish_run"]
+__all__ = ["fit", "FitRun", "setup_run", "train_stage", "evaluate_held_out", "finish_run", "served_summary"]
 
 
 @dataclass
@@ -124,8 +124,7 @@ def setup_run(cfg: DictConfig, target: TargetArg = None) -> FitRun:
     auto = None
     if settings["decode"] == "auto":  # the CPU's decode probe, asked for: it tries a draft vocabulary of the answers
         auto = auto_probe(target, settings["verifier"], run.answer_token_counts())
-    run.evaluator = HeldOutEvaluator(target, eval_prompts[: cfg.eval.num_prompts], settings, checked.analytic,
-                                     auto=auto)
+    run.evaluator = HeldOutEvaluator(target, eval_prompts[: cfg.eval.num_prompts], settings, auto=auto)
     run.summary = {"recipe": cfg.recipe_name, "stages": stages, "target": target.name, "tables": {}, "serve": serve}
     run.timings["regeneration_and_setup_s"] = time.perf_counter() - started
     return run
@@ -208,6 +207,23 @@ def primary_drafter(run: FitRun, exported: dict, drafter_dir, served_label: str)
     return {"format": "exittrain", "path": str(drafter_dir), "label": "exittrain"}
 
 
+def served_summary(tables: dict[str, list[dict]], label: str, exported: dict) -> dict:
+    """``metrics.json``'s lead: what an engine runs of the run's drafter (``label``'s rows: the DFlash export,
+    or at the default, where nothing is dropped, the drafter itself), per temperature its chain tau at K
+    and its tree tau at each budget, pooled, with their 95% intervals."""
+    by_temperature: dict[str, dict] = {}
+    for row in tables.get(label, []):
+        cell = by_temperature.setdefault(f"{row['temperature']:g}", {})
+        if "chain_tau" in row:
+            cell.update(chain_tau=row["chain_tau"], chain_ci95=row["chain_ci95"], chain_K=row["chain_K"])
+        if "tau" in row:
+            cell.setdefault("tree", {})[str(row["budget"])] = {"tau": row["tau"], "ci95": row["ci95"]}
+        if "vllm" in row:
+            cell["vllm_tau"] = row["vllm"]["vllm_tau"]
+    return {"label": label, "dflash_path": exported.get("path"), "dropped": exported.get("dropped") or [],
+            "by_temperature": by_temperature}
+
+
 def finish_run(run: FitRun) -> dict:
     """Rank 0: export the drafter, write the tree example and ``metrics.json``, print the tables."""
     out = run.run_dir
@@ -218,11 +234,10 @@ def finish_run(run: FitRun) -> dict:
                       source=str(run.datamodule.cache_path))
     exported = export_beside(run.full, out.path, run.target)  # the served format, beside drafter/ (or why not)
     run.summary["drafter_dflash"] = exported
-    served_label = "exittrain"
+    served_label = "exittrain"  # with nothing dropped, the export is these weights: its rows are the drafter's
     if exported["path"] and exported["dropped"]:
-        # what a serving engine keeps of the drafter (no copy branch), measured as an engine runs it: the
-        # serving track alone (its chain tau beside the full drafter's; an engine verifies no tree)
-        evaluate_held_out(run, "served", load_dflash(exported["path"], run.target), tree=False)
+        # what a serving engine keeps of the drafter (no copy branch): its own rows, chain and tree
+        evaluate_held_out(run, "served", load_dflash(exported["path"], run.target))
         served_label = "served"
     vllm_error = None
     if exported["path"] and run.vllm_python is not None:
@@ -234,6 +249,7 @@ def finish_run(run: FitRun) -> dict:
             print(f"\nWARNING: vLLM could not measure the DFlash export ({vllm_error.splitlines()[0]}); "
                   f"its logs are in {out.path / 'vllm'}")
     run.summary["primary_drafter"] = primary_drafter(run, exported, drafter_dir, served_label)
+    run.summary = {"served": served_summary(run.summary["tables"], served_label, exported), **run.summary}
     budget = max(run.settings["budgets"])
     out.write_tree_example(tree_example(run.target, run.full, run.eval_prompts[0], budget=budget,
                                         shape=run.cfg.tree.shape))  # what the run trained on
@@ -241,9 +257,12 @@ def finish_run(run: FitRun) -> dict:
     run.summary["timings"] = run.timings
     run.summary["drafter"] = str(drafter_dir)
     out.write_fit_summary(run.summary)
-    tables = [row for table in run.summary["tables"].values() for row in table]
-    print("\nHeld-out decoding (tau = tokens per round, bonus included; chain tau = the greedy chain of K a serving "
-          "engine verifies; docs/metrics.md):\n" + format_report(tables))
+    # what an engine serves first: the served drafter's rows, then the others in the order measured
+    order = [served_label, *(label for label in run.summary["tables"] if label != served_label)]
+    tables = [row for label in order for row in run.summary["tables"].get(label, [])]
+    print("\nHeld-out decoding, pooled as a decode counts it (tau = tokens / rounds, bonus included; chain tau = the "
+          f"greedy chain of K a serving engine verifies; first row: {served_label}, what an engine serves; "
+          "docs/metrics.md):\n" + format_report(tables))
     if any(not r["vllm"]["vllm_matches_plain"] for r in tables if "vllm" in r):
         print("\nFAILED: vLLM's greedy outputs with speculation differ from those without (see vllm/ in the run)")
     print(f"\nRun directory: {out.path}\nDrafter: {drafter_dir}  (python -m exittrain eval drafter={drafter_dir})")

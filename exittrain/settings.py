@@ -6,8 +6,7 @@ and the first stage (minutes here, hours on a GPU run). :func:`check_fit_config`
 
 - the stage plan (:func:`plan_stages`): which stages run, from a ``warm_start`` or a ``ckpt_path``;
 - every stage's module arguments (``objective.*`` with ``stages.<stage>.*``, :func:`check_objective`);
-- the held-out table (``eval.*``, :func:`eval_settings`) and its analytic tau
-  (``eval.analytic_*``, :func:`analytic_settings`);
+- the held-out table (``eval.*``, :func:`eval_settings`);
 - the callbacks (``callbacks.*``, :func:`check_callbacks`): each one built once with stand-in
   run-time arguments, so its own constructor checks its values;
 - the data (``data.*``, :func:`check_data`): the DataModule's own argument check, without a
@@ -38,7 +37,6 @@ from exittrain.core import VERIFIERS
 from exittrain.data.prompts.prompt_plan import PromptPlan
 from exittrain.data.split import check_loader_settings
 from exittrain.heldout.evaluator import DECODE_MODES
-from exittrain.heldout.heldout_law import check_analytic_settings
 from exittrain.heldout.serving_track import VLLM_MODES
 from exittrain.lit.module import check_module_args
 from exittrain.lit.sharding import is_model_parallel
@@ -59,7 +57,6 @@ __all__ = [
     "stage_module_args",
     "check_objective",
     "eval_settings",
-    "analytic_settings",
     "check_callbacks",
     "check_data",
     "check_trainer_precision",
@@ -80,35 +77,31 @@ CKPT_FIX = (
 @dataclass(frozen=True)
 class FitSettings:
     """What :func:`check_fit_config` found: the stages to run, the keyword arguments of
-    :func:`~exittrain.heldout.decode_eval.evaluate_prompts`, ``(analytic temperatures, anchors)`` and
-    ``eval.vllm`` (:func:`vllm_mode`)."""
+    :func:`~exittrain.heldout.decode_eval.evaluate_prompts` and ``eval.vllm`` (:func:`vllm_mode`)."""
 
     stages: list[str]
     eval: dict
-    analytic: tuple[list[float], int]
     vllm: str
 
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """What :func:`check_eval_config` found: the drafter folder, the decoding settings and the analytic ones."""
+    """What :func:`check_eval_config` found: the drafter folder and the decoding settings."""
 
     drafter_path: Path
     eval: dict
-    analytic: tuple[list[float], int]
 
 
 def check_fit_config(cfg: DictConfig) -> FitSettings:
     """Check every setting ``fit`` reads (ValueError naming the key); returns the plan."""
     stages = plan_stages(cfg)
     settings = eval_settings(cfg)
-    analytic = analytic_settings(cfg)
     check_objective(cfg, stages)
     check_callbacks(cfg)
     check_data(cfg)
     check_trainer_precision(cfg)
     _check_int(cfg.data_wait_s, "data_wait_s", 0, "seconds ranks > 0 wait for rank 0's data", number=True)
-    return FitSettings(stages=stages, eval=settings, analytic=analytic, vllm=vllm_mode(cfg))
+    return FitSettings(stages=stages, eval=settings, vllm=vllm_mode(cfg))
 
 
 def check_eval_config(cfg: DictConfig) -> EvalSettings:
@@ -116,9 +109,8 @@ def check_eval_config(cfg: DictConfig) -> EvalSettings:
     path = Path(str(cfg.drafter_path))
     require_drafter_folder("drafter", str(path), "pass drafter=RUN_DIR/drafter of a fit run")
     settings = eval_settings(cfg)
-    analytic = analytic_settings(cfg)
     check_data(cfg)
-    return EvalSettings(drafter_path=path, eval=settings, analytic=analytic)
+    return EvalSettings(drafter_path=path, eval=settings)
 
 
 def require_keys(node: DictConfig, where: str, keys: tuple[str, ...], source: str) -> None:
@@ -262,6 +254,11 @@ def eval_settings(cfg: DictConfig) -> dict:
         isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0 for t in temperatures
     ):
         raise ValueError(f"eval.temperatures={temperatures}: need a non-empty list of numbers >= 0 (0 = greedy)")
+    if len(set(map(float, temperatures))) != len(temperatures):
+        raise ValueError(f"eval.temperatures={temperatures}: list each temperature once")
+    if e.verifier == "greedy" and any(t > 0 for t in temperatures):
+        raise ValueError(f"eval.verifier=greedy with eval.temperatures={temperatures}: the greedy verifier decodes at "
+                         "T = 0 only; use eval.verifier=tev (exact at every temperature) or eval.temperatures=[0.0]")
     if e.verifier not in VERIFIERS:
         raise ValueError(f"eval.verifier={e.verifier!r}: use one of {sorted(VERIFIERS)}")
     for key in ("baseline", "oracle"):
@@ -294,15 +291,6 @@ def vllm_mode(cfg: DictConfig) -> str:
         raise ValueError(f"eval.vllm={cfg.eval.vllm!r}: use auto (vLLM's acceptance when .venv-vllm exists), "
                          "true (required) or false (off)")
     return mode
-
-
-def analytic_settings(cfg: DictConfig) -> tuple[list[float], int]:
-    """``(eval.analytic_temperatures, eval.analytic_anchors)``, checked (ValueError naming the key)."""
-    require_keys(cfg.eval, "eval", ("analytic_temperatures", "analytic_anchors"), "conf/eval/default.yaml")
-    temperatures = list(cfg.eval.analytic_temperatures)
-    anchors = cfg.eval.analytic_anchors
-    check_analytic_settings(temperatures, anchors)
-    return temperatures, anchors
 
 
 # ----------------------------------------------------------------------------------------------
@@ -347,6 +335,7 @@ def check_data(cfg: DictConfig) -> None:
         check_loader_settings(**{k: data[k] for k in ("max_length", "batch_size", "val_fraction") if k in data})
     except (ValueError, TypeError) as e:
         raise ValueError(f"data: {e}") from e
+
 
 # ----------------------------------------------------------------------------------------------
 # the trainer's precision

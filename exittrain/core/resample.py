@@ -107,7 +107,8 @@ def paired_pooled_difference_reference(first: Sequence[Sequence[float]], second:
     for picks in _picks(len(num_a), draws, seed).tolist():
         a = sum(den_a[p] for p in picks)
         b = sum(den_b[p] for p in picks)
-        stats.append((sum(num_a[p] for p in picks) / a if a else 0.0) - (sum(num_b[p] for p in picks) / b if b else 0.0))
+        first_tau = sum(num_a[p] for p in picks) / a if a else 0.0
+        stats.append(first_tau - (sum(num_b[p] for p in picks) / b if b else 0.0))
     stats.sort()
     return {"delta": pooled(first) - pooled(second),
             "ci95": [stats[int(0.025 * draws)], stats[min(draws - 1, int(0.975 * draws))]], "prompts": len(num_a)}

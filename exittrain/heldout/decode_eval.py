@@ -5,19 +5,17 @@ the speculative decoder with the drafter, the autoregressive baseline (for the s
 optionally oracle trees (tau_oracle, docs/algorithm.md section 5.2).
 
 Definitions used in every table:
-- ``tau``: mean output block length per round (accepted tokens + bonus) pooled over all rounds
-  of all prompts; each round counts the tokens it yielded before any EOS or length cut.
+- ``tau``: output block length per round (accepted tokens + bonus) pooled over all rounds of all
+  prompts, as a decode counts it: total tokens / total rounds (:func:`~exittrain.core.pooled`).
 - ``tokens/s``: generated tokens / wall seconds, pooled over prompts (prefill included).
 - ``speedup``: speculative tokens/s over autoregressive tokens/s at the same settings.
 - ``tau_oracle``: tau with oracle trees of the same budget and depth limit; ``efficiency`` =
   tau / tau_oracle.
 - ``ci95``: a 95% bootstrap interval of tau over prompts (1000 resamples, fixed seed).
-- ``analytic`` (``fit``/``eval`` with ``eval.analytic_temperatures``): the exact expected TEV block
-  length at each temperature on answers sampled at it (:mod:`exittrain.heldout.heldout_law`).
-- the serving track (``fit``, :mod:`exittrain.heldout.serving_track`): ``chain_tau`` (the greedy
-  chain of K nodes that vLLM and SGLang verify, decoded by our chain decoder), ``analytic_chain``
-  (its expected tau at each temperature) and ``vllm`` (vLLM's mean acceptance length of the DFlash
-  export, and whether its outputs with speculation equal those without: a ``MISMATCH`` cell when not).
+- the serving track (:mod:`exittrain.heldout.serving_track`): ``chain_tau`` (the greedy chain of K
+  nodes that vLLM and SGLang verify, pooled likewise) and ``vllm`` (vLLM's mean acceptance length of
+  the DFlash export, and whether its outputs with speculation equal those without: a ``MISMATCH``
+  cell when not).
 """
 
 from __future__ import annotations
@@ -28,11 +26,12 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from exittrain import progress as progress_log
-from exittrain.core import bootstrap_ci
+from exittrain.core import bootstrap_ci, pooled
 from exittrain.decoding import SpeculativeDecoder, oracle_generate
 from exittrain.decoding.chain_decoder import ChainDecoder
-from exittrain.heldout.measures import cached_baseline, greedy_answers
+from exittrain.heldout.answers import cached_baseline, walk_answers
 from exittrain.heldout.round_walk import check_live, walk_checks, walked_rounds
+from exittrain.heldout.sequence_passes import SequencePasses
 
 __all__ = [
     "decode_check", "evaluate_prompts", "summarize", "format_table", "auto_reasons", "optional_cell",
@@ -74,6 +73,7 @@ def evaluate_prompts(
     auto=None,
     speed: bool = True,
     live: int | None = None,
+    passes=None,
 ) -> list[dict]:
     """One row per (prompt, budget, temperature): tau, rounds, speed, stage times, block lengths.
 
@@ -93,11 +93,16 @@ def evaluate_prompts(
     fast one) the evaluator leaves them out.
 
     ``live``: None decodes every row. An integer (without ``speed``, which times real decodes)
-    walks the T = 0 rows' rounds along the target's greedy answer instead
-    (:func:`~exittrain.heldout.round_walk.walked_rounds`: one target pass a prompt, no decode) and
-    decodes only the first ``live`` prompts for real, each checked against its walk
-    (``walk_matches_decode``, logged as an error where not). Walked rows have ``decoded`` False and
-    carry the quality keys and ``new_tokens`` only; the other rows have ``decoded`` True.
+    walks every row's rounds along the target's own answer instead
+    (:func:`~exittrain.heldout.round_walk.walked_rounds`: one target pass a prompt, no decode): at
+    T = 0 its greedy answer, at T > 0 its sample at T (``ar_cache[(T, i)]``, filled in batches by
+    :func:`~exittrain.heldout.answers.walk_answers`; every drafter of one cache walks the same
+    answers, so their rows are paired). At T = 0 the first ``live`` prompts are also decoded for
+    real, each checked against its walk (``walk_matches_decode``, logged as an error where not);
+    at T > 0 a decode draws its own text, so there is nothing to compare round for round. Walked
+    rows have ``decoded`` False and carry the quality keys and ``new_tokens`` only; the other rows
+    have ``decoded`` True. ``passes``: the :class:`~exittrain.heldout.sequence_passes.SequencePasses`
+    the walks share (None: one for this call).
 
     Row keys, both modes:
     - quality, the decode at ``budget``: ``tau``, ``rounds``, ``block_lengths``;
@@ -130,8 +135,9 @@ def evaluate_prompts(
     rows: list[dict] = []
     jobs = [(b, t, i) for t in temperatures for b in budgets for i in range(len(prompts))]
     ar_cache = {} if ar_cache is None else ar_cache  # (temperature, prompt index) -> baseline result
-    if live is not None and 0.0 in temperatures:  # the walked prompts' answers, in batches
-        greedy_answers(target, prompts, ar_cache, live=live, max_new_tokens=max_new_tokens)
+    if live is not None:  # the walked prompts' answers, in batches
+        walk_answers(target, prompts, ar_cache, temperatures, live=live, max_new_tokens=max_new_tokens, seed=seed)
+        passes = SequencePasses(target) if passes is None else passes
     # a bar on a terminal; elsewhere (a log file) a line per prompt or every 30 s
     as_lines = progress and not progress_log.interactive()
     bar = tqdm(jobs, desc=f"eval {label}".strip(), disable=not progress or as_lines, leave=False)
@@ -142,12 +148,13 @@ def evaluate_prompts(
         row = {"label": label, "prompt_index": i, "budget": budget, "temperature": temperature, "verifier": verifier,
                "decode": "fixed" if auto is None else "auto"}
         walked = None
-        if live is not None and temperature == 0:
+        if live is not None:
             answer = cached_baseline(ar_cache, target, prompt, i, max_new_tokens, temperature, run_seed).tokens
             # the plain decoder roots its first round at the prompt's last token (round_walk's module)
             walked = walked_rounds(target, drafter, prompt[:-1], prompt[-1:] + answer,
-                                   max_new_tokens=max_new_tokens + 1, shape="ddtree", budget=budget)
-        if walked is not None and i >= live:
+                                   max_new_tokens=max_new_tokens + 1, shape="ddtree", budget=budget,
+                                   temperature=temperature, seed=run_seed, passes=passes)
+        if walked is not None and (i >= live or temperature > 0):
             row.update(decoded=False, rounds=len(walked), tau=sum(walked) / max(len(walked), 1), block_lengths=walked,
                        new_tokens=len(answer))
         else:
@@ -251,7 +258,6 @@ def summarize(rows: list[dict]) -> list[dict]:
     table = []
     for (label, budget, temperature), items in groups.items():
         lengths = [r["block_lengths"] for r in items]
-        n_rounds = sum(len(x) for x in lengths)
         tokens = sum(r["new_tokens"] for r in items)
         decoded = [r for r in items if r.get("decoded", True)]  # walked rows carry no decode's facts
         out = {
@@ -259,7 +265,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             "budget": budget,
             "temperature": temperature,
             "prompts": len(items),
-            "tau": sum(map(sum, lengths)) / n_rounds,
+            "tau": pooled(lengths),
             "ci95": bootstrap_ci(lengths),
         }
         out.update(walk_checks(items))
@@ -291,11 +297,6 @@ def optional_cell(row: dict, key: str, fmt: str = "{:.2f}") -> str:
     return fmt.format(row[key]) if key in row else "-"
 
 
-def _analytic_cell(row: dict, temperature: str, key: str = "analytic") -> str:
-    cell = row.get(key, {}).get(temperature)
-    return "-" if cell is None else f"{cell['tau']:.2f} ({cell['ci95'][0]:.2f}-{cell['ci95'][1]:.2f})"
-
-
 def _vllm_cell(row: dict) -> str:
     """vLLM's acceptance length (with its 95% interval over prompts when measured per prompt), flagged
     loudly when speculation changed vLLM's greedy outputs."""
@@ -313,30 +314,31 @@ def auto_reasons(table: list[dict]) -> list[str]:
     return list(dict.fromkeys(r["auto_reason"] for r in table if "auto_reason" in r))
 
 
+def _interval(row: dict, key: str) -> str:
+    return f"{row[key][0]:.2f}-{row[key][1]:.2f}" if key in row else "-"
+
+
 def format_table(table: list[dict]) -> str:
-    """A markdown table of :func:`summarize` rows (a row of the serving track alone has ``-`` for the tree's
-    columns); rows with ``analytic`` entries
-    (:meth:`~exittrain.heldout.heldout_law.HeldOutLaw.attach`) add one ``E[tau] T=..`` column per temperature;
-    rows with the serving track add ``chain tau``, ``E[chain tau] T=..`` and ``vLLM tau`` columns; rows
-    decoded with ``eval.decode=auto`` say at which setting the speed columns were decoded, and its tau."""
+    """A markdown table of :func:`summarize` rows, led by what a serving engine runs: the chain tau at K
+    (the greedy chain vLLM and SGLang verify) with its 95% interval, then the tree tau at B of the same
+    weights, both pooled (tokens / rounds) at the row's temperature; rows of the serving track alone
+    have ``-`` in the tree's columns. Then ``vLLM tau`` where measured, the oracle, and, for rows
+    decoded with ``eval.decode=auto``, the setting the speed columns were decoded at and its tau."""
     from exittrain.tables import markdown_table
 
-    analytic = sorted({t for r in table for t in r.get("analytic", {})}, key=float)
-    chain_analytic = sorted({t for r in table for t in r.get("analytic_chain", {})}, key=float)
     chain = any("chain_tau" in r for r in table)
     vllm = any("vllm" in r for r in table)
     auto = any("auto_setting" in r for r in table)
     speed = any("tokens_per_s" in r for r in table)
-    header = ["run", "B", "T", "prompts", "tau", "95% CI", *(f"E[tau] T={t} (95% CI)" for t in analytic),
-              *(["chain tau (K)"] if chain else []), *(f"E[chain tau] T={t} (95% CI)" for t in chain_analytic),
-              *(["vLLM tau"] if vllm else []),
+    header = ["run", "B", "T", "prompts", *(["chain tau (K)", "chain 95% CI"] if chain else []),
+              "tree tau", "tree 95% CI", *(["vLLM tau"] if vllm else []),
               "tau_oracle", "tau/oracle", *(["speed decoded at (tau)"] if auto else []),
               *(["tok/s", "AR tok/s", "speedup"] if speed else [])]
     rows = (
-        [r["label"] or "-", r["budget"], f"{r['temperature']:g}", r["prompts"], optional_cell(r, "tau"),
-         f"{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}" if "ci95" in r else "-", *(_analytic_cell(r, t) for t in analytic),
-         *([optional_cell(r, "chain_tau") + (f" ({r['chain_K']})" if "chain_K" in r else "")] if chain else []),
-         *(_analytic_cell(r, t, "analytic_chain") for t in chain_analytic),
+        [r["label"] or "-", r["budget"], f"{r['temperature']:g}", r["prompts"],
+         *([optional_cell(r, "chain_tau") + (f" ({r['chain_K']})" if "chain_K" in r else ""),
+            _interval(r, "chain_ci95")] if chain else []),
+         optional_cell(r, "tau"), _interval(r, "ci95"),
          *([_vllm_cell(r)] if vllm else []),
          optional_cell(r, "tau_oracle"), optional_cell(r, "efficiency"),
          *([f"{r['auto_setting']} ({r['auto_tau']:.2f})" if "auto_setting" in r else "-"] if auto else []),

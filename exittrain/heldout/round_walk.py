@@ -1,19 +1,26 @@
-"""Decoded rounds without the decode: greedy rounds walked along the target's answer, tree or chain.
+"""Decoded rounds without the decode: rounds walked along the target's own answer, tree or chain.
 
 Shape legend: T prompt + answer positions, P answer positions a round can be rooted at, K drafter
 horizon, V vocabulary, F feature width.
 
-At T = 0 every exact verifier outputs the target's greedy answer y, and a round rooted at answer
-position p accepts the deepest path of its draft tree that spells y[p+1 ...]: a function of
-``prompt + y[: p + 1]`` alone, whatever rounds came before. That holds for the recipe's tree of
-``budget`` nodes (:class:`~exittrain.decoding.SpeculativeDecoder`) and for the greedy chain of K
-nodes a serving engine verifies (:class:`~exittrain.decoding.chain_decoder.ChainDecoder`).
-:func:`walked_rounds` computes that acceptance at every p teacher-forced and walks the rounds:
+Couple a decode with the target's own text y (docs/algorithm.md section 6.1): a round rooted at
+answer position p accepts the deepest path of its draft tree that spells y[p+1 ...], with y's next
+token as its bonus, and the decode's output is y. The tree is a function of ``prompt + y[: p + 1]``
+alone, whatever rounds came before. At T = 0, y is the greedy answer, every exact verifier outputs
+it, and the walked rounds are the decode's exactly. At T > 0, y is a sample of the target at T, and
+the walked rounds are those of a predraw-and-follow decode whose draws along the path are y's
+tokens: distributed as the rounds of any exact verifier at T (TEV, predraw-and-follow, a serving
+engine's rejection sampling), so their pooled tau (tokens / rounds) is an unbiased draw of a
+decode's. That holds for the recipe's tree of ``budget`` nodes
+(:class:`~exittrain.decoding.SpeculativeDecoder`) and for the greedy chain of K nodes a serving
+engine verifies (:class:`~exittrain.decoding.chain_decoder.ChainDecoder`). :func:`walked_rounds`
+computes the acceptance at every p teacher-forced and walks the rounds:
 
 1. one causal target pass over ``prompt + y`` gives the fp32 features the drafter reads (and the
-   K/V for step 4; :func:`~exittrain.heldout.row_prefix.row_prefix`: every drafter and track walking
-   the same answer shares it), and one drafter pass the states of every anchor, its copy branch looking the
-   n-grams up in the ids up to the anchor, as the decoder's does (``forward_anchors``);
+   K/V for step 4; :class:`~exittrain.heldout.sequence_passes.SequencePasses`: every drafter and
+   track walking the same answer shares it), and one drafter pass the states of every anchor, its
+   copy branch looking the n-grams up in the ids up to the anchor, as the decoder's does
+   (``forward_anchors``);
 2. the accepted length at p: for the chain, :func:`chain_accept_lengths`, the run of depths whose
    greedy chain token (the argmax of the drafter's log-probabilities there,
    :func:`~exittrain.core.chain_tree`'s node) is y's. The LM head, most of the drafter's cost, runs
@@ -26,7 +33,9 @@ nodes a serving engine verifies (:class:`~exittrain.decoding.chain_decoder.Chain
    decoder stops (``max_new_tokens`` tokens or an EOS), counting them as the decoder does;
 4. the decoder reports a round's whole block, even past the stop. The last round's tree may hold
    y to its end, and then what it accepts beyond is the target's to say: that one tree is scored
-   by the target (``score_trees``, exact) and verified greedily, as the decoder would.
+   by the target (``score_trees``, exact) and verified greedily at T = 0, or at T > 0 by
+   predraw-and-follow with y's tokens as the draws along its path
+   (:func:`~exittrain.core.verify_predraw_given`), as the decoder would.
 
 Where the rounds start: :func:`~exittrain.decoding.chain_decoder.decode_after_prefill` roots the
 first round at the target's first token y[0] (``answer`` is the target's answer); the plain
@@ -37,18 +46,21 @@ first round at the target's first token y[0] (``answer`` is the target's answer)
 Cost: one target pass over the prompt and answer, one drafter pass over its anchors, and at most
 one scored tree, per prompt, where the decode runs a target and a drafter forward per round.
 
-Where y comes from: :func:`~exittrain.heldout.measures.greedy_answers` answers the walked prompts
-in batches (a few times faster than one prompt at a time on a CPU); the prompts decoded
-for real keep the one-prompt autoregressive baseline, which their lossless check compares against.
+Where y comes from: :func:`~exittrain.heldout.answers.answer_sets` answers the walked prompts in
+batches, every temperature from one prefill (a few times faster than one prompt at a time on a
+CPU); the prompts decoded for real at T = 0 keep the one-prompt autoregressive baseline, which
+their lossless check compares against.
 
-Limits: T = 0 only, and exact up to float rounding. The target's features come from one causal
-pass here and from a prefill and tree forwards in the decoder, and the drafter drafts every
-anchor in one batch, so a near tie at an argmax or a tree's cut may resolve differently; and y
-must be the decode's output, which holds while the decode is lossless. The batched answers add
-one more such source (padding and a shared prefix change the shapes the target's kernels see); on
-the code recipe's first 48 evaluation prompts at 64 tokens they equalled the one-prompt answers on
-every prompt (docs/notebook/2026-12-06-batched-answers-and-part-b.md). The tree and chain tracks
-keep a live decode of their first prompt to check both
+Limits: exact up to float rounding at T = 0, exact in distribution at T > 0 (one draw of y per
+prompt: its noise is the target's sampling, shared by every drafter walking the same y, so two
+drafters' rows are paired). The target's features come from one causal pass here and from a
+prefill and tree forwards in the decoder, and the drafter drafts every anchor in one batch, so a
+near tie at an argmax or a tree's cut may resolve differently; and at T = 0 y must be the decode's
+output, which holds while the decode is lossless. The batched answers add one more such source
+(padding and a shared prefix change the shapes the target's kernels see); on the code recipe's
+first 48 evaluation prompts at 64 tokens they equalled the one-prompt answers on every prompt
+(docs/notebook/2026-12-06-batched-answers-and-part-b.md). The tree and chain tracks keep a live
+decode of their first prompt at T = 0 to check both
 (:func:`~exittrain.heldout.decode_eval.evaluate_prompts`, :func:`~exittrain.heldout.serving_track.chain_rows`).
 The plain decoder's tree only: the copy tail and the CPU decode layer's round policies change the
 tree, and the walk does not model them.
@@ -139,26 +151,38 @@ def _rows(copy, rows: torch.Tensor, depth: int):
 
 @torch.no_grad()
 def walked_rounds(target, drafter, prompt: Sequence[int], answer: Sequence[int], *, max_new_tokens: int,
-                  shape: str = "chain", budget: int | None = None) -> list[int]:
-    """The block lengths of the T = 0 rounds that decode ``answer`` after ``prompt``, rooted first at
+                  shape: str = "chain", budget: int | None = None, temperature: float = 0.0, seed: int = 0,
+                  passes=None) -> list[int]:
+    """The block lengths of the rounds that decode ``answer`` after ``prompt``, rooted first at
     ``answer[0]``, walked (see the module): ``shape="chain"`` gives
-    ``decode_after_prefill(ChainDecoder(target, drafter, verifier="greedy"), prompt, answer[0],
-    max_new_tokens, target.eos_token_ids)``'s rounds; ``shape="ddtree"`` (``budget`` nodes) gives
+    ``decode_after_prefill(ChainDecoder(target, drafter), prompt, answer[0], max_new_tokens,
+    target.eos_token_ids)``'s rounds; ``shape="ddtree"`` (``budget`` nodes) gives
     ``SpeculativeDecoder(target, drafter, budget=budget).generate(prompt + answer[:1], max_new_tokens - 1)``'s.
 
-    ``answer``: the target's greedy continuation of ``prompt`` (its first token included), up to
-    its first EOS or its ``max_new_tokens``-th token; longer answers are cut there. Returns [] where
-    the decoder runs no round (an empty answer, ``answer[0]`` an EOS, or ``max_new_tokens`` 1).
-    ValueError when ``max_new_tokens`` is not an integer >= 1, the shape is unknown, a tree has no
-    budget, or the answer stops short of both an EOS and ``max_new_tokens`` tokens.
+    ``answer``: the target's own continuation of ``prompt`` at ``temperature`` (its first token
+    included), up to its first EOS or its ``max_new_tokens``-th token; longer answers are cut there.
+    At T = 0 it is the greedy answer and the rounds are the decode's, exactly. At T > 0 it is a
+    sample of the target at T, and the rounds are those of a predraw-and-follow decode whose draws
+    along the path are the answer's tokens: distributed as any exact verifier's rounds at T
+    (docs/algorithm.md sections 6.1 and 6.3). The last round's draws past the answer's end are the
+    target's, drawn at T by a generator seeded with ``seed``. ``passes``: the
+    :class:`~exittrain.heldout.sequence_passes.SequencePasses` of ``target`` that keeps the causal
+    passes every drafter and track share (None: a pass for this call alone).
+
+    Returns [] where the decoder runs no round (an empty answer, ``answer[0]`` an EOS, or
+    ``max_new_tokens`` 1). ValueError when ``max_new_tokens`` is not an integer >= 1, the shape is
+    unknown, a tree has no budget, the temperature is negative, or the answer stops short of both an
+    EOS and ``max_new_tokens`` tokens.
     """
-    from exittrain.core import VERIFIERS, followed_depth, greedy_walk
-    from exittrain.heldout.row_prefix import row_prefix
+    from exittrain.core import VERIFIERS, followed_depth, greedy_walk, verify_predraw_given
+    from exittrain.heldout.sequence_passes import SequencePasses
 
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1 (eval.max_new_tokens), got {max_new_tokens!r}")
     if shape not in WALK_SHAPES:
         raise ValueError(f"shape={shape!r}: the walk follows one of {WALK_SHAPES}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
+        raise ValueError(f"temperature must be a number >= 0 (eval.temperatures), got {temperature!r}")
     K = int(drafter.config.num_draft_tokens)
     if shape == "chain":
         budget = K
@@ -173,13 +197,14 @@ def walked_rounds(target, drafter, prompt: Sequence[int], answer: Sequence[int],
     if len(answer) <= stop:
         raise ValueError(
             f"answer has {len(answer)} tokens, no EOS and fewer than max_new_tokens={max_new_tokens}: pass the "
-            "target's whole greedy answer (autoregressive_generate(target, prompt, max_new_tokens))")
+            "target's whole answer (answer_sets(target, prompts, [temperature], max_new_tokens))")
     if stop == 0:
         return []
+    passes = SequencePasses(target) if passes is None else passes
     n = len(prompt)
     ids_T = torch.tensor(list(prompt) + answer[: stop + 1], dtype=torch.long)
     ids_1T = ids_T[None].to(target.device)
-    prefix = row_prefix(target, ids_T, drafter.config.target_layer_ids, shared=n)  # every drafter and track
+    prefix = passes.prefix(ids_T, drafter.config.target_layer_ids, shared=n)  # every drafter and track
     features_1TF = prefix.features
     anchors_P = torch.arange(n, n + stop)  # the roots y[0] .. y[stop - 1]
     # row p: y[p + 1 .. p + K], -1 (no token) past the stop
@@ -195,5 +220,12 @@ def walked_rounds(target, drafter, prompt: Sequence[int], answer: Sequence[int],
     if int(accepted_P[last]) == stop - last < K:  # its tree holds y to the stop: the target decides the rest
         tree = anchor_trees(drafter, features_1TF, ids_1T, torch.tensor([n + last]), budget, shape)
         logits = target.score_trees(ids_1T, torch.tensor([[n + last]]), tree, mode="exact", prefix=prefix).logits
-        blocks[-1] = int(VERIFIERS["greedy"](tree, logits, validate=False).accept_length[0]) + 1
+        if temperature == 0:
+            verdict = VERIFIERS["greedy"](tree, logits, validate=False)
+        else:  # the draws along y are y's own tokens; below its end, the target's at T
+            verdict = verify_predraw_given(tree, logits, ids_T[None, n + last + 1 :], temperature=temperature,
+                                           generator=torch.Generator(device=logits.device).manual_seed(seed),
+                                           validate=False)
+        blocks[-1] = int(verdict.accept_length[0]) + 1
     return blocks
+

@@ -35,7 +35,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from exittrain.core import bootstrap_ci
+from exittrain.core import bootstrap_ci, pooled
 from exittrain.heldout.round_walk import walk_checks
 from exittrain.progress import Ticker
 
@@ -107,47 +107,61 @@ def vllm_enabled(mode, vllm_python: str | os.PathLike) -> bool:
 
 
 def chain_rows(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, seed: int = 0,
-               label: str = "", ar_cache: dict | None = None, live: int | None = 1) -> list[dict]:
-    """One row per prompt: the greedy :class:`ChainDecoder` of K nodes (T = 0), ``block_lengths`` per
-    round and ``new_tokens``, rounds counted as vLLM counts them (:func:`decode_after_prefill`).
+               label: str = "", ar_cache: dict | None = None, live: int | None = 1,
+               temperatures: Sequence[float] = (0.0,), passes=None) -> list[dict]:
+    """One row per (prompt, temperature): the drafter's greedy chain of K nodes verified as a serving
+    engine does, ``block_lengths`` per round and ``new_tokens``, rounds counted as vLLM counts them
+    (:func:`decode_after_prefill`: the first token from the prefill, then rounds).
 
-    The rounds of a greedy decode follow from the target's greedy answer (which ``ar_cache`` holds or
-    this decodes): every prompt's are walked along it (:func:`~exittrain.heldout.round_walk.walked_rounds`,
-    ``decoded`` False), except the first ``live`` prompts', which the real decoder decodes (``decoded``
+    A round's acceptance follows from the target's text, so every prompt's rounds are walked along
+    the target's own answer at each temperature (:func:`~exittrain.heldout.round_walk.walked_rounds`,
+    ``decoded`` False; the answer is ``ar_cache[(T, i)]``, decoded here when absent): at T = 0 its
+    greedy answer, where a greedy decode's rounds are the walk's exactly; at T > 0 its sample at T,
+    where the rounds are distributed as those of any exact verifier of the chain at T (a serving
+    engine's rejection sampling included; docs/algorithm.md section 6.1). At T = 0 the first ``live``
+    prompts are also decoded for real by :class:`ChainDecoder` with the greedy verifier (``decoded``
     True): their rows add ``matches_target`` (the decode's tokens equal the target's greedy ones: the
     chain's lossless check) and ``walk_matches_decode`` (the walk gave the decode's rounds, logged as
-    an error where not), and keep the decode's rounds. ``live=None`` decodes every prompt and walks
-    none: the slow reference twin (the walk's tests compare the two).
+    an error where not), and keep the decode's rounds. ``live=None`` decodes every T = 0 prompt and
+    walks none: the slow reference twin (the walk's tests compare the two); it needs T = 0 alone.
 
-    ``ar_cache``: the tree track's autoregressive baselines, keyed ``(temperature, prompt index)``
-    (:func:`~exittrain.heldout.decode_eval.evaluate_prompts`), reused and filled at T = 0."""
+    ``ar_cache``: the tree track's answers and baselines, keyed ``(temperature, prompt index)``
+    (:func:`~exittrain.heldout.decode_eval.evaluate_prompts`), reused and filled. ``passes``: the
+    :class:`~exittrain.heldout.sequence_passes.SequencePasses` the walks share (None: one for this call)."""
     from exittrain.decoding.chain_decoder import ChainDecoder, decode_after_prefill
-    from exittrain.heldout.measures import cached_baseline, greedy_answers
+    from exittrain.heldout.answers import cached_baseline, walk_answers
     from exittrain.heldout.round_walk import check_live, walked_rounds
+    from exittrain.heldout.sequence_passes import SequencePasses
 
     check_live(live)
+    temperatures = [float(t) for t in temperatures]
+    if live is None and any(t > 0 for t in temperatures):
+        raise ValueError(f"live=None decodes every prompt greedily: it takes temperatures=[0.0], got {temperatures}")
     ar_cache = {} if ar_cache is None else ar_cache
     if live is not None:  # the walked prompts' answers, in batches
-        greedy_answers(target, prompts, ar_cache, live=live, max_new_tokens=max_new_tokens)
+        walk_answers(target, prompts, ar_cache, temperatures, live=live, max_new_tokens=max_new_tokens, seed=seed)
+    passes = SequencePasses(target) if passes is None else passes
     decoder = ChainDecoder(target, drafter, verifier="greedy")
-    ticker = Ticker(f"eval {label} chain".strip(), len(prompts), unit="prompt", every=4)
+    ticker = Ticker(f"eval {label} chain".strip(), len(prompts) * len(temperatures), unit="prompt", every=4)
     rows = []
-    for i, prompt in enumerate(prompts):
-        ticker.update(i)
-        plain = cached_baseline(ar_cache, target, prompt, i, max_new_tokens, 0.0, seed + i).tokens
-        row = {"label": label, "prompt_index": i, "budget": decoder.budget, "new_tokens": len(plain),
-               "decoded": live is None or i < live}
+    for done, (temperature, i) in enumerate((t, i) for t in temperatures for i in range(len(prompts))):
+        ticker.update(done)
+        prompt = prompts[i]
+        plain = cached_baseline(ar_cache, target, prompt, i, max_new_tokens, temperature, seed + i).tokens
+        row = {"label": label, "prompt_index": i, "budget": decoder.budget, "temperature": temperature,
+               "new_tokens": len(plain), "decoded": temperature == 0 and (live is None or i < live)}
         if not plain:  # no new token asked for: no round
-            rows.append({**row, "block_lengths": [], "matches_target": True})
+            rows.append({**row, "block_lengths": [], "rounds": 0, "tau": 0.0, "matches_target": True})
             continue
-        walked = None if live is None else walked_rounds(target, drafter, prompt, plain, max_new_tokens=max_new_tokens)
+        walked = None if live is None else walked_rounds(target, drafter, prompt, plain, max_new_tokens=max_new_tokens,
+                                                         temperature=temperature, seed=seed + i, passes=passes)
         if not row["decoded"]:
-            rows.append({**row, "block_lengths": walked})
+            rows.append({**row, **_rounds(walked)})
             continue
         # rounds as vLLM counts them: its prefill emits the first token without a draft
         tokens, rounds = decode_after_prefill(decoder, list(prompt), plain[0], max_new_tokens, target.eos_token_ids)
         n = min(len(plain), len(tokens))
-        row.update(block_lengths=[r.block_length for r in rounds], new_tokens=len(tokens),
+        row.update(**_rounds([r.block_length for r in rounds]), new_tokens=len(tokens),
                    matches_target=plain[:n] == tokens[:n])
         if walked is not None:
             row["walk_matches_decode"] = walked == row["block_lengths"]
@@ -156,28 +170,39 @@ def chain_rows(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tok
                           "the chain tau of the walked prompts may be off (exittrain/heldout/round_walk.py, Limits)",
                           label, i, walked, row["block_lengths"], row["matches_target"])
         rows.append(row)
-    ticker.update(len(prompts))
+    ticker.update(len(prompts) * len(temperatures))
     return rows
 
 
-def summarize_chain(rows: list[dict]) -> dict:
-    """``{chain_tau, chain_ci95, chain_K, chain_lossless, chain_live[, chain_walk_exact]}`` pooled over
-    ``rows`` (rounds of every prompt): ``chain_lossless`` over the prompts decoded for real
-    (``chain_live`` of them), ``chain_walk_exact`` where a walk was checked against a decode."""
+def _rounds(blocks: list[int]) -> dict:
+    """A prompt's rounds: ``block_lengths``, ``rounds`` and its own pooled ``tau``."""
+    return {"block_lengths": blocks, "rounds": len(blocks), "tau": sum(blocks) / len(blocks) if blocks else 0.0}
+
+
+def summarize_chain(rows: list[dict]) -> dict[float, dict]:
+    """Per temperature, ``{chain_tau, chain_ci95, chain_K, chain_live[, chain_lossless, chain_walk_exact]}``
+    pooled over ``rows`` (total tokens / total rounds of every prompt at that temperature):
+    ``chain_lossless`` over the prompts decoded for real (``chain_live`` of them), ``chain_walk_exact``
+    where a walk was checked against a decode."""
     if not rows:
         raise ValueError("no chain rows to summarize: decode at least one held-out prompt")
-    lengths = [r["block_lengths"] for r in rows]
-    rounds = sum(len(x) for x in lengths)
-    decoded = [r for r in rows if r.get("decoded", True)]
-    out = {"chain_tau": sum(map(sum, lengths)) / rounds if rounds else 0.0, "chain_ci95": bootstrap_ci(lengths),
-           "chain_K": rows[0]["budget"], "chain_lossless": all(r["matches_target"] for r in decoded)}
-    return {**out, **{f"chain_{k}": v for k, v in walk_checks(rows).items()}}
+    out = {}
+    for temperature in dict.fromkeys(r.get("temperature", 0.0) for r in rows):
+        mine = [r for r in rows if r.get("temperature", 0.0) == temperature]
+        lengths = [r["block_lengths"] for r in mine]
+        decoded = [r for r in mine if r.get("decoded", True)]
+        cell = {"chain_tau": pooled(lengths), "chain_ci95": bootstrap_ci(lengths), "chain_K": mine[0]["budget"]}
+        if decoded:
+            cell["chain_lossless"] = all(r["matches_target"] for r in decoded)
+        out[temperature] = {**cell, **{f"chain_{k}": v for k, v in walk_checks(mine).items()}}
+    return out
 
 
-def attach_chain(table: list[dict], chain: dict) -> None:
-    """Copy the chain summary into every row of one drafter's table (the chain has no budget of its own)."""
+def attach_chain(table: list[dict], chain: dict[float, dict]) -> None:
+    """Copy each temperature's chain summary (:func:`summarize_chain`) into every row of one drafter's
+    table at that temperature (the chain has no budget of its own)."""
     for row in table:
-        row.update(chain)
+        row.update(chain.get(row["temperature"], {}))
 
 
 def target_folder(target, name_or_path) -> str:

@@ -95,14 +95,8 @@ def log_table(logger, name: str, table: list[dict]) -> None:
         if "vllm" in row:  # the serving track: vLLM's acceptance and whether speculation kept its outputs
             flat[f"{key}/vllm_tau"] = row["vllm"]["vllm_tau"]
             flat[f"{key}/vllm_matches_plain"] = float(row["vllm"]["vllm_matches_plain"])
-        for t, cell in row.get("analytic_chain", {}).items():
-            flat[f"{key}/expected_chain_tau_T{t}"] = cell["tau"]
-            for pair_name, pair in cell.items():
-                if pair_name.startswith("vs_"):
-                    flat[f"{key}/expected_chain_tau_T{t}_{pair_name}"] = pair["delta"]
-        for t, cell in row.get("analytic", {}).items():  # the expected tau at T, and its paired gain
-            flat[f"{key}/expected_tau_T{t}"] = cell["tau"]
-            for pair_name, pair in cell.items():
-                if pair_name.startswith("vs_"):
-                    flat[f"{key}/expected_tau_T{t}_{pair_name}"] = pair["delta"]
+        for column in ("tau", "chain_tau"):  # the paired gains over the reference drafter, on the same answers
+            for pair_key, pair in row.items():
+                if pair_key.startswith(f"{column}_vs_") and pair is not None:
+                    flat[f"{key}/{pair_key}"] = pair["delta"]
     logger.log_metrics(flat)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from exittrain.decoding import autoregressive_generate
-from exittrain.heldout.measures import answer_sets
+from exittrain.heldout.answers import answer_sets
 
 NEW_TOKENS = 24
 

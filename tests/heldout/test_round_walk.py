@@ -103,25 +103,23 @@ def test_the_tree_and_chain_walks_of_one_answer_share_one_causal_pass(one_thread
     """The tree track walks prompt[-1:] + answer after prompt[:-1], the chain track answer after
     prompt: the same tokens, so one target pass serves both (and every other drafter); another
     answer runs its own. The shared pass gives the rounds a fresh pass gives."""
-    from collections import OrderedDict
-
-    from exittrain.heldout import row_prefix
+    from exittrain.heldout.sequence_passes import SequencePasses
 
     prompt, answer = prompts[0], answers[0]
     expected = (walked_rounds(target, drafter, prompt, answer, max_new_tokens=NEW_TOKENS),
                 walked_rounds(target, drafter, prompt[:-1], prompt[-1:] + answer, max_new_tokens=NEW_TOKENS + 1,
                               shape="ddtree", budget=4))
-    monkeypatch.setattr(row_prefix, "_PASSES", OrderedDict())
+    passes = SequencePasses(target)
     calls, real = [], target.sequence_prefix
     monkeypatch.setattr(target, "sequence_prefix",
                         lambda ids_LT, *a, **k: calls.append(ids_LT.shape[1]) or real(ids_LT, *a, **k))
-    chain = walked_rounds(target, drafter, prompt, answer, max_new_tokens=NEW_TOKENS)
+    chain = walked_rounds(target, drafter, prompt, answer, max_new_tokens=NEW_TOKENS, passes=passes)
     tree = walked_rounds(target, drafter, prompt[:-1], prompt[-1:] + answer, max_new_tokens=NEW_TOKENS + 1,
-                         shape="ddtree", budget=4)
+                         shape="ddtree", budget=4, passes=passes)
     # the prompt's pass (kept for other answers to it), then the answer's continuing it; the tree walk runs none
     assert calls[0] == len(prompt) and len(calls) == 2 and (chain, tree) == expected
-    walked_rounds(target, drafter, prompts[1], answers[1], max_new_tokens=NEW_TOKENS)
-    assert len(calls) == 4 and calls[2] == len(prompts[1])
+    walked_rounds(target, drafter, prompts[1], answers[1], max_new_tokens=NEW_TOKENS, passes=passes)
+    assert len(calls) == 4 and len(passes) == 4 and calls[2] == len(prompts[1])
 
 
 def test_evaluate_prompts_walks_all_but_the_live_prompt(one_thread, target, drafter, prompts):
@@ -148,11 +146,11 @@ def test_evaluate_prompts_walks_all_but_the_live_prompt(one_thread, target, draf
 def test_batched_greedy_answers_equal_the_one_prompt_baselines(one_thread, target, drafter, prompts, answers):
     """The walk's answers (batched, padded, EOS where the decoders stop) are the baseline's tokens; the live
     prompts and the cached ones are left alone; a speed evaluation refuses a cache they filled."""
-    from exittrain.heldout.measures import greedy_answers
+    from exittrain.heldout.answers import walk_answers
 
     kept = autoregressive_generate(target, prompts[3], NEW_TOKENS)
     cache = {(0.0, 3): kept}
-    greedy_answers(target, prompts, cache, live=2, max_new_tokens=NEW_TOKENS)
+    walk_answers(target, prompts, cache, [0.0], live=2, max_new_tokens=NEW_TOKENS)
     assert sorted(i for _, i in cache) == list(range(2, len(prompts))) and cache[0.0, 3] is kept
     assert [cache[0.0, i].tokens for i in range(2, len(prompts))] == answers[2:]
     assert any(len(a) < NEW_TOKENS for a in answers[2:])  # an answer ended by EOS is among them
@@ -174,10 +172,9 @@ def test_a_tree_walk_that_disagrees_with_its_decode_is_flagged(one_thread, targe
 
 def test_accept_lengths_depth_by_depth_equal_the_whole_chains(one_thread, target, drafter, prompts, answers):
     """chain_accept_lengths (the head only where the chain still matches) against its twin: every
-    anchor's whole greedy chain (drafter_trees, as the expected chain tau drafts it) followed along y."""
+    anchor's whole greedy chain (anchor_trees, as the decoder drafts it) followed along y."""
     from exittrain.core import followed_depth
-    from exittrain.heldout.measures import drafter_trees
-    from exittrain.heldout.round_walk import chain_accept_lengths
+    from exittrain.heldout.round_walk import anchor_trees, chain_accept_lengths
 
     K = drafter.config.num_draft_tokens
     layers = list(drafter.config.target_layer_ids)
@@ -188,7 +185,7 @@ def test_accept_lengths_depth_by_depth_equal_the_whole_chains(one_thread, target
         anchors_P = torch.arange(len(prompt), len(ids_T))
         labels_PK = torch.cat([ids_T, ids_T.new_full((K,), -1)]).unfold(0, K, 1)[anchors_P + 1]
         fast = chain_accept_lengths(drafter, features_TF[None], ids_T[None], anchors_P, labels_PK)
-        trees = drafter_trees(drafter, target, ids_T, anchors_P, K, features_TF, shape="chain")
+        trees = anchor_trees(drafter, features_TF[None], ids_T[None], anchors_P, K, shape="chain")
         assert torch.equal(fast, followed_depth(trees, labels_PK))
         seen += torch.bincount(fast, minlength=K + 1)
     assert (seen > 0).sum() >= 4  # the comparison saw short and long acceptances
@@ -199,7 +196,7 @@ def test_the_walk_stops_where_the_decoder_does(target, drafter, prompts, answers
     assert walked_rounds(target, drafter, prompt, answer, max_new_tokens=1) == []
     assert walked_rounds(target, drafter, prompt, [1] + answer[1:], max_new_tokens=NEW_TOKENS) == []  # EOS first
     assert walked_rounds(target, drafter, prompt, [], max_new_tokens=NEW_TOKENS) == []
-    with pytest.raises(ValueError, match="max_new_tokens=24: pass the target's whole greedy answer"):
+    with pytest.raises(ValueError, match="max_new_tokens=24: pass the target's whole answer"):
         walked_rounds(target, drafter, prompt, [t for t in answer if t != 1][:5], max_new_tokens=NEW_TOKENS)
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
         walked_rounds(target, drafter, prompt, answer, max_new_tokens=0)
@@ -213,7 +210,7 @@ def test_chain_rows_walk_all_but_the_live_prompt(one_thread, target, drafter, pr
     assert [r["new_tokens"] for r in walked] == [r["new_tokens"] for r in reference]
     assert [r["decoded"] for r in walked] == [True] + [False] * (len(prompts) - 1)
     assert walked[0]["walk_matches_decode"] and walked[0]["matches_target"]
-    summary, reference_summary = summarize_chain(walked), summarize_chain(reference)
+    summary, reference_summary = summarize_chain(walked)[0.0], summarize_chain(reference)[0.0]
     assert summary["chain_tau"] == reference_summary["chain_tau"] and summary["chain_tau"] > 1.5
     assert summary["chain_lossless"] and summary["chain_walk_exact"] and summary["chain_live"] == 1
     assert reference_summary["chain_live"] == len(prompts) and "chain_walk_exact" not in reference_summary
@@ -228,7 +225,7 @@ def test_a_walk_that_disagrees_with_the_live_decode_is_flagged(one_thread, targe
     cache: dict = {}
     monkeypatch.setattr(round_walk, "walked_rounds", lambda *a, **k: [1])
     rows = chain_rows(target, drafter, prompts[:2], max_new_tokens=NEW_TOKENS, ar_cache=cache, label="x")
-    assert rows[0]["walk_matches_decode"] is False and summarize_chain(rows)["chain_walk_exact"] is False
+    assert rows[0]["walk_matches_decode"] is False and summarize_chain(rows)[0.0]["chain_walk_exact"] is False
     assert "differ from the decoded" in caplog.text
 
 
@@ -259,13 +256,13 @@ def test_batched_greedy_answers_equal_the_one_prompt_ones_on_the_embedded_target
     """The walk's answers come from padded batches with a shared chat prefix; on real code prompts of
     different lengths they are the one-prompt autoregressive baseline's tokens, prompt for prompt."""
     from exittrain.data import chat_prompt_ids, load_domain
-    from exittrain.heldout.measures import greedy_answers
+    from exittrain.heldout.answers import walk_answers
     from exittrain.models import load_target
 
     target = load_target(None)
     prompts = [chat_prompt_ids(target.tokenizer, t) for t in load_domain("code").eval[20:28]]
     assert len({len(p) for p in prompts}) > 1  # the batch is padded
     cache: dict = {}
-    greedy_answers(target, prompts, cache, live=0, max_new_tokens=32)
+    walk_answers(target, prompts, cache, [0.0], live=0, max_new_tokens=32)
     for i, prompt in enumerate(prompts):
         assert cache[0.0, i].tokens == autoregressive_generate(target, prompt, 32).tokens, f"prompt {i}"

@@ -43,10 +43,12 @@ def test_vllm_switch(tmp_path):
 def test_chain_summary_pools_rounds_and_flags_a_loss():
     rows = [{"budget": 3, "block_lengths": [4, 1, 2], "matches_target": True},
             {"budget": 3, "block_lengths": [1], "matches_target": True}]
-    chain = summarize_chain(rows)
+    chain = summarize_chain(rows)[0.0]  # rows without a temperature are T = 0's
     assert chain["chain_tau"] == pytest.approx(8 / 4) and chain["chain_K"] == 3 and chain["chain_lossless"]
     assert chain["chain_ci95"][0] <= chain["chain_tau"] <= chain["chain_ci95"][1]
-    assert not summarize_chain([{**rows[0], "matches_target": False}])["chain_lossless"]
+    assert not summarize_chain([{**rows[0], "matches_target": False}])[0.0]["chain_lossless"]
+    both = summarize_chain([*rows, {"budget": 3, "temperature": 0.6, "block_lengths": [1, 1], "decoded": False}])
+    assert both[0.6]["chain_tau"] == 1.0 and "chain_lossless" not in both[0.6] and both[0.0] == chain
     with pytest.raises(ValueError, match="no chain rows"):
         summarize_chain([])
 
@@ -58,32 +60,35 @@ def _row(label: str, **extra) -> dict:
 
 def test_table_shows_both_tracks_and_a_vllm_mismatch_loudly():
     table = [_row("warm_start"), _row("exittrain"), _row("served")]
-    attach_chain(table[:1], {"chain_tau": 2.25, "chain_K": 7})
-    attach_chain(table[1:], {"chain_tau": 2.5, "chain_K": 7})
+    attach_chain(table[:1], {0.0: {"chain_tau": 2.25, "chain_K": 7}})
+    attach_chain(table[1:], {0.0: {"chain_tau": 2.5, "chain_K": 7}, 0.6: {"chain_tau": 9.0, "chain_K": 7}})
     table[2]["vllm"] = {"vllm_tau": 2.41, "vllm_matches_plain": True}
     text = format_table(table)
     header = text.splitlines()[0]
     assert "chain tau (K)" in header and "vLLM tau" in header
-    assert "| 2.25 (7) |" in text and "| 2.41 |" in text and "MISMATCH" not in text
+    assert "| 2.25 (7) |" in text and "| 2.41 |" in text and "MISMATCH" not in text and "9.00" not in text
+    assert header.index("chain tau") < header.index("tree tau")  # led by what an engine verifies
     table[2]["vllm"]["vllm_matches_plain"] = False
     assert "2.41 MISMATCH" in format_table(table)
     table[2]["vllm"]["vllm_ci95"] = [2.2, 2.6]  # measured per prompt: its interval over prompts
     assert "| 2.41 (2.20-2.60) MISMATCH |" in format_table(table)
-    assert "chain tau" not in format_table([_row("warm_start")])  # no serving track: the old columns
+    assert "chain tau" not in format_table([_row("warm_start")])  # no serving track: the tree's columns
 
 
 def test_chain_differences_print_once_per_drafter_and_temperature():
-    from exittrain.heldout.heldout_law import format_differences
+    from exittrain.heldout.evaluator import format_differences
 
-    cell = {"tau": 2.0, "ci95": (1.9, 2.1), "anchors": 64, "nodes": 7,
-            "vs_warm_start": {"delta": 0.125, "ci95": [0.05, 0.2]}}
-    table = [_row("warm_start", analytic_chain={"0.6": {k: v for k, v in cell.items() if k != "vs_warm_start"}}),
-             _row("exittrain", analytic_chain={"0.6": cell}), dict(_row("exittrain", analytic_chain={"0.6": cell}),
-                                                                   budget=32)]
-    chain_lines = [line for line in format_differences(table) if "chain" in line]
-    assert len(chain_lines) == 1
-    assert chain_lines[0].startswith("exittrain - warm_start, expected chain tau at K=7 T=0.6")
-    assert "+0.125" in chain_lines[0]
+    pair = {"delta": 0.125, "ci95": [0.05, 0.2], "prompts": 16}
+    table = [_row("warm_start", chain_tau=2.0, chain_K=7),
+             _row("exittrain", chain_tau=2.1, chain_K=7, chain_tau_vs_warm_start=pair, tau_vs_warm_start=pair),
+             _row("exittrain", budget=32, chain_tau=2.1, chain_K=7, chain_tau_vs_warm_start=pair,
+                  tau_vs_warm_start=pair)]
+    lines = format_differences(table)
+    chain_lines = [line for line in lines if "chain" in line]
+    assert len(chain_lines) == 1 and len(lines) == 3  # the chain once, the tree at each budget
+    assert chain_lines[0].startswith("exittrain - warm_start, chain tau at K=7 T=0: +0.125")
+    assert "16 prompts, paired, pooled" in chain_lines[0]
+    assert lines[2].startswith("exittrain - warm_start, tree tau at B=32 T=0")
 
 
 def test_chain_rows_decode_losslessly_and_share_the_baselines(one_thread, tiny_llama_target):
@@ -142,7 +147,7 @@ def _serve_fit(tmp_path: Path, *extra: str, vllm_sized: bool = False) -> tuple[P
         "stages.exittrain.eval_every=null", "callbacks.decode_eval.every_n_steps=3",
         "callbacks.decode_eval.num_prompts=1", "callbacks.decode_eval.max_new_tokens=4",
         "callbacks.heldout_block_length.every_n_steps=2", "eval.num_prompts=2", "eval.max_new_tokens=8",
-        "eval.budgets=[4]", "eval.analytic_temperatures=[]", *extra,
+        "eval.budgets=[4]", "eval.temperatures=[0.0]", *extra,
     )
     return run_dir, fit(cfg)
 
@@ -209,12 +214,21 @@ def test_fit_measures_vllm_acceptance_of_the_export(one_thread, tmp_path, monkey
     assert (run_dir / "vllm" / "vllm_dflash.log").is_file()
 
 
-def test_the_warm_start_is_not_paired_with_itself():
-    """fit printed "warm_start - warm_start ... +0.000" for the chain: the warm start gets no reference."""
-    from exittrain.heldout.evaluator import paired_reference
+def test_the_warm_start_is_not_paired_with_itself(one_thread, tiny_llama_target):
+    """fit printed "warm_start - warm_start ... +0.000" for the chain: the reference gets no pair, and an
+    evaluator without a reference (eval of one drafter) pairs nothing."""
+    from exittrain.heldout.evaluator import HeldOutEvaluator
+    from exittrain.models import new_drafter
 
-    measured = {"warm_start": {(7, 0.6): [torch.ones(2)]}}
-    assert paired_reference(measured, "warm_start", "warm_start") is None
-    assert paired_reference(measured, "exittrain", "warm_start") is measured["warm_start"]
-    assert paired_reference({}, "exittrain", "warm_start") is None
-    assert paired_reference(measured, "exittrain", None) is None  # eval: one drafter, no pairing
+    drafter = new_drafter(tiny_llama_target, block_size=4, num_layers=1, hidden_size=32, num_heads=4, seed=0)
+    settings = dict(budgets=[3], temperatures=[0.0], max_new_tokens=6, verifier="tev", baseline=True,
+                    oracle=False, seed=0, decode="fixed")
+    evaluator = HeldOutEvaluator(tiny_llama_target, [[5, 6, 7, 8]], settings)
+    warm, _, _ = evaluator.measure(drafter, "warm_start")
+    later, _, _ = evaluator.measure(drafter, "exittrain")
+    assert not any(k.endswith("_vs_warm_start") for k in warm[0])
+    assert later[0]["chain_tau_vs_warm_start"]["delta"] == 0.0 and later[0]["tau_vs_warm_start"]["delta"] == 0.0
+    alone = HeldOutEvaluator(tiny_llama_target, [[5, 6, 7, 8]], settings, reference=None)
+    alone.measure(drafter, "a")
+    table, _, _ = alone.measure(drafter, "b")
+    assert not any("_vs_" in k for k in table[0])

@@ -1,0 +1,167 @@
+"""The held-out tau is what a decode delivers: tokens / rounds, pooled over every round of every prompt.
+
+- At T > 0 the rounds walked along the target's own samples are distributed as a real decode's: the
+  walked pooled tau lies inside the interval of real TEV decodes (fixed seeds).
+- The evaluator reports the pooled tau of its walked rows, which is not the mean over answer positions
+  (the per-anchor statistic, which weights a position by 1 rather than by 1 / its block): on a drafter
+  that accepts, the two differ, so these tests can fail.
+- Two drafters of one evaluator walk the same answers, so their rows pair; the DFlash export of a drafter
+  without the copy branch has the drafter's own rows, round for round.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exittrain.core import bootstrap_ci, pooled
+from exittrain.decoding import SpeculativeDecoder, autoregressive_generate
+from exittrain.heldout.answers import answer_sets
+from exittrain.heldout.evaluator import HeldOutEvaluator, format_report
+from exittrain.heldout.round_walk import walked_rounds
+
+NEW_TOKENS = 24
+SETTINGS = dict(budgets=[4], temperatures=[0.0, 0.6], max_new_tokens=NEW_TOKENS, verifier="tev", baseline=True,
+                oracle=False, seed=0, decode="fixed")
+
+
+def _trained_drafter(target, prompts, steps: int = 80, seed: int = 0, layer_ids=None):
+    """A drafter fitted on the target's greedy answers, so its rounds accept several tokens."""
+    from exittrain.core import block_cross_entropy
+    from exittrain.models import new_drafter
+
+    answers = [autoregressive_generate(target, p, NEW_TOKENS).tokens for p in prompts]
+    drafter = new_drafter(target, block_size=5, num_layers=1, seed=seed, copy_ngrams=[], layer_ids=layer_ids)
+    K = drafter.config.num_draft_tokens
+    seqs = [p + y for p, y in zip(prompts, answers, strict=True)]
+    T = max(map(len, seqs)) + K
+    ids = torch.tensor([s + [1] * (T - len(s)) for s in seqs])
+    features = target.sequence_features(ids, drafter.config.target_layer_ids).float()
+    anchors = torch.stack([torch.arange(len(p) - 1, len(p) + NEW_TOKENS - 3) for p in prompts])
+    labels = torch.stack([ids.gather(1, anchors + k) for k in range(1, K + 1)], -1).reshape(-1, K)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    for _ in range(steps):
+        loss = block_cross_entropy(drafter.forward_anchors(features, ids, anchors), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval()
+
+
+@pytest.fixture(scope="module")
+def drafter(target, prompts):
+    torch.set_num_threads(1)
+    return _trained_drafter(target, prompts)
+
+
+def test_walked_rounds_at_temperature_lie_inside_the_real_decodes_interval(one_thread, target, drafter, prompts):
+    """T = 0.6, B = 4: TEV decodes of every prompt under 6 seeds against walks along 24 target samples a
+    prompt. The walk's pooled tau is inside the decodes' 95% interval, and far from T = 0's (a walk that
+    ignored the temperature would show)."""
+    T, budget = 0.6, 4
+    decoder = SpeculativeDecoder(target, drafter, budget=budget, verifier="tev")
+    decoded = [[r.block_length for r in decoder.generate(p, NEW_TOKENS, temperature=T, seed=100 * s + i).rounds]
+               for s in range(6) for i, p in enumerate(prompts)]
+    walked = []
+    for s in range(24):
+        for i, (ids, n, _) in enumerate(answer_sets(target, prompts, [T], NEW_TOKENS, seed=1000 + s)[T]):
+            prompt, answer = prompts[i], ids[n:].tolist()
+            walked.append(walked_rounds(target, drafter, prompt[:-1], prompt[-1:] + answer,
+                                        max_new_tokens=NEW_TOKENS + 1, shape="ddtree", budget=budget,
+                                        temperature=T, seed=s))
+    low, high = bootstrap_ci(decoded)
+    assert low <= pooled(walked) <= high, (pooled(walked), low, high)
+    assert pooled(decoded) > 1.3  # the drafter accepts at T: the comparison has something to compare
+    greedy = [walked_rounds(target, drafter, p[:-1], p[-1:] + autoregressive_generate(target, p, NEW_TOKENS).tokens,
+                            max_new_tokens=NEW_TOKENS + 1, shape="ddtree", budget=budget) for p in prompts]
+    assert not low <= pooled(greedy) <= high  # the negative control: T = 0's rounds are another law
+
+
+def test_the_chain_walk_at_temperature_matches_chain_decodes(one_thread, target, drafter, prompts):
+    """The chain a serving engine verifies, at T = 0.6: walked along target samples against real
+    decodes of the chain (TEV on a chain of K nodes, exact like an engine's rejection sampling)."""
+    from exittrain.decoding.chain_decoder import ChainDecoder
+
+    T = 0.6
+    decoder = ChainDecoder(target, drafter, verifier="tev")
+    decoded = [[r.block_length for r in decoder.generate(p, NEW_TOKENS, temperature=T, seed=100 * s + i).rounds]
+               for s in range(6) for i, p in enumerate(prompts)]
+    walked = []
+    for s in range(24):
+        for i, (ids, n, _) in enumerate(answer_sets(target, prompts, [T], NEW_TOKENS, seed=2000 + s)[T]):
+            prompt, answer = prompts[i], ids[n:].tolist()
+            walked.append(walked_rounds(target, drafter, prompt[:-1], prompt[-1:] + answer,
+                                        max_new_tokens=NEW_TOKENS + 1, temperature=T, seed=s))
+    low, high = bootstrap_ci(decoded)
+    assert low <= pooled(walked) <= high, (pooled(walked), low, high)
+
+
+def test_the_evaluator_reports_pooled_tau_not_the_mean_over_positions(one_thread, target, prompts):
+    """Every tau of the table is tokens / rounds of its rows; the mean block length over every answer
+    position (1 + what a round rooted there accepts: the per-anchor statistic) is larger for a drafter
+    whose acceptance varies from position to position (briefly trained): a decode skips the positions
+    inside a long block, so it weights each position by about 1 / its block."""
+    from exittrain.core import followed_depth
+    from exittrain.heldout.round_walk import anchor_trees
+    from exittrain.heldout.sequence_passes import SequencePasses
+
+    drafter = _trained_drafter(target, prompts, steps=15)
+    evaluator = HeldOutEvaluator(target, prompts, SETTINGS, reference=None)
+    table, rows, chain = evaluator.measure(drafter, "d")
+    assert [(r["budget"], r["temperature"]) for r in table] == [(4, 0.0), (4, 0.6)]
+    for row in table:
+        mine = [r["block_lengths"] for r in rows if r["temperature"] == row["temperature"]]
+        assert row["tau"] == pytest.approx(pooled(mine))
+        chains = [r["block_lengths"] for r in chain if r["temperature"] == row["temperature"]]
+        assert row["chain_tau"] == pytest.approx(pooled(chains)) and row["chain_K"] == 4
+        assert row["ci95"][0] <= row["tau"] <= row["ci95"][1]
+    assert table[0]["lossless"] and table[0]["walk_exact"] and table[0]["chain_walk_exact"]
+    # the per-position mean on the same greedy answers
+    passes, per_position = SequencePasses(target), []
+    for i, prompt in enumerate(prompts):
+        answer = evaluator.ar_cache[(0.0, i)].tokens
+        ids = torch.tensor(prompt + answer)
+        K = drafter.config.num_draft_tokens
+        anchors = torch.arange(len(prompt) - 1, len(ids) - 1)
+        labels = torch.cat([ids, ids.new_full((K,), -1)]).unfold(0, K, 1)[anchors + 1]
+        trees = anchor_trees(drafter, passes.prefix(ids, drafter.config.target_layer_ids).features, ids[None],
+                             anchors, 4)
+        per_position += (followed_depth(trees, labels) + 1).tolist()
+    mean_over_positions = sum(per_position) / len(per_position)
+    assert mean_over_positions - table[0]["tau"] > 0.1, (mean_over_positions, table[0]["tau"])
+
+
+def test_two_drafters_walk_the_same_answers_and_pair(one_thread, target, drafter, prompts):
+    weak = _trained_drafter(target, prompts, steps=5, seed=1)
+    evaluator = HeldOutEvaluator(target, prompts, SETTINGS, reference="weak")
+    weak_table, weak_rows, _ = evaluator.measure(weak, "weak")
+    table, rows, chain = evaluator.measure(drafter, "strong")
+    assert [r["new_tokens"] for r in rows] == [r["new_tokens"] for r in weak_rows]  # the same answers
+    assert "tau_vs_weak" not in weak_table[0]
+    for row in table:
+        pair = row["tau_vs_weak"]
+        assert pair["delta"] == pytest.approx(row["tau"] - weak_table[table.index(row)]["tau"])
+        assert pair["prompts"] == len(prompts) and pair["ci95"][0] <= pair["delta"] <= pair["ci95"][1]
+        assert row["chain_tau_vs_weak"]["prompts"] == len(prompts)
+    assert table[0]["tau_vs_weak"]["ci95"][0] > 0  # the trained drafter accepts more, paired on the same answers
+    report = format_report(weak_table + table, reference="weak")
+    assert "strong - weak, chain tau at K=4 T=0.6" in report and "strong - weak, tree tau at B=4 T=0" in report
+    assert "chain tau (K)" in report.splitlines()[0] and report.splitlines()[0].index("chain tau") < \
+        report.splitlines()[0].index("tree tau")  # the table leads with what an engine verifies
+
+
+def test_the_dflash_export_of_a_drafter_without_the_copy_branch_has_its_rows(one_thread, target, prompts, tmp_path):
+    """What fit's default serves is the drafter itself: its DFlash export, loaded back, walks every answer
+    to the same rounds, chain and tree, at T = 0 and T = 0.6."""
+    from exittrain.models.dflash_format import export_dflash, load_dflash
+
+    drafter = _trained_drafter(target, prompts, steps=30, layer_ids=[0, 1])  # the format reads no last layer
+    report = export_dflash(drafter, tmp_path / "dflash", mask_token_id=15)
+    assert report["dropped"] == []
+    served = load_dflash(tmp_path / "dflash", target)
+    evaluator = HeldOutEvaluator(target, prompts, SETTINGS, reference="exittrain")
+    _, rows, chain = evaluator.measure(drafter, "exittrain")
+    table, served_rows, served_chain = evaluator.measure(served, "served")
+    assert [r["block_lengths"] for r in served_chain] == [r["block_lengths"] for r in chain]
+    assert [r["block_lengths"] for r in served_rows] == [r["block_lengths"] for r in rows]
+    assert all(row["chain_tau_vs_exittrain"]["delta"] == 0 for row in table)
