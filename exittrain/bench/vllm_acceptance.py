@@ -7,8 +7,9 @@ Each ``DRAFTER`` is a DFlash-format folder (``RUN_DIR/drafter_dflash``, what a u
 saved exittrain drafter (``RUN_DIR/drafter``), exported here to ``<out>_work/<label>/drafter_dflash``
 as ``fit`` exports it (a drafter the format cannot hold is refused with the reason).
 
-**What runs.** The embedded target, converted to an HF folder, decodes the domain's evaluation
-prompts ``skip .. skip + prompts`` (``fit``'s table decodes the first ``eval.num_prompts`` = 16:
+**What runs.** The embedded target, converted to an HF folder, decodes the recipe's evaluation
+prompts ``skip .. skip + prompts``, read as ``fit`` and ``eval`` read them
+(:func:`exittrain.bench.recipe.heldout_prompts`; ``fit``'s table decodes the first ``eval.num_prompts`` = 16:
 ``--skip 0 --prompts 16 --max-new-tokens 64`` are its prompts) greedily in vLLM, in fp32, one
 prompt at a time: once without speculation, then once per drafter with DFlash speculation of K =
 ``block_size - 1`` tokens (:func:`exittrain.serve.vllm_run.run_vllm`, each run a fresh worker of
@@ -99,7 +100,7 @@ def measure_vllm(vllm_python: str, target_dir: str, dflash_dirs: dict[str, Path]
 
 
 def run(args: argparse.Namespace) -> dict:
-    from exittrain.data import ExitTrainDataModule
+    from exittrain.bench.recipe import compose_fit_config, heldout_prompts
     from exittrain.heldout.serving_track import target_folder
     from exittrain.models import load_target
     from exittrain.report.results_page import host_info
@@ -111,10 +112,7 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError(f"two drafters share the label PARENT/FOLDER ({labels}); name them with --labels")
     folders = {label: dflash_folder(path, label.replace("/", "_"), work, target)
                for label, path in zip(labels, args.drafters)}
-    data = ExitTrainDataModule(args.domain, tokenizer=target.tokenizer, progress=False)
-    prompts = data.eval_prompts(args.skip + args.prompts)[args.skip:]
-    if not prompts:
-        raise ValueError(f"--skip {args.skip} leaves no {args.domain} evaluation prompt; lower --skip")
+    prompts = heldout_prompts(compose_fit_config(args.domain, work), target, args.prompts, skip=args.skip)
     positions = getattr(target.model.config, "max_position_embeddings", None) or 2048
     measured = measure_vllm(args.vllm_python, target_folder(target, None), folders, prompts,
                             max_new_tokens=args.max_new_tokens, workdir=work, max_model_len=min(2048, int(positions)))

@@ -17,13 +17,15 @@ Files read, in ``ROOT/results/`` (``--root``, default the current folder, a chec
   ``ar_tokens_per_s``, ``speedup``, ``lossless``), ``heldout`` (the warm start's
   validation ``greedy_tau`` and ``analytic_tau``, or null), ``wall_s`` (seconds per stage and
   ``total``) and ``peak_rss_gb`` (or null). An ``ablation`` result adds ``summary``: the
-  ``summary`` block of ``bench ablation``'s ``ablation.json`` (``overall_tau_vs_control``,
-  ``analytic_vs_control``, ``best_weight_type``, ``goal_met``) and ``goal`` (the ratio asked). An
+  ``summary`` block of an ``ablation.json`` (``overall_tau_vs_control``, ``analytic_vs_control``,
+  ``best_weight_type``, ``goal_met``) and ``goal`` (the ratio asked); the benchmark that wrote those
+  files is gone (``bench exittrain`` asks its question), and the page keeps reading them. An
   ``experiment`` result adds the ``summary`` of ``bench exittrain``
   (:mod:`exittrain.report.experiment_page`).
 - ``page.json``: the page's text, free of figures: ``recipes`` (the order of the recipe
-  sections), ``not_measured`` {recipe: notebook file}, ``ablation`` (``command``, ``notebook``,
-  ``verdict``: the line shown while no ablation result exists), ``negatives`` [{``text``,
+  sections), ``not_measured`` {recipe: notebook file}, ``ablation`` (``command``: the command of
+  the experiment that asks the ablation's question now, ``notebook``, ``verdict``: the line shown
+  while no ablation result exists), ``negatives`` [{``text``,
   ``see``: [result names or repository paths]}] and ``notebook`` [{``path``, ``title``}].
   Free text carrying a digit (dates and link targets aside) is refused: every figure on the page
   must come from a result JSON, linked to it and to its command.
@@ -31,7 +33,7 @@ Files read, in ``ROOT/results/`` (``--root``, default the current folder, a chec
 Writing a result: ``python -m exittrain report --results --add RUN_DIR --name NAME --command CMD``
 summarises a ``fit`` run directory (its ``metrics.json``, and ``cli.log`` for the date and the CPU
 capability that ``auto`` logged) into ``results/NAME.json``; ``--add-ablation ABLATION_JSON`` does
-the same for ``bench ablation``, ``--add-experiment EXITTRAIN_JSON`` for ``bench exittrain``. Host
+the same for an earlier ablation's JSON, ``--add-experiment EXITTRAIN_JSON`` for ``bench exittrain``. Host
 fields not in the run's files come from the machine that runs the command (``--cpu-model``,
 ``--gpu`` override them), so summarise on the host that ran.
 ``--check`` renders the page and fails if ``RESULTS.md`` differs.
@@ -276,7 +278,8 @@ def _eval_tokens(run_dir: Path) -> dict[str, int | None]:
 
 def summarize_ablation(ablation_json: str | Path, *, name: str, command: str, commit: str, host: dict,
                        date: str, goal: float = 1.13) -> dict:
-    """An ``ablation`` result: the settings and the summary block of ``bench ablation``'s JSON."""
+    """An ``ablation`` result: the settings and the summary block of an earlier ablation's JSON (the
+    benchmark that wrote it is gone; its results stay on the page)."""
     data = _read(Path(ablation_json))
     res = {"schema": SCHEMA, "kind": "ablation", "name": name, "command": command, "commit": commit,
            "date": date, "host": host, "goal": goal,
@@ -308,7 +311,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--root", default=".", help="the checkout holding results/ and RESULTS.md")
     parser.add_argument("--check", action="store_true", help="fail if RESULTS.md differs from what results/ gives")
     parser.add_argument("--add", metavar="RUN_DIR", help="summarise a fit run directory into results/NAME.json")
-    parser.add_argument("--add-ablation", metavar="ABLATION_JSON", help="summarise bench ablation's ablation.json")
+    parser.add_argument("--add-ablation", metavar="ABLATION_JSON", help="summarise an earlier ablation's ablation.json")
     parser.add_argument("--add-experiment", metavar="EXITTRAIN_JSON", help="summarise bench exittrain's exittrain.json")
     parser.add_argument("--name", help="the result's name (its file results/NAME.json)")
     parser.add_argument("--command", help="the exact command that produced the run, environment variables included")

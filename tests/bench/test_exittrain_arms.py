@@ -1,6 +1,6 @@
-"""The ExitTrain experiment's grid, comparisons and verdict on synthetic per-anchor block lengths.
+"""The ExitTrain experiment's grid, its pooled comparisons and verdict on synthetic evaluator rows.
 
-Training and measuring run on the real target in the slow test below and in ``make bench-exittrain``.
+Training and measuring run on the real target in the slow tests below and in ``make bench-exittrain``.
 """
 
 from __future__ import annotations
@@ -11,10 +11,12 @@ import os
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from exittrain.bench import exittrain_arms as bx
 from exittrain.bench.exittrain_grid import ARMS, Arm
 from exittrain.bench.exittrain_report import SEQUENCE, replicate_verdicts, to_markdown, vllm_verdict
+from exittrain.core import pooled
 from exittrain.report.experiment_page import uncorrected
 
 
@@ -68,85 +70,101 @@ def test_fresh_rows_leave_out_the_warm_starts_whole_sample():
         bx.fresh_overrides(args, None)
 
 
-@pytest.mark.real_model
-def test_heldout_prompts_follow_the_configs_evaluation_sources(tmp_path):
-    """The bench measures on the prompts fit evaluates: an override of data.eval_sources moves them (its
-    equals leave the training sample), and asking for more than the list holds names the list."""
-    from exittrain.data import chat_prompt_ids
-    from exittrain.models import load_target
-
-    target = load_target(None)
-    args = bx.parse_args(["--domain", "dialogue", "--skip", "2", "--prompts", "3", "--out", str(tmp_path)])
-    default = bx.heldout_prompts(args, target)
-    args.override = ["data.eval_sources=['pkg:ifbench?limit=8&seed=5']"]
-    moved = bx.heldout_prompts(args, target)
-    assert len(default) == len(moved) == 3 and default != moved
-    from exittrain.data import load_domain
-
-    ifbench = load_domain("dialogue", train=["pkg:sharegpt_dummy"], eval=["pkg:ifbench?limit=8&seed=5"]).eval
-    assert moved == [chat_prompt_ids(target.tokenizer, t) for t in ifbench[2:5]]
-    assert bx.measure_settings(args)["eval_sources"] == ["pkg:ifbench?limit=8&seed=5"]  # keys the measured cache
-    args.skip, args.override = 78, []
-    assert bx.measure_settings(args) == {k: getattr(args, k) for k in bx.MEASURE_SETTINGS}  # the key caches had
-    with pytest.raises(ValueError, match=r"pkg:mt_bench\) are 80; lower --skip"):
-        bx.heldout_prompts(args, target)
+def _measurement(settings: dict[tuple, list[list[int]]], K: int = 7, oracle: list[list[int]] | None = None) -> dict:
+    """One drafter's measurement as :func:`bx.measure` keeps it: the evaluator's per-prompt rows of
+    ``settings`` (``{(shape, budget, T): one block-length list per prompt}``), tree rows and chain rows."""
+    rows, chain = [], []
+    for (shape, budget, T), blocks in settings.items():
+        for i, b in enumerate(blocks):
+            row = {"label": "-", "prompt_index": i, "budget": budget, "temperature": T, "block_lengths": list(b),
+                   "rounds": len(b), "tau": sum(b) / len(b), "new_tokens": sum(b), "decoded": i == 0}
+            if oracle is not None and shape == "ddtree":
+                row["oracle_block_lengths"] = oracle[i]
+            (chain if shape == "chain" else rows).append(row)
+    return {"table": [], "rows": rows, "chain": chain, "num_draft_tokens": K}
 
 
-def _measured(shift: float, noise: float, prompts: int = 12, anchors: int = 20) -> dict:
-    """Per-row block lengths of the warm start, the control and one ExitTrain arm that adds ``shift``."""
-    g = torch.Generator().manual_seed(0)
-    base = [2.0 + torch.rand(anchors, generator=g) for _ in range(prompts)]
-    control = [b + 0.01 for b in base]
-    arm = [c + shift + noise * torch.randn(anchors, generator=g) for c in control]
-    key = "16/1"
-    return {"per_row": {"warm start": {key: base}, "control-soft-fresh": {key: control},
-                        "exittrain-soft-flow-l1-fresh": {key: arm}},
-            "oracle": {key: [torch.full((anchors,), 5.0) for _ in range(prompts)]}}
+def _blocks(prompts: int = 12, rounds: int = 20, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, 6, (prompts, rounds), generator=g).tolist()
+
+
+def _bump(blocks: list[list[int]], n: int, by: int = 1) -> list[list[int]]:
+    """``by`` more tokens in each of a prompt's first ``n`` rounds: pooled tau + n x by / rounds a prompt."""
+    return [[v + by * (j < n) for j, v in enumerate(b)] for b in blocks]
+
+
+def _noisy(blocks: list[list[int]], seed: int) -> list[list[int]]:
+    """One token more or less in each round at random: no shift, real noise."""
+    g = torch.Generator().manual_seed(seed)
+    return [[v + int(d) for v, d in zip(b, torch.randint(-1, 2, (len(b),), generator=g).tolist())] for b in blocks]
+
+
+def _three(arm_blocks, key=("ddtree", 16, 1.0), oracle=None, rounds: int = 20) -> dict:
+    """The warm start, the control (one token more per prompt than the warm start) and one ExitTrain arm."""
+    base = _blocks(rounds=rounds)
+    control = _bump(base, 1)
+    return {"warm start": _measurement({key: base}, oracle=oracle),
+            "control-soft-fresh": _measurement({key: control}, oracle=oracle),
+            "exittrain-soft-flow-l1-fresh": _measurement({key: arm_blocks(control)}, oracle=oracle)}
+
+
+def test_tau_is_pooled_over_rounds_not_a_mean_of_prompts_or_positions():
+    """A prompt of ten 1-token rounds and one of two 5-token rounds: 20 tokens in 12 rounds. The mean of the
+    prompts' taus (3.0) or of the positions would overstate what a decode reports (20 / 12)."""
+    measured = {"warm start": _measurement({("ddtree", 4, 0.0): [[1] * 10, [5, 5]]})}
+    (row,) = bx.compare(measured)
+    assert row["tau"] == pytest.approx(20 / 12) and row["rounds"] == 12 and row["prompts"] == 2
+    assert row["vs_warm_start"] is None and row["vs_control"] is None
 
 
 def test_compare_pairs_each_arm_with_its_control_and_the_verdict_reads_the_interval():
-    rows = bx.compare(_measured(shift=0.2, noise=0.05), "warm start")
+    oracle = [[5] * 20 for _ in range(12)]
+    rows = bx.compare(_three(lambda c: _bump(c, 4), oracle=oracle))
     arm = next(r for r in rows if r["drafter"] == "exittrain-soft-flow-l1-fresh")
     assert arm["control"] == "control-soft-fresh"
-    assert arm["vs_control"]["delta"] == pytest.approx(0.2, abs=0.02)
-    assert arm["vs_warm_start"]["delta"] == pytest.approx(0.21, abs=0.02)
+    assert arm["vs_control"]["delta"] == pytest.approx(4 / 20)  # pooled: 4 more tokens in 20 rounds a prompt
+    assert arm["vs_warm_start"]["delta"] == pytest.approx(5 / 20)
+    assert arm["vs_control"]["prompts"] == 12 and arm["vs_control"]["ci95"][0] > 0
     assert arm["tau_oracle"] == 5.0 and arm["efficiency"] == pytest.approx(arm["tau"] / 5.0)
     assert [r["vs_control"] for r in rows if r["drafter"] != "exittrain-soft-flow-l1-fresh"] == [None, None]
     assert len(uncorrected(rows)) == 1 and "beats control-soft-fresh" in uncorrected(rows)[0]
     # a null arm (no shift, real noise) has an interval across 0: no verdict line
-    assert uncorrected(bx.compare(_measured(shift=0.0, noise=0.3), "warm start")) == []
-    losing = uncorrected(bx.compare(_measured(shift=-0.2, noise=0.05), "warm start"))
+    assert uncorrected(bx.compare(_three(lambda c: _noisy(c, 3)))) == []
+    losing = uncorrected(bx.compare(_three(lambda c: _bump(c, 4, by=-1))))
     assert len(losing) == 1 and "loses to" in losing[0] and "negligible" not in losing[0]
-    # a consistent but tiny shift excludes 0 and is called what it is
-    tiny = uncorrected(bx.compare(_measured(shift=0.001, noise=0.0), "warm start"))
+    # a consistent but tiny shift excludes 0 and is called what it is: one token more in 250 rounds a prompt
+    tiny = uncorrected(bx.compare(_three(lambda c: _bump(c, 1), rounds=250)))
     assert len(tiny) == 1 and "beats" in tiny[0] and "negligible" in tiny[0]
+    # prompts measured elsewhere (another prompt set) are not paired
+    other = _three(lambda c: _bump(c, 4))
+    other["control-soft-fresh"]["rows"] = other["control-soft-fresh"]["rows"][:-1]
+    arm = next(r for r in bx.compare(other) if r["drafter"] == "exittrain-soft-flow-l1-fresh")
+    assert arm["vs_control"] is None and "control" not in arm
 
 
-def _chain_measured(shift: float, prompts: int = 12, anchors: int = 20) -> dict:
-    """Chain entries at T = 0 and 0.6 (the chain arm adds ``shift`` over the control) beside one tree entry."""
-    g = torch.Generator().manual_seed(1)
-    out = {"per_row": {}, "oracle": {"16/0.6": [torch.full((anchors,), 5.0) for _ in range(prompts)]}, "K": 7}
-    base = {key: [1.0 + torch.rand(anchors, generator=g) for _ in range(prompts)]
-            for key in ("chain/0", "chain/0.6", "16/0.6")}
-    out["per_row"]["warm start"] = base
-    out["per_row"]["control-soft-fresh"] = {k: [v + 0.05 for v in vs] for k, vs in base.items()}
-    out["per_row"]["exittrain-soft-flow-l1-chain-fresh"] = {
-        k: [v + 0.05 + (shift if k.startswith("chain") else 0.0) + 0.01 * torch.randn(anchors, generator=g)
-            for v in vs] for k, vs in base.items()}
-    return out
+def _chain_measured(shift: int) -> dict:
+    """Chain entries at T = 0 and 0.6 (the chain arm ``shift`` tokens a prompt over the control) beside one tree."""
+    keys = [("chain", 7, 0.0), ("chain", 7, 0.6), ("ddtree", 16, 0.6)]
+    base = {key: _blocks(seed=i) for i, key in enumerate(keys)}
+    control = {key: _bump(b, 1) for key, b in base.items()}
+    arm = {key: _bump(b, shift) if key[0] == "chain" else b for key, b in control.items()}
+    oracle = [[5] * 20 for _ in range(12)]
+    return {"warm start": _measurement(base, oracle=oracle), "control-soft-fresh": _measurement(control, oracle=oracle),
+            "exittrain-soft-flow-l1-chain-fresh": _measurement(arm, oracle=oracle)}
 
 
 def test_compare_pairs_the_chain_with_its_control_at_every_temperature():
-    rows = bx.compare(_chain_measured(shift=0.3), "warm start")
+    rows = bx.compare(_chain_measured(shift=6))
     chain = [r for r in rows if r["shape"] == "chain"]
     assert len(chain) == 3 * 2 and {r["budget"] for r in chain} == {7}  # 3 drafters x T = 0, 0.6; budget = K
     arm = {r["temperature"]: r for r in chain if r["drafter"] == "exittrain-soft-flow-l1-chain-fresh"}
     assert set(arm) == {0.0, 0.6}
     for r in arm.values():
         assert r["control"] == "control-soft-fresh"
-        assert r["vs_control"]["delta"] == pytest.approx(0.3, abs=0.02)
-        assert r["vs_warm_start"]["delta"] == pytest.approx(0.35, abs=0.02)
-        assert "tau_oracle" not in r and "efficiency" not in r  # the oracle bounds trees only
+        assert r["vs_control"]["delta"] == pytest.approx(6 / 20)
+        assert r["vs_warm_start"]["delta"] == pytest.approx(7 / 20)
+        assert "tau_oracle" not in r and "efficiency" not in r  # the evaluator's oracle: tree rows only here
     tree = next(r for r in rows if r["drafter"] == "exittrain-soft-flow-l1-chain-fresh" and r["shape"] == "ddtree")
     assert tree["budget"] == 16 and tree["tau_oracle"] == 5.0
     lines = uncorrected(rows)  # the chain beats its control at T = 0 and 0.6; the tree entry does not move
@@ -154,32 +172,32 @@ def test_compare_pairs_the_chain_with_its_control_at_every_temperature():
                                    for line in lines)
     assert any("at T = 0:" in line for line in lines) and any("at T = 0.6:" in line for line in lines)
     md = to_markdown({"domain": "code", "warm_start": "W", "steps": 3, "prompts": 12, "skip": 16,
-                         "max_new_tokens": 8, "analytic_anchors": 20, "rows": rows, "train": {}})
+                      "max_new_tokens": 8, "rows": rows, "train": {}})
+    assert "| tau (pooled) |" in md and "total tokens / total rounds" in md
     table = [line for line in md.splitlines() if line.startswith(("| warm start", "| control-", "| exittrain-"))]
     shapes = ["chain K=7" in line for line in table]
     assert shapes == sorted(shapes) and sum(shapes) == 6  # the chain rows together, after the trees
-    # a control measured without the chain (--no-chain, cached): the arm's chain rows stand unpaired
-    partial = _chain_measured(shift=0.3)
-    partial["per_row"]["control-soft-fresh"] = {"16/0.6": partial["per_row"]["control-soft-fresh"]["16/0.6"]}
-    unpaired = [r for r in bx.compare(partial, "warm start") if r["drafter"] == "exittrain-soft-flow-l1-chain-fresh"]
-    assert [(r["shape"], r["vs_control"] is None) for r in unpaired] == [("chain", True), ("chain", True),
-                                                                         ("ddtree", False)]
-    with pytest.raises(ValueError, match="'K'"):
-        bx.compare({k: v for k, v in _chain_measured(shift=0.3).items() if k != "K"}, "warm start")
+    # a control measured without the chain (--no-chain, kept): the arm's chain rows stand unpaired
+    partial = _chain_measured(shift=6)
+    partial["control-soft-fresh"]["chain"] = []
+    unpaired = [r for r in bx.compare(partial) if r["drafter"] == "exittrain-soft-flow-l1-chain-fresh"]
+    assert sorted((r["shape"], r["vs_control"] is None) for r in unpaired) == [("chain", True), ("chain", True),
+                                                                               ("ddtree", False)]
 
 
-def _replicates(shifts: dict[int, float], control_noise: float, prompts: int = 12, anchors: int = 20) -> dict:
-    """Per training seed: a control (its seed's training noise: a constant offset of ``control_noise`` x
-    the seed's index) and the ExitTrain arm ``shifts[seed]`` above its own control, at B = 16, T = 0.6."""
-    g = torch.Generator().manual_seed(2)
-    key = "16/0.6"
-    base = [1.0 + torch.rand(anchors, generator=g) for _ in range(prompts)]
-    per_row = {"warm start": {key: base}}
+def _replicates(shifts: dict[int, int], control_noise: int) -> dict:
+    """Per training seed: a control (its seed's training noise: ``control_noise`` x the seed's index more
+    tokens a prompt) and the ExitTrain arm ``shifts[seed]`` tokens a prompt above its own control, at B = 16,
+    T = 0.6 (20 rounds a prompt: a token a prompt is 0.05 of tau)."""
+    key = ("ddtree", 16, 0.6)
+    base = _blocks(seed=2)
+    measured = {"warm start": _measurement({key: base})}
     for i, (seed, shift) in enumerate(sorted(shifts.items())):
-        control = [b + control_noise * i + 0.01 * torch.randn(anchors, generator=g) for b in base]
-        per_row[f"control-soft-fresh@seed{seed}"] = {key: control}
-        per_row[f"exittrain-soft-flow-l1-fresh@seed{seed}"] = {key: [c + shift for c in control]}
-    return {"per_row": per_row, "oracle": {}}
+        control = _bump(base, control_noise * i)
+        measured[f"control-soft-fresh@seed{seed}"] = _measurement({key: control})
+        arm = _bump(control, abs(shift), by=1 if shift >= 0 else -1)
+        measured[f"exittrain-soft-flow-l1-fresh@seed{seed}"] = _measurement({key: arm})
+    return measured
 
 
 def test_replicates_pair_within_a_seed_and_the_controls_give_the_noise_floor():
@@ -192,35 +210,37 @@ def test_replicates_pair_within_a_seed_and_the_controls_give_the_noise_floor():
     assert bx.matched_control("exittrain-soft-flow-l1-fresh") == "control-soft-fresh"
     assert bx.matched_control("control-soft-fresh@seed1") is None and bx.matched_control("warm start") is None
 
-    measured = _replicates({0: 0.05, 1: 0.06, 2: 0.04}, control_noise=0.01)
-    rows = bx.compare(measured, "warm start")
+    measured = _replicates({0: 2, 1: 3, 2: 2}, control_noise=0)  # 0.10, 0.15, 0.10 over identical controls
+    rows = bx.compare(measured)
     arm = {r["drafter"]: r for r in rows if r["drafter"].startswith("exittrain-")}
     assert {r["control"] for r in arm.values()} == {f"control-soft-fresh@seed{s}" for s in (0, 1, 2)}
-    assert arm["exittrain-soft-flow-l1-fresh@seed1"]["vs_control"]["delta"] == pytest.approx(0.06, abs=1e-5)
+    assert arm["exittrain-soft-flow-l1-fresh@seed1"]["vs_control"]["delta"] == pytest.approx(0.15)
     floor = bx.noise_floor(measured)
     (entry,) = floor.values()
-    assert [p["seeds"] for p in entry["pairs"]] == [[0, 1], [0, 2], [1, 2]]
-    assert entry["spread"] == pytest.approx(0.02, abs=0.005)  # seeds 0 and 2 part by 2 x 0.01
+    assert entry["key"] == "16/0.6" and [p["seeds"] for p in entry["pairs"]] == [[0, 1], [0, 2], [1, 2]]
+    assert entry["spread"] == 0.0  # identical controls
     (v,) = replicate_verdicts(rows, floor)
-    assert v["seeds"] == [0, 1, 2] and v["mean"] == pytest.approx(0.05, abs=1e-5)
-    assert v["noise_floor"] == entry["spread"] and v["verdict"] == "confirmed"  # 0.05 >= 0.02 and >= 2 x 0.02
-    # the same gains under a larger training noise: inside twice the floor, so not confirmed
-    noisy = _replicates({0: 0.05, 1: 0.06, 2: 0.04}, control_noise=0.02)
-    (v,) = replicate_verdicts(bx.compare(noisy, "warm start"), bx.noise_floor(noisy))
+    assert v["seeds"] == [0, 1, 2] and v["mean"] == pytest.approx(0.35 / 3)
+    assert v["noise_floor"] == 0.0 and v["verdict"] == "confirmed"
+    # the same gains under a training noise of a token a prompt per seed (0.05): the floor is 0.10, and a mean
+    # of 0.117 is under twice it
+    noisy = _replicates({0: 2, 1: 3, 2: 2}, control_noise=1)
+    assert bx.noise_floor(noisy)["control-soft-fresh/16/0.6"]["spread"] == pytest.approx(0.10)
+    (v,) = replicate_verdicts(bx.compare(noisy), bx.noise_floor(noisy))
     assert v["verdict"] == "inconclusive"
-    # one seed at -0.03 refutes, whatever the mean; a mean under 0.01 refutes
-    for shifts in ({0: 0.10, 1: 0.10, 2: -0.03}, {0: 0.005, 1: 0.01, 2: 0.0}):
-        m = _replicates(shifts, control_noise=0.0)
-        (v,) = replicate_verdicts(bx.compare(m, "warm start"), bx.noise_floor(m))
+    # a seed below -0.02 refutes, whatever the mean; a mean under 0.01 refutes
+    for shifts in ({0: 4, 1: 4, 2: -1}, {0: 0, 1: 0, 2: 0}):  # -1: a token less a prompt
+        m = _replicates(shifts, control_noise=0)
+        (v,) = replicate_verdicts(bx.compare(m), bx.noise_floor(m))
         assert v["verdict"] == "refuted", shifts
     # one replicate: no floor, so never confirmed
-    single = _replicates({0: 0.5}, control_noise=0.0)
+    single = _replicates({0: 10}, control_noise=0)
     assert bx.noise_floor(single) == {}
-    (v,) = replicate_verdicts(bx.compare(single, "warm start"), {})
+    (v,) = replicate_verdicts(bx.compare(single), {})
     assert v["noise_floor"] is None and v["verdict"] == "inconclusive"
     md = to_markdown({"domain": "code", "warm_start": "W", "steps": 3, "prompts": 12, "skip": 16,
-                         "max_new_tokens": 8, "analytic_anchors": 20, "rows": rows, "train": {},
-                         "train_seeds": [0, 1, 2], "replicates": replicate_verdicts(rows, floor)})
+                      "max_new_tokens": 8, "rows": rows, "train": {},
+                      "train_seeds": [0, 1, 2], "replicates": replicate_verdicts(rows, floor)})
     assert "Replicates (training seeds [0, 1, 2])" in md and "| confirmed |" in md
 
 
@@ -253,32 +273,110 @@ def test_the_fixed_sequence_tests_a_secondary_only_after_every_one_before_it_was
 
 
 def test_the_report_states_the_verdict_and_plots(tmp_path):
-    rows = bx.compare(_measured(shift=0.0, noise=0.3), "warm start")
+    rows = bx.compare(_three(lambda c: _noisy(c, 3)))
     result = {"domain": "code", "warm_start": "W", "steps": 3, "prompts": 12, "skip": 16, "max_new_tokens": 8,
-              "analytic_anchors": 20, "rows": rows,
-              "train": {"control-soft-fresh": {"train_s": 3.0, "s_per_step": 1.0}}}
+              "rows": rows, "train": {"control-soft-fresh": {"train_s": 3.0, "s_per_step": 1.0}}}
     md = to_markdown(result)
     assert "none: no ExitTrain setting" in md and "control-soft-fresh" in md
     bx.plot(result, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
-    chain_rows = bx.compare(_chain_measured(shift=0.3), "warm start")
+    chain_rows = bx.compare(_chain_measured(shift=6))
     bx.plot({**result, "rows": chain_rows}, tmp_path / "c.png")  # a panel per (B, T) of the tree, per T of the chain
     assert (tmp_path / "c.png").stat().st_size > 1000
 
 
 def test_bad_arguments_name_the_option(tmp_path):
-    with pytest.raises(SystemExit):
-        bx.parse_args(["--steps", "0"])
-    with pytest.raises(SystemExit):
-        bx.parse_args(["--warm-start", str(tmp_path)])  # no config.json there
-    with pytest.raises(SystemExit):
-        bx.parse_args(["--temperatures", "-1"])
-    with pytest.raises(SystemExit):  # one count per budget, none above --analytic-anchors
-        bx.parse_args(["--budgets", "16", "64", "--budget-anchors", "2"])
-    with pytest.raises(SystemExit):
-        bx.parse_args(["--analytic-anchors", "2", "--budget-anchors", "3", "1"])
-    assert bx.parse_args(["--analytic-anchors", "4"]).budget_anchors == [4, 4]
+    for bad in (["--steps", "0"], ["--warm-start", str(tmp_path)], ["--temperatures", "-1"], ["--budgets", "0"],
+                ["--skip", "-1"], ["--max-new-tokens", "0"]):
+        with pytest.raises(SystemExit):
+            bx.parse_args(bad)
     assert bx.parse_args([]).chain is True and bx.parse_args(["--no-chain"]).chain is False
+    assert bx.parse_args([]).oracle is False and bx.parse_args(["--oracle"]).oracle is True
+
+
+def test_the_options_reach_the_evaluator_as_eval_settings(tmp_path):
+    """The bench composes one fit config, its options as ``seed`` and ``eval.*`` after ``--override``: the
+    evaluator reads them there, checked by eval_settings as fit's are."""
+    from exittrain.bench.recipe import compose_fit_config
+    from exittrain.settings import eval_settings
+
+    args = bx.parse_args(["--seed", "3", "--budgets", "4", "8", "--temperatures", "0", "0.6", "--max-new-tokens",
+                          "12", "--oracle", "--override", "eval.baseline=false"])
+    cfg = compose_fit_config("code", tmp_path, [*args.override, *bx.measure_overrides(args)])
+    settings = eval_settings(cfg)
+    assert settings["budgets"] == [4, 8] and settings["temperatures"] == [0.0, 0.6]
+    assert settings["max_new_tokens"] == 12 and settings["oracle"] is True and settings["seed"] == 3
+    assert settings["baseline"] is False and cfg.seed == 3  # an --override the bench does not set stays
+    fresh = OmegaConf.merge(cfg, OmegaConf.from_dotlist(bx.fresh_overrides(args, 720)))
+    assert (fresh.data.seed, fresh.data.exclude_seed, fresh.data.exclude_size) == (4, 3, 720)
+    assert cfg.data.exclude_size != 720  # the fresh rows' config is a copy
+
+
+class _Evaluator:
+    """The evaluator's contract as the bench reads it: ``measure(drafter, label) -> (table, rows, chain)``."""
+
+    made: list = []
+
+    def __init__(self, target, prompts, settings, *, reference, chain, auto=None):
+        self.prompts, self.reference, self.chain, self.measured = prompts, reference, chain, []
+        _Evaluator.made.append(self)
+
+    def measure(self, drafter, label, *, tree=True):
+        self.measured.append(label)
+        rows = [{"label": label, "prompt_index": i, "budget": 4, "temperature": 0.0,
+                 "block_lengths": [drafter.value] * 3, "rounds": 3, "tau": float(drafter.value)}
+                for i in range(len(self.prompts))]
+        chain = [{**r, "budget": 2} for r in rows] if self.chain else []
+        return [{"label": label, "budget": 4, "temperature": 0.0, "tau": float(drafter.value),
+                 "ci95": (1.0, 2.0)}], rows, chain
+
+
+def test_one_evaluator_measures_every_drafter_and_a_rerun_measures_only_what_is_new(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    import exittrain.heldout.evaluator
+    import exittrain.models
+
+    folders = {}
+    for name, value in (("warm start", 2), ("control-soft-fresh", 3)):
+        folders[name] = tmp_path / name.replace(" ", "_")
+        folders[name].mkdir()
+        save_file({"w": torch.full((2,), float(value))}, folders[name] / "model.safetensors")
+
+    def load(path, target):
+        value = {str(f): v for f, v in zip(folders.values(), (2, 3, 4))}[str(path)]
+        drafter = SimpleNamespace(value=value, config=SimpleNamespace(num_draft_tokens=2))
+        drafter.eval = lambda: drafter
+        return drafter
+
+    monkeypatch.setattr(exittrain.heldout.evaluator, "HeldOutEvaluator", _Evaluator)
+    monkeypatch.setattr(exittrain.models, "load_drafter", load)
+    _Evaluator.made = []
+    args = bx.parse_args(["--out", str(tmp_path / "out")])
+    target = SimpleNamespace(name="tiny")
+    settings = {"budgets": [4], "temperatures": [0.0], "seed": 0}
+    steps = []
+    measured = bx.measure(args, target, folders, [[1, 2], [3]], settings, on_step=lambda m: steps.append(list(m)))
+    (evaluator,) = _Evaluator.made
+    assert evaluator.reference == bx.WARM and evaluator.measured == ["warm start", "control-soft-fresh"]
+    assert steps == [["warm start"], ["warm start", "control-soft-fresh"]]
+    assert measured["control-soft-fresh"]["table"][0]["ci95"] == [1.0, 2.0]  # as JSON keeps it
+    assert measured["warm start"]["num_draft_tokens"] == 2
+    # a rerun with one more drafter measures that drafter only
+    folders["new"] = tmp_path / "new"
+    folders["new"].mkdir()
+    save_file({"w": torch.zeros(2)}, folders["new"] / "model.safetensors")
+    again = bx.measure(args, target, folders, [[1, 2], [3]], settings)
+    assert _Evaluator.made[-1].measured == ["new"]
+    assert {k: again[k] for k in measured} == measured
+    # other prompts, other settings, or other measuring code: measured again
+    bx.measure(args, target, folders, [[1, 2], [4]], settings)
+    assert _Evaluator.made[-1].measured == list(folders)
+    monkeypatch.setattr("exittrain.bench.measure_cache.code_version", lambda: "another version")
+    bx.measure(args, target, folders, [[1, 2], [3]], settings)
+    assert _Evaluator.made[-1].measured == list(folders)
 
 
 def test_vllm_pairs_each_arm_with_its_control_and_the_warm_start_on_the_same_prompts(tmp_path, monkeypatch, capsys):
@@ -298,11 +396,10 @@ def test_vllm_pairs_each_arm_with_its_control_and_the_warm_start_on_the_same_pro
 
     monkeypatch.setattr(va, "measure_vllm", fake_measure)
     monkeypatch.setattr(va, "dflash_folder", lambda path, label, work, target: path)
-    monkeypatch.setattr(bx, "heldout_prompts", lambda args, target: [[1], [2], [3], [4]])
     monkeypatch.setattr("exittrain.heldout.serving_track.target_folder", lambda target, name: "T")
     args = bx.parse_args(["--out", str(tmp_path), "--vllm-prompts", "3"])
     args.vllm_python = "python"
-    vllm = bx.measure_in_vllm(args, None, {name: tmp_path / name for name in counts}, "warm start")
+    vllm = bx.measure_in_vllm(args, None, {name: tmp_path / name for name in counts}, [[1], [2], [3]])
     per = vllm["drafters"]
     assert per["warm start"]["vs_warm_start"] is None and per["warm start"]["vs_control"] is None
     assert per[chain]["control"] == "control-soft-fresh"
@@ -313,7 +410,7 @@ def test_vllm_pairs_each_arm_with_its_control_and_the_warm_start_on_the_same_pro
                      f"({per[chain]['vs_control']['ci95'][0]:+.4f} to {per[chain]['vs_control']['ci95'][1]:+.4f})"]
     assert per[chain]["vs_control"]["ci95"][0] > 0  # every prompt gains: the interval excludes 0
     result = {"domain": "code", "warm_start": "W", "steps": 3, "prompts": 3, "skip": 16, "max_new_tokens": 8,
-              "analytic_anchors": 2, "rows": [], "train": {}, "vllm": vllm}
+              "rows": [], "train": {}, "vllm": vllm}
     md = to_markdown(result)
     assert "vLLM 0.32.0's own acceptance length" in md and f"- {lines[0]}" in md
     with pytest.raises(SystemExit):
@@ -328,48 +425,53 @@ def test_the_experiment_runs_end_to_end_on_the_embedded_target(tmp_path, monkeyp
     monkeypatch.setenv("EXITTRAIN_CACHE", str(tmp_path / "cache"))
     args = bx.parse_args([
         "--steps", "2", "--fresh-prompts", "8", "--prompts", "2", "--max-new-tokens", "12",
-        "--analytic-anchors", "2", "--budgets", "4", "3", "--budget-anchors", "2", "1", "--oracle-prompts", "1",
-        "--temperatures", "0", "1",
+        "--budgets", "4", "3", "--temperatures", "0", "1", "--oracle",
         "--arms", "control-soft-fresh", "exittrain-soft-flow-l1-fresh", "exittrain-soft-flow-l1-chain-fresh",
         "--override", "debug=smoke", "--override", "stages.pretrain.max_steps=2", "--out", str(tmp_path / "out"),
     ])
     result = bx.run(args)
     saved = json.loads((tmp_path / "out" / "exittrain.json").read_text())
     assert saved["rows"] == result["rows"] and "verdict" not in saved  # derived from the rows when read
+    assert "total tokens / total rounds" in saved["statistic"]
     names = {r["drafter"] for r in saved["rows"]}
     assert names == {"warm start", "control-soft-fresh", "exittrain-soft-flow-l1-fresh",
-                     "exittrain-soft-flow-l1-chain-fresh"}
+                     "exittrain-soft-flow-l1-chain-fresh"} == set(saved["per_prompt"]) == set(saved["tables"])
     chain = [r for r in saved["rows"] if r["shape"] == "chain"]
     K = saved["num_draft_tokens"]
     assert {(r["drafter"], r["temperature"]) for r in chain} == {(n, T) for n in names for T in (0.0, 1.0)}
-    for r in chain:  # a chain of K nodes: a block of at least the bonus, at most 1 + K; every anchor at T > 0
-        assert r["budget"] == K and 1.0 <= r["tau"] <= 1 + K and math.isfinite(r["tau"])
-        assert r["temperature"] == 0 or r["anchors"] == 2 * 2
+    for r in chain:  # a chain of K nodes: a block of at least the bonus, at most 1 + K
+        assert r["budget"] == K and 1.0 <= r["tau"] <= 1 + K and math.isfinite(r["tau"]) and r["prompts"] == 2
     assert all(r["vs_control"] is not None for r in chain if r["drafter"].startswith("exittrain-"))
-    analytic = [r for r in saved["rows"] if r["temperature"] == 1.0 and r["shape"] == "ddtree"]
-    for r in analytic:  # a block of a budget-B tree: at least the bonus, at most 1 + B; the oracle bounds it
-        assert 1.0 <= r["tau"] <= 1 + r["budget"] and r["efficiency"] <= 1 + 1e-6 and r["oracle_prompts"] == 1
-    arm = {r["budget"]: r for r in analytic if r["drafter"] == "exittrain-soft-flow-l1-fresh"}
-    assert arm[4]["vs_control"] is not None and arm[4]["anchors"] == 2 * 2 and arm[3]["anchors"] == 2 * 1
+    trees = [r for r in saved["rows"] if r["shape"] == "ddtree"]
+    assert {(r["budget"], r["temperature"]) for r in trees} == {(b, T) for b in (4, 3) for T in (0.0, 1.0)}
+    for r in trees:  # a block of a budget-B tree: at least the bonus, at most 1 + B; the oracle bounds it at T = 0
+        assert 1.0 <= r["tau"] <= 1 + r["budget"] and "tau_oracle" in r
+        assert r["temperature"] > 0 or r["efficiency"] <= 1 + 1e-6
+    for name, one in saved["per_prompt"].items():  # every figure recomputes from the evaluator's per-prompt rows
+        row = next(r for r in saved["rows"] if r["drafter"] == name and r["shape"] == "ddtree" and r["budget"] == 4
+                   and r["temperature"] == 1.0)
+        blocks = [p["block_lengths"] for p in sorted(one["rows"], key=lambda p: p["prompt_index"])
+                  if p["budget"] == 4 and p["temperature"] == 1.0]
+        assert row["tau"] == pooled(blocks)
+    arm = {r["budget"]: r for r in trees if r["drafter"] == "exittrain-soft-flow-l1-fresh" and r["temperature"] == 1}
+    assert arm[4]["vs_control"] is not None and arm[3]["vs_warm_start"]["prompts"] == 2
     assert os.path.exists(tmp_path / "out" / "exittrain_vs_control.png")
     assert not (tmp_path / "out" / bx.PARTIAL).exists()  # the partial file lives while it runs only
     said = capsys.readouterr().out  # every drafter's measurement says when it starts and ends
-    for label in ["T=0: warm start, greedy walks", "T=1 B=4: the oracle on 1 prompts",
-                  "T=1 B=3: exittrain-soft-flow-l1-fresh", f"T=1 chain of {K}: control-soft-fresh"]:
+    for label in names:
         assert f"{label}: measuring" in said and f"{label}: done (" in said, label
 
-    # a rerun reuses the trained arms and every measurement: nothing is trained, sampled or scored again
+    # a rerun reuses the trained arms and every measurement: nothing is trained or measured again
     def never(*a, **k):
         raise AssertionError("a rerun measured again what it had measured")
 
-    from exittrain.heldout import measures as heldout_law
+    import exittrain.heldout.evaluator
 
-    for name in ("answer_rows", "analytic_block_lengths", "oracle_block_lengths"):
-        monkeypatch.setattr(heldout_law, name, never)
+    monkeypatch.setattr(exittrain.heldout.evaluator.HeldOutEvaluator, "measure", never)
     monkeypatch.setattr(bx, "train_drafter", never)
     args.resume = True
     again = bx.run(args)
-    assert again["rows"] == result["rows"]
+    assert again["rows"] == result["rows"] and again["per_prompt"] == saved["per_prompt"]
     for name, trained in result["train"].items():  # each arm's training record comes back with it
         assert again["train"][name] == {**trained, "reused": True}, name
 
@@ -382,7 +484,7 @@ def test_a_training_seed_repeats_bit_for_bit_and_two_seeds_differ(tmp_path, monk
 
     monkeypatch.setenv("EXITTRAIN_CACHE", str(tmp_path / "cache"))
     common = ["--steps", "3", "--fresh-prompts", "8", "--prompts", "1", "--max-new-tokens", "8",
-              "--budgets", "4", "--temperatures", "0", "--no-chain", "--oracle-prompts", "1",
+              "--budgets", "4", "--temperatures", "0", "--no-chain",
               "--arms", "control-soft-fresh", "--override", "debug=smoke", "--override", "stages.pretrain.max_steps=2"]
     first = bx.run(bx.parse_args([*common, "--train-seeds", "0", "1", "--out", str(tmp_path / "a")]))
     assert set(first["train"]) == {"control-soft-fresh@seed0", "control-soft-fresh@seed1"}

@@ -16,8 +16,8 @@ HOST = {"cpu_model": "Test CPU", "cores": 2, "cpu_capability": "AVX512", "gpu": 
 PAGE = {
     "recipes": ["code", "math"],
     "not_measured": {"math": "docs/notebook/old.md"},
-    "ablation": {"command": "python -m exittrain bench ablation", "notebook": "docs/notebook/abl.md",
-                 "verdict": "No ablation result yet."},
+    "ablation": {"command": "python -m exittrain bench exittrain", "notebook": "docs/notebook/abl.md",
+                 "verdict": "No ablation result yet; bench exittrain asks its question now."},
     "negatives": [{"text": "The stage lowers tau.", "see": ["fit-a", "docs/notebook/old.md"]}],
     "notebook": [{"path": "docs/notebook/old.md", "title": "2026-11-30: the old runs"}],
 }
@@ -75,7 +75,8 @@ def test_page_shows_every_row_linked_to_its_json_and_command(tmp_path):
     assert "| commit | `abc1234`" in text and "| date | 2026-12-01 |" in text and "`AVX2`" in text
     assert "### fit-a\n\n2026-12-01, commit `abc1234`:\n\n```bash\npython -m exittrain fit +recipe=code\n```" in text
     assert "## Recipe `math`\n\nNot measured at the current defaults" in text
-    assert "No ablation result yet." in text and "`python -m exittrain bench ablation`" in text
+    assert "No ablation result yet; bench exittrain asks its question now." in text
+    assert "`python -m exittrain bench exittrain`" in text and "bench ablation" not in text
     assert "- The stage lowers tau. ([fit-a](results/fit-a.json), [old.md](docs/notebook/old.md))" in text
 
 
