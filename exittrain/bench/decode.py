@@ -33,7 +33,7 @@ Side by side in one run, on the same held-out prompts and the same fp32 target, 
   on the same kind of text. The probe's reason is printed with the table.
 
 The prompt sets (``--sets``), each reported in its own table: ``code``, ``dialogue``, ``math``,
-the domain's evaluation prompts of ``bench heldout`` (HumanEval, MT-Bench, gsm_symbolic with the
+the domain's evaluation prompts (HumanEval, MT-Bench, gsm_symbolic with the
 evaluation seed) from ``--skip`` on (``fit`` decodes the first ones); and ``restating``, built
 from the same HumanEval prompts (never a training prompt: the code recipe trains on CodeI/O),
 each wrapped as :data:`RESTATE_INSTRUCTION` asks, so that the answer repeats the prompt's
