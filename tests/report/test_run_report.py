@@ -216,7 +216,7 @@ def test_the_serving_track_and_the_cheap_curve_reach_the_report(tmp_path, monkey
     monkeypatch.setattr(report.plots, "plot_training_curves", capture)
     report.main([str(fit), "--out", str(tmp_path / "out")])
     md = (tmp_path / "out" / "report.md").read_text()
-    assert "| chain tau (K) | vLLM tau |" in md
+    assert "| chain tau (K) | tree tau | 95% CI | vLLM tau |" in md
     line = next(l for l in md.splitlines() if l.startswith("| fit_run | exittrain |"))
     assert "| 2.10 (7) | 2.05 MISMATCH |" in line
     chain = drawn["exittrain greedy chain (fixed val rows)"]
