@@ -218,7 +218,7 @@ def test_the_serving_track_and_the_cheap_curve_reach_the_report(tmp_path, monkey
     md = (tmp_path / "out" / "report.md").read_text()
     assert "| chain tau (K) | tree tau | 95% CI | vLLM tau |" in md
     line = next(l for l in md.splitlines() if l.startswith("| fit_run | exittrain |"))
-    assert "| 2.10 (7) | 2.05 MISMATCH |" in line
+    assert "| 2.10 (7) | 2.27 | 2.10-2.50 | 2.05 MISMATCH |" in line
     chain = drawn["exittrain greedy chain (fixed val rows)"]
     assert [p["step"] for p in chain] == [35.0, 40.0, 45.0, 50.0, 55.0, 60.0]  # after pretrain's 30 steps
     assert len(drawn["warm_start greedy tree (fixed val rows)"]) == 6 and "warm_start" in drawn
