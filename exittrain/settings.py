@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from exittrain.core import VERIFIERS
 from exittrain.data.prompts.prompt_plan import PromptPlan
@@ -86,9 +86,10 @@ class FitSettings:
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """What :func:`check_eval_config` found: the drafter folder and the decoding settings."""
+    """What :func:`check_eval_config` found: the drafter folders (in the order given; the first is the
+    reference the others are paired against) and the decoding settings."""
 
-    drafter_path: Path
+    drafter_paths: list[Path]
     eval: dict
 
 
@@ -105,12 +106,26 @@ def check_fit_config(cfg: DictConfig) -> FitSettings:
 
 
 def check_eval_config(cfg: DictConfig) -> EvalSettings:
-    """Check every setting ``eval`` reads, the drafter folder first (ValueError naming the key)."""
-    path = Path(str(cfg.drafter_path))
-    require_drafter_folder("drafter", str(path), "pass drafter=RUN_DIR/drafter of a fit run")
+    """Check every setting ``eval`` reads, the drafter folders first (ValueError naming the key)."""
+    paths = _eval_drafter_paths(cfg.drafter_path)
     settings = eval_settings(cfg)
     check_data(cfg)
-    return EvalSettings(drafter_path=path, eval=settings)
+    return EvalSettings(drafter_paths=paths, eval=settings)
+
+
+def _eval_drafter_paths(value: Any) -> list[Path]:
+    """``drafter_path`` (``drafter=PATH`` or ``drafter=[A,B,...]`` on the command line) as a list of saved
+    drafter folders, each checked: ValueError naming the key (``drafter``, or ``drafter[i]`` in a list)
+    and a folder that is missing or holds no saved drafter, or an empty list."""
+    if not isinstance(value, (list, tuple, ListConfig)):
+        require_drafter_folder("drafter", str(value), "pass drafter=RUN_DIR/drafter of a fit run")
+        return [Path(str(value))]
+    fix = "pass saved drafter folders of fit runs: drafter=[RUN_A/drafter,RUN_B/drafter] (the first is the reference)"
+    if not value:
+        raise ValueError(f"drafter=[]: name at least one saved drafter folder; {fix}")
+    for i, path in enumerate(value):
+        require_drafter_folder(f"drafter[{i}]", str(path), fix)
+    return [Path(str(p)) for p in value]
 
 
 def require_keys(node: DictConfig, where: str, keys: tuple[str, ...], source: str) -> None:
