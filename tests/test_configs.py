@@ -177,7 +177,7 @@ def build_eval(cfg: DictConfig, target: TargetModel | None, out: Path) -> dict[s
     """Everything ``eval`` builds from ``cfg`` but the saved drafter, as exittrain.evaluate.run_eval does."""
     target = build_target(cfg, target)
     return {
-        "settings": (settings.eval_settings(cfg), settings.analytic_settings(cfg)),
+        "settings": settings.eval_settings(cfg),
         "target": target,
         "data": instantiate(cfg.data)(
             target=lambda: (target.model, target.tokenizer), tokenizer=target.tokenizer, target_name=target.name

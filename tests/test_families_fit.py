@@ -54,7 +54,7 @@ def _fit_command(workdir, run_dir) -> list[str]:
         "eval.max_new_tokens=12",
         "eval.budgets=[4]",
         "eval.oracle=false",
-        "eval.analytic_anchors=2",
+        "eval.temperatures=[0.0,0.6]",
         "logger=csv",
         "+trainer.enable_progress_bar=false",
     ]

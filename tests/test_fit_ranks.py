@@ -205,32 +205,35 @@ def test_fit_on_rank_zero_regenerates_evaluates_and_writes(rank, tmp_path, monke
     assert set(summary["tables"]) == {"warm_start", "exittrain"}
     for name in RANK_ZERO_FILES:
         assert (tmp_path / "run" / name).exists(), name
-    assert (tmp_path / "run" / "drafter" / "draft_vocab.json").is_file()  # the answer tokens, for draft_vocab
-    # one autoregressive baseline per prompt and temperature serves both tables
-    assert len(baselines) == cfg.eval.num_prompts * len(cfg.eval.temperatures)
+    # the answer tokens a CPU decoder's draft vocabulary reads: written only when eval.decode=auto asks for that lab
+    assert not (tmp_path / "run" / "drafter" / "draft_vocab.json").exists()
+    # one autoregressive baseline, the live prompt's at T = 0, serves both tables; every other answer is
+    # walked along the target's batched answers (and at T > 0 no prompt is decoded)
+    assert len(baselines) == 1
     # a CPU target's table carries no speed (the plain decoder's says nothing a user can act on); the shared
     # baselines still give every greedy row its lossless check
     rows = [r for table in summary["tables"].values() for r in table]
     assert all("ar_tokens_per_s" not in r and "speedup" not in r for r in rows)
     assert all(r["lossless"] is True for r in rows if r["temperature"] == 0)
     assert any(r["temperature"] == 0 for r in rows)
-    # the analytic tau at eval.analytic_temperatures beside each decoded row, paired with the warm start's
+    # every temperature's pooled tree and chain tau, the ExitTrain drafter's paired with the warm start's
     for label, table in summary["tables"].items():
+        assert {row["temperature"] for row in table} == set(cfg.eval.temperatures), label
         for row in table:
-            assert set(row["analytic"]) == {f"{t:g}" for t in cfg.eval.analytic_temperatures}, label
-            for cell in row["analytic"].values():
-                assert 1.0 <= cell["tau"] <= cfg.drafter.block_size and cell["anchors"] > 0
-                assert ("vs_warm_start" in cell) == (label != "warm_start")
+            assert 1.0 <= row["tau"] <= cfg.drafter.block_size and 1.0 <= row["chain_tau"] <= cfg.drafter.block_size
+            assert ("tau_vs_warm_start" in row) == ("chain_tau_vs_warm_start" in row) == (label != "warm_start")
+    assert summary["served"]["label"] == "exittrain" and summary["served"]["dropped"] == []
 
 
-def test_fit_rejects_a_zero_analytic_temperature_before_anything_loads(tmp_path):
+def test_fit_rejects_a_greedy_verifier_at_a_temperature_before_anything_loads(tmp_path):
     cfg, _ = _tiny_fit(tmp_path)
-    cfg.eval.analytic_temperatures = [0.0]
+    cfg.eval.verifier = "greedy"
+    cfg.eval.temperatures = [0.0, 0.6]
 
     def no_target():
         raise AssertionError("the target was built before the settings were checked")
 
-    with pytest.raises(ValueError, match=r"eval.analytic_temperatures=\[0.0\]"):
+    with pytest.raises(ValueError, match=r"eval.verifier=greedy with eval.temperatures=\[0.0, 0.6\]"):
         fit(cfg, target=no_target)
 
 
@@ -295,7 +298,7 @@ def test_fit_trains_on_the_features_kept_by_the_regeneration(rank, tmp_path, mon
     log-probabilities: no stage runs the target over a row."""
     cfg, target = _tiny_fit(tmp_path)
     assert cfg.objective.soft_label_weight > 0  # the defaults train on soft labels
-    cfg.eval.analytic_temperatures = []  # the final table's analytic tau reads features of its own answers
+    cfg.eval.temperatures = [0.0]  # the final table's walks at T > 0 read the target over answers of their own
 
     def no_forward(*args, **kwargs):
         raise AssertionError("the target ran over a training row whose features the regeneration kept")

@@ -78,54 +78,45 @@ def test_fit_smoke_on_the_embedded_target(tmp_path):
         changed = _changed(before, after)
         assert all(changed.values()), (stage, sorted(k for k, c in changed.items() if not c))
 
-    # held-out tables: tau is tokens per round, between 1 and K + 1 = block_size; the rounds add up
+    # held-out tables: one row per temperature; tau is tokens per round, between 1 and K + 1 = block_size,
+    # pooled over the rounds of every prompt
     for label in ("warm_start", "exittrain"):
-        (row,) = metrics["tables"][label]
-        assert row["budget"] == 8 and row["lossless"] is True and row["prompts"] == cfg.eval.num_prompts
-        assert 1.0 <= row["tau"] <= block_size
+        table = metrics["tables"][label]
+        assert [row["temperature"] for row in table] == list(cfg.eval.temperatures)
         rows = json.loads((run_dir / f"eval_{label}.json").read_text())
-        assert len(rows) == cfg.eval.num_prompts
+        assert len(rows) == cfg.eval.num_prompts * len(cfg.eval.temperatures)
+        for row in table:
+            assert row["budget"] == 8 and row["prompts"] == cfg.eval.num_prompts
+            assert 1.0 <= row["tau"] <= block_size and 1.0 <= row["chain_tau"] <= block_size
+            assert row["chain_K"] == block_size - 1
+            mine = [r for r in rows if r["temperature"] == row["temperature"]]
+            assert row["tau"] == pytest.approx(sum(sum(r["block_lengths"]) for r in mine)
+                                               / sum(len(r["block_lengths"]) for r in mine))
+            assert ("tau_vs_warm_start" in row) == (label != "warm_start")
+        assert table[0]["lossless"] is True and table[0]["chain_lossless"] is True  # T = 0's live decodes
         for r in rows:
             lengths = r["block_lengths"]
             assert r["rounds"] == len(lengths) and all(1 <= n <= block_size for n in lengths)
             assert 0 < r["new_tokens"] <= max_new
             # the last round may overshoot the token cap, no earlier round reaches it
             assert sum(lengths[:-1]) < r["new_tokens"] <= sum(lengths), (label, r["new_tokens"], lengths)
-        pooled = [n for r in rows for n in r["block_lengths"]]
-        assert row["tau"] == pytest.approx(sum(pooled) / len(pooled))
 
     assert (run_dir / "drafter" / "config.json").is_file()
-    # the training answers' tokens by frequency, for a decoder's draft vocabulary
-    from exittrain.cpu_decode.draft_vocab import load_token_counts
-
-    counts = load_token_counts(run_dir / "drafter")
-    assert counts["rows"] > 0 and counts["counts"] == sorted(counts["counts"], reverse=True)
-    # the served format beside it, without the copy branch, and that drafter's own held-out table: the
-    # serving track alone (an engine verifies the chain), so no tree columns
+    # the served format beside it: at the default nothing is dropped (no copy branch), so the drafter's own
+    # rows are what an engine serves, and metrics.json leads with them
     served = json.loads((run_dir / "drafter_dflash" / "config.json").read_text())
-    assert served["architectures"] == ["DFlashDraftModel"] and metrics["drafter_dflash"]["dropped"]
-    (row,) = metrics["tables"]["served"]
-    assert row["chain_lossless"] is True and 1.0 <= row["chain_tau"] <= block_size
-    assert "tau" not in row and "analytic" not in row
+    assert served["architectures"] == ["DFlashDraftModel"] and metrics["drafter_dflash"]["dropped"] == []
+    assert next(iter(metrics)) == "served" and metrics["served"]["label"] == "exittrain"
+    assert "served" not in metrics["tables"]
+    lead = metrics["served"]["by_temperature"]["0.6"]
+    assert lead["chain_tau"] == metrics["tables"]["exittrain"][1]["chain_tau"] and "8" in lead["tree"]
     assert list((run_dir / "checkpoints").rglob("*.ckpt"))
     assert list((run_dir / "wandb").glob("offline-run-*"))
-    assert "Held-out decoding" in proc.stdout
-    # beside the decoded tau, the expected TEV tau at the analytic temperatures, paired with the warm start's
-    for label in ("warm_start", "exittrain"):
-        (row,) = metrics["tables"][label]
-        assert set(row["analytic"]) == {f"{t:g}" for t in cfg.eval.analytic_temperatures}
-        for cell in row["analytic"].values():
-            assert 1.0 <= cell["tau"] <= block_size and cell["anchors"] > 0
-            assert ("vs_warm_start" in cell) == (label != "warm_start")
-    assert "E[tau] T=0.6 (95% CI)" in proc.stdout and "exittrain - warm_start, expected tau at B=8 T=1" in proc.stdout
-    # the serving track: every drafter's greedy chain of K, its analytic chain tau, and (where .venv-vllm
-    # exists: eval.vllm=auto) vLLM's own acceptance of the DFlash export, with speculation changing nothing
-    for label in ("warm_start", "exittrain", "served"):
-        (row,) = metrics["tables"][label]
-        assert row["chain_K"] == block_size - 1 and 1.0 <= row["chain_tau"] <= block_size and row["chain_lossless"]
-        assert set(row["analytic_chain"]) == {f"{t:g}" for t in cfg.eval.analytic_temperatures}
+    assert "Held-out decoding, pooled" in proc.stdout and "first row: exittrain" in proc.stdout
+    assert "exittrain - warm_start, chain tau at K=7 T=0.6" in proc.stdout
+    assert "exittrain - warm_start, tree tau at B=8 T=0" in proc.stdout
     if Path(default_vllm_python()).is_file():
-        vllm = metrics["tables"]["served"][0]["vllm"]
+        vllm = metrics["tables"]["exittrain"][0]["vllm"]
         assert vllm["vllm_matches_plain"] is True and 1.0 <= vllm["vllm_tau"] <= block_size, vllm
         assert "vLLM tau" in proc.stdout
 

@@ -46,7 +46,7 @@ def test_the_glossary_is_read_and_flags_an_unnamed_key():
     """Negative control: the parser finds the keys, and a key the page does not name is flagged."""
     patterns = glossary_patterns(GLOSSARY.read_text())
     assert len(patterns) >= 30
-    named = ["train/exit_mass_d3", "final/warm_start/B16_T0/expected_tau_T0.6_vs_warm_start", "eval/B8_T0/tau",
+    named = ["train/exit_mass_d3", "final/exittrain/B16_T0.6/chain_tau_vs_warm_start", "eval/B8_T0/tau",
              "val/block_length", "lr"]
     assert unnamed(named, patterns) == []
     assert unnamed(["train/exit_mass", "val/block_len", "final/B16_T0/tau", "mystery"], patterns) == [
@@ -70,10 +70,10 @@ def test_every_metric_a_fit_logs_is_named_in_the_glossary(tiny_llama_target, mon
     logged = set(logger.history)
     assert {"train/loss_exit", "val/block_length", "heldout/chain_block_length", "lr"} <= logged  # all kinds ran
 
-    # the held-out table with every measure: analytic tree and chain at T, oracle, speed, a paired gain, vLLM
-    settings = dict(budgets=[4], temperatures=[0.0], max_new_tokens=6, verifier="tev", baseline=True, oracle=True,
-                    seed=0, decode="fixed")
-    evaluator = HeldOutEvaluator(target, [[5, 6, 7, 8, 9]], settings, ([0.6], 2))
+    # the held-out table with every measure: tree and chain at T = 0 and 0.6, oracle, speed, paired gains, vLLM
+    settings = dict(budgets=[4], temperatures=[0.0, 0.6], max_new_tokens=6, verifier="tev", baseline=True,
+                    oracle=True, seed=0, decode="fixed")
+    evaluator = HeldOutEvaluator(target, [[5, 6, 7, 8, 9]], settings)
     evaluator.speed = True  # as on a CUDA target
     for label in ("warm_start", "exittrain"):
         table, _, _ = evaluator.measure(module.drafter, label)
@@ -82,7 +82,8 @@ def test_every_metric_a_fit_logs_is_named_in_the_glossary(tiny_llama_target, mon
         log_table(logger, f"final/{label}", table)
     log_table(logger, "eval", table)
     final = {k for k in logger.history if k.startswith(("final/", "eval/"))}
-    assert any(k.endswith("_vs_warm_start") for k in final) and any("expected_chain_tau" in k for k in final)
+    assert any(k.endswith("/tau_vs_warm_start") for k in final) and any(k.endswith("/chain_tau") for k in final)
+    assert any(k.endswith("/chain_tau_vs_warm_start") for k in final) and any("_T0.6/" in k for k in final)
     assert any(k.endswith("/speedup") for k in final) and any(k.endswith("/tau_oracle") for k in final)
 
     missing = unnamed(logger.history, glossary_patterns(GLOSSARY.read_text()))

@@ -39,8 +39,8 @@ FIT_CASES = [
     ("eval.oracle=maybe", "eval.oracle='maybe'"),
     ("eval.decode=fast", "eval.decode='fast'"),
     ("eval.vllm=maybe", "eval.vllm='maybe'"),
-    ("eval.analytic_temperatures=[0]", "eval.analytic_temperatures=[0]"),
-    ("eval.analytic_anchors=0", "eval.analytic_anchors=0"),
+    ("eval.temperatures=[0.6,0.6]", "list each temperature once"),
+    ("eval.verifier=greedy", "eval.verifier=greedy with eval.temperatures=[0.0, 0.6]"),
     ("stages.pretrain.max_steps=-1", "stages.pretrain.max_steps=-1"),
     ("stages.exittrain.eval_every=-1", "stages.exittrain.eval_every=-1"),
     ("objective.alpha=2", "alpha=2"),
@@ -53,7 +53,7 @@ FIT_CASES = [
     ("callbacks.decode_eval.budget=0", "callbacks.decode_eval: budget=0"),
     ("~eval.verifier", "['eval.verifier'] missing from the config: conf/eval/default.yaml sets them"),
     ("~eval.vllm", "['eval.vllm'] missing from the config"),
-    ("~eval.analytic_anchors", "['eval.analytic_anchors'] missing from the config"),
+    ("~eval.temperatures", "['eval.temperatures'] missing from the config"),
     ("~stages.exittrain.eval_every", "['stages.exittrain.eval_every'] missing from the config: conf/fit.yaml"),
     ("callbacks.checkpoint.mode=sideways", "callbacks.checkpoint"),
     ("+callbacks.extra._target_=exittrain.no_such_callback", "callbacks.extra cannot be built"),
@@ -80,7 +80,7 @@ EVAL_CASES = [
     ("eval.temperatures=[-0.5]", "eval.temperatures=[-0.5]"),
     ("eval.budgets=[0]", "eval.budgets=[0]"),
     ("eval.verifier=nope", "eval.verifier='nope'"),
-    ("eval.analytic_anchors=0", "eval.analytic_anchors=0"),
+    ("eval.temperatures=[0.0,0.0]", "list each temperature once"),
     ("eval.decode=fast", "eval.decode='fast'"),
     ("data.max_length=1", "data: max_length=1"),
 ]
@@ -105,7 +105,7 @@ def test_the_shipped_settings_pass_and_give_the_plan(tmp_path, extra):
     assert checked.stages == [s for s in ("pretrain", "exittrain") if cfg.stages[s].max_steps > 0]
     assert checked.eval["budgets"] == list(cfg.eval.budgets) and checked.eval["seed"] == cfg.seed
     assert checked.eval["decode"] == "fixed"  # the plain decoder: the CPU's decode probe only when asked for
-    assert checked.analytic == (list(cfg.eval.analytic_temperatures), cfg.eval.analytic_anchors)
+    assert checked.eval["temperatures"] == [float(t) for t in cfg.eval.temperatures]
 
 
 # trainer=fsdp (Lightning's ModelParallelStrategy) refuses 16-mixed when its Trainer is built, after the

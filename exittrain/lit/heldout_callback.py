@@ -33,8 +33,10 @@ class HeldOutBlockLengthCallback(Callback):
     :func:`~exittrain.objective.batch_features`), then per anchor with the row's next K tokens:
 
     - ``heldout/chain_block_length``: 1 + how many of them the drafter's greedy chain matches in a
-      row, the block a T = 0 verifier accepts on the chain a serving engine verifies (the chain tau
-      at T = 0 on these rows; :func:`chain_block_lengths`);
+      row, the block a T = 0 verifier accepts on the chain a serving engine verifies, averaged over
+      the anchors (:func:`chain_block_lengths`). A training curve: a mean over anchors is not a
+      decode's pooled tau, which counts only where rounds start and is lower where blocks are long
+      (docs/metrics.md); the final table's chain tau is the pooled one;
     - ``heldout/tree_block_length``: 1 + how deep DDTree's tree of ``budget`` nodes holds them
       (:func:`~exittrain.core.followed_depth`); ``budget=None`` leaves it out.
 
