@@ -5,7 +5,8 @@ returns them (checked, sorted by date and name) and ``page.json`` as
 :func:`~exittrain.report.results_page.load_page` returns it (free text without figures); the
 schema of both is in :mod:`exittrain.report.results_page`. It reads no file, clock or host, so the
 same results give the same page byte for byte. The header names the newest result's commit and
-date; then come the hosts, one section per recipe (its decoded table with the serving-track
+date; it opens with the findings (the question, its answer so far, what the default recipe's served
+drafter yields at the newest pooled fit, and what is not measured yet); then come the hosts, one section per recipe (its decoded table with the serving-track
 columns once a result has them, and its wall time by stage), the ablation, the experiments
 (:func:`exittrain.report.experiment_page.experiment_lines`), the known negatives, the notebook and
 every result's exact command. Every figure's row links to its JSON and to its command.
@@ -26,6 +27,23 @@ _FIT_LEGEND = (
     "prompts. Held-out tau: the warm start on the validation rows at every anchor, greedy (the block a "
     "T = 0 verifier accepts, `val/greedy_block_length`) and analytic (the expected block length under the "
     "target's law, `val/analytic_block_length`). Speedup: tokens/s over the target decoding alone."
+)
+_POOLED_LEGEND = (
+    "Measured by the pooled evaluator: every tau is tokens / rounds over every round of every prompt, as a "
+    "decode and vLLM count it, walked along the target's own answers (greedy at T = 0, its samples at T > 0), "
+    "on the drafter an engine serves (docs/metrics.md)."
+)
+_EARLIER_LEGEND = (
+    "Earlier results, kept with their figures: their tree and chain tau are T = 0 rounds pooled over the prompts "
+    "as above, but their drafters had the n-gram copy branch, which no engine runs (except runs trained as "
+    "`+serve=dflash`, and the DFlash export rows), and their held-out greedy / analytic taus are per-anchor means, "
+    "which overstate a decode's pooled tau."
+)
+_EXPERIMENT_LEGEND = (
+    "Measured before the pooled evaluator, and labelled so: greedy tau was a mean over every answer position and "
+    "the tau at T > 0 an expected block length per anchor, both on drafters with the n-gram copy branch. A decode "
+    "pools tokens over rounds, which weights a position by about one over its block, so these means overstate a "
+    "decode's tau, the more the sharper the drafter (docs/metrics.md)."
 )
 _SERVING_LEGEND = (
     "Chain tau (K): the same prompts decoded with the drafter's greedy chain of K tokens, the draft vLLM and "
@@ -137,6 +155,50 @@ def _ablation_lines(results: list[dict], page: dict) -> list[str]:
     return lines
 
 
+def _served_text(res: dict) -> str:
+    """What an engine gets of a pooled fit result: its served rows' chain tau at K and tree tau at B, per T."""
+    label = res["served"]["label"]
+    who = ("the drafter itself (its DFlash export drops nothing)" if not res["served"]["dropped"]
+           else f"its DFlash export (dropping {', '.join(res['served']['dropped'])})")
+    parts = []
+    for row in (r for r in res["tables"] if r["label"] == label):
+        T = f"{row['temperature']:g}"
+        if row.get("chain_tau") is not None:
+            ci = row.get("chain_ci95")
+            parts.append(f"chain tau at K = {row.get('chain_K', '-')}, T = {T}: **{row['chain_tau']:.2f}**"
+                         + ("" if ci is None else f" ({ci[0]:.2f}-{ci[1]:.2f})"))
+        if "tau" in row:
+            parts.append(f"tree tau at B = {row['budget']}, T = {T}: {row['tau']:.2f} "
+                         f"({row['ci95'][0]:.2f}-{row['ci95'][1]:.2f})")
+        if row.get("vllm_tau") is not None and row["temperature"] == 0:
+            parts.append(f"vLLM's acceptance at T = 0: {row['vllm_tau']:.2f}")
+    return f"{who}; " + "; ".join(parts)
+
+
+def _findings(results: list[dict], page: dict) -> list[str]:
+    """The page's opening block: the question and its answer, what the default recipe's served drafter
+    yields (its newest pooled fit), and what is not measured yet."""
+    spec = page["findings"]
+    recipe = spec["default_recipe"]
+    pooled = [r for r in results if r["kind"] == "fit" and r["recipe"] == recipe and r.get("statistic") == "pooled"]
+    lines = ["## Findings", "", f"- **The question.** {spec['question']}", f"- **The answer so far.** {spec['answer']}"]
+    if pooled:
+        res = pooled[-1]
+        lines.append(f"- **What a user of the default recipe (`{recipe}`) serves**, {_json_link(res)} "
+                     f"({_host_text(res['host'])}): {_served_text(res)}; pooled, on held-out prompts.")
+    else:
+        lines.append(f"- **What a user of the default recipe (`{recipe}`) serves:** not measured with the pooled "
+                     "evaluator yet (no such result in `results/`).")
+    missing = ["the GPU path: no result here ran on a GPU" if not any(r["host"]["gpu"] for r in results) else None,
+               *(f"the `{r}` recipe at the current defaults" for r in page["recipes"]
+                 if not any(x["kind"] == "fit" and x["recipe"] == r and x.get("statistic") == "pooled"
+                            for x in results))]
+    lines.append("- **Not measured yet:** " + "; ".join(m for m in missing if m) + ".")
+    lines.append("- Every earlier result below keeps its figures, labelled with the statistic and the drafter it was "
+                 "measured with.")
+    return lines + [""]
+
+
 def render_page(results: list[dict], page: dict) -> str:
     """The Markdown of RESULTS.md: a pure function of the results and the page text."""
     names = {r["name"] for r in results}
@@ -145,6 +207,7 @@ def render_page(results: list[dict], page: dict) -> str:
              "do not edit it by hand. Each figure's row links to its JSON and to its exact command. The "
              "history of every measurement, including those no JSON was kept for, is the "
              "[notebook](docs/notebook/README.md).", ""]
+    lines += _findings(results, page)
     if results:
         newest = results[-1]
         torches = sorted({r["host"]["torch"] for r in results})
@@ -171,9 +234,15 @@ def render_page(results: list[dict], page: dict) -> str:
             lines += ["Not measured at the current defaults: no result in `results/`."
                       + (f" Earlier runs: [{Path(note).name}]({note})." if note else ""), ""]
             continue
-        serving = any("chain_tau" in row for res in mine for row in res["tables"])
-        legend = _FIT_LEGEND + (" " + _SERVING_LEGEND if serving else "")
-        lines += _fit_rows(mine) + ["", legend, "", "Wall time by stage:", ""] + _wall_rows(mine) + [""]
+        current = [r for r in mine if r.get("statistic") == "pooled"]
+        earlier = [r for r in mine if r.get("statistic") != "pooled"]
+        for group, legend in ((current, _POOLED_LEGEND), (earlier, _EARLIER_LEGEND)):
+            if not group:
+                continue
+            serving = any("chain_tau" in row for res in group for row in res["tables"])
+            lines += ([legend, ""] + _fit_rows(group)
+                      + ["", _FIT_LEGEND + (" " + _SERVING_LEGEND if serving else ""), ""])
+        lines += ["Wall time by stage:", ""] + _wall_rows(mine) + [""]
         for res in mine:
             for note in res.get("notes", []):
                 lines.append(f"- {_json_link(res)}: {note}")
@@ -181,7 +250,8 @@ def render_page(results: list[dict], page: dict) -> str:
     lines += ["## The ablation: ExitTrain against the block-CE control", ""] + _ablation_lines(results, page) + [""]
     experiments = [r for r in results if r["kind"] == "experiment"]
     if experiments:
-        lines += ["## Does exit-guided training help? ExitTrain arms against matched controls", ""]
+        lines += ["## Does exit-guided training help? ExitTrain arms against matched controls", "",
+                  _EXPERIMENT_LEGEND, ""]
         for res in experiments:
             lines += experiment_lines(res, _json_link(res), _cmd_link(res))
     lines += ["## Known negatives", ""]

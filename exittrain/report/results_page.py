@@ -16,7 +16,12 @@ Files read, in ``ROOT/results/`` (``--root``, default the current folder, a chec
   ``temperature``, ``prompts``, ``new_tokens``, ``tau``, ``ci95``, ``tokens_per_s``,
   ``ar_tokens_per_s``, ``speedup``, ``lossless``), ``heldout`` (the warm start's
   validation ``greedy_tau`` and ``analytic_tau``, or null), ``wall_s`` (seconds per stage and
-  ``total``) and ``peak_rss_gb`` (or null). An ``ablation`` result adds ``summary``: the
+  ``total``) and ``peak_rss_gb`` (or null); a fit measured by the pooled evaluator adds ``statistic``
+  (``"pooled"``: every tau is total tokens / total rounds, at every temperature of its rows) and
+  ``served`` (metrics.json's lead: the label of the drafter an engine serves and what its export
+  dropped); a fit without ``statistic`` predates it (its drafter had the n-gram copy branch unless it
+  trained as ``+serve=dflash``, and its held-out greedy / analytic taus are per-anchor means), and
+  the page says so. An ``ablation`` result adds ``summary``: the
   ``summary`` block of an ``ablation.json`` (``overall_tau_vs_control``, ``analytic_vs_control``,
   ``best_weight_type``, ``goal_met``) and ``goal`` (the ratio asked); the benchmark that wrote those
   files is gone (``bench exittrain`` asks its question), and the page keeps reading them. An
@@ -26,7 +31,9 @@ Files read, in ``ROOT/results/`` (``--root``, default the current folder, a chec
   sections), ``not_measured`` {recipe: notebook file}, ``ablation`` (``command``: the command of
   the experiment that asks the ablation's question now, ``notebook``, ``verdict``: the line shown
   while no ablation result exists), ``negatives`` [{``text``,
-  ``see``: [result names or repository paths]}] and ``notebook`` [{``path``, ``title``}].
+  ``see``: [result names or repository paths]}], ``notebook`` [{``path``, ``title``}] and
+  ``findings`` (``question``, ``answer``: the project's question and its current answer, and
+  ``default_recipe``: the recipe whose served tau the findings block quotes).
   Free text carrying a digit (dates and link targets aside) is refused: every figure on the page
   must come from a result JSON, linked to it and to its command.
 
@@ -121,6 +128,10 @@ def check_result(res: Any, where: str) -> dict:
                     _need(row, key, f"{where} tables[{i}]")
         _need(_need(res, "wall_s", where, dict), "total_s", f"{where} wall_s", (int, float))
         _need(res, "heldout", where, (dict, type(None)))
+        if "statistic" in res:
+            if res["statistic"] != "pooled":
+                raise ValueError(f"{where}: statistic '{res['statistic']}' is not 'pooled' (omit it for older results)")
+            _need(_need(res, "served", where, dict), "label", f"{where} served", str)
     elif kind == "experiment":
         check_experiment(res, where, _need)
     else:
@@ -164,8 +175,10 @@ def load_page(results_dir: str | Path) -> dict:
     """``results/page.json``, checked: its free text holds no figure."""
     where = str(Path(results_dir) / "page.json")
     page = _read(Path(results_dir) / "page.json")
-    for key in ("recipes", "not_measured", "ablation", "negatives", "notebook"):
+    for key in ("recipes", "not_measured", "ablation", "negatives", "notebook", "findings"):
         _need(page, key, where)
+    for key in ("question", "answer", "default_recipe"):
+        _no_figures(_need(page["findings"], key, f"{where} findings", str), f"{where} findings.{key}")
     for key in ("command", "notebook", "verdict"):
         _need(page["ablation"], key, f"{where} ablation", str)
     _no_figures(page["ablation"]["verdict"], f"{where} ablation.verdict")
@@ -247,8 +260,8 @@ def summarize_fit_run(run_dir: str | Path, *, name: str, command: str, commit: s
     rows = []
     for label in ("warm_start", "exittrain", "served"):
         for r in tables.get(label, []):
-            row = {k: r[k] for k in (*_ROW_KEYS, *_OPTIONAL_ROW_KEYS, "lossless", "chain_tau", "chain_K")
-                   if k in r} | {"label": label}
+            row = {k: r[k] for k in (*_ROW_KEYS, *_OPTIONAL_ROW_KEYS, "lossless", "chain_tau", "chain_ci95",
+                                     "chain_K") if k in r} | {"label": label}
             if "vllm" in r:  # the serving track's engine measurement, flattened
                 row |= {k: r["vllm"][k] for k in ("vllm_tau", "vllm_ci95", "vllm_matches_plain") if k in r["vllm"]}
             rows.append(row)
@@ -264,6 +277,9 @@ def summarize_fit_run(run_dir: str | Path, *, name: str, command: str, commit: s
            "target": metrics.get("target"), "tables": rows, "heldout": heldout,
            "wall_s": dict(_need(metrics, "timings", where, dict)), "peak_rss_gb": peak_rss_gb,
            "notes": list(notes or [])}
+    if "served" in metrics:  # measured by the pooled evaluator, which leads metrics.json with the served drafter
+        served = metrics["served"]
+        res |= {"statistic": "pooled", "served": {"label": served["label"], "dropped": list(served["dropped"])}}
     return check_result(res, f"summary of {run_dir}")
 
 

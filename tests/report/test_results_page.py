@@ -20,6 +20,7 @@ PAGE = {
                  "verdict": "No ablation result yet; bench exittrain asks its question now."},
     "negatives": [{"text": "The stage lowers tau.", "see": ["fit-a", "docs/notebook/old.md"]}],
     "notebook": [{"path": "docs/notebook/old.md", "title": "2026-11-30: the old runs"}],
+    "findings": {"question": "Does the node loss help?", "answer": "Not shown yet.", "default_recipe": "code"},
 }
 
 
@@ -59,6 +60,48 @@ def test_summary_of_a_fit_run_keeps_its_tables_heldout_date_and_capability(tmp_p
     assert res["heldout"] == {"greedy_tau": 2.5, "analytic_tau": analytic}
     assert res["wall_s"]["total_s"] == 300.0
     assert not any("block_lengths" in r for r in res["tables"])  # summaries only, no per-prompt rows
+
+
+def _pooled_run(tmp_path, name="pooled"):
+    """A fit run as the pooled evaluator writes it: rows at T = 0 and 0.6, metrics.json led by ``served``."""
+    run, metrics = fake_run(tmp_path, name=name)
+    rows = []
+    for T, tau, chain in ((0.0, 2.5, 1.9), (0.6, 2.1, 1.6)):
+        rows.append({"label": "exittrain", "budget": 16, "temperature": T, "prompts": 16, "tau": tau,
+                     "ci95": [tau - 0.2, tau + 0.2], "chain_tau": chain, "chain_ci95": [chain - 0.1, chain + 0.1],
+                     "chain_K": 7})
+    metrics["tables"] = {"warm_start": [dict(r, label="warm_start") for r in rows], "exittrain": rows}
+    metrics = {"served": {"label": "exittrain", "dflash_path": "x", "dropped": [], "by_temperature": {}}, **metrics}
+    write_json(run / "metrics.json", metrics)
+    return run
+
+
+def test_the_page_opens_with_the_findings_and_labels_earlier_results(tmp_path):
+    """The findings block comes first: the question, its answer, the default recipe's served drafter at its
+    newest pooled fit (chain tau and tree tau at each T), and what is not measured; the older fit is kept
+    under its own legend."""
+    old_run, _ = fake_run(tmp_path)
+    old = results_page.summarize_fit_run(old_run, name="fit-a", command="c", commit="abc1234", host=HOST)
+    new = results_page.summarize_fit_run(_pooled_run(tmp_path), name="fit-b", command="c", commit="def5678",
+                                         host=HOST)
+    assert "statistic" not in old and new["statistic"] == "pooled" and new["served"]["label"] == "exittrain"
+    text = results_markdown.render_page([old, new], results_page.load_page(make_root(tmp_path, [old, new]) / "results"))
+    assert text.index("## Findings") < text.index("| commit |") < text.index("## Hosts")
+    findings = text[text.index("## Findings"):text.index("| commit |")]
+    assert "Does the node loss help?" in findings and "Not shown yet." in findings
+    assert "[fit-b](results/fit-b.json)" in findings and "chain tau at K = 7, T = 0.6: **1.60** (1.50-1.70)" in findings
+    assert "tree tau at B = 16, T = 0: 2.50 (2.30-2.70)" in findings and "the drafter itself" in findings
+    assert "the GPU path" in findings and "the `math` recipe at the current defaults" in findings
+    assert "the `code` recipe" not in findings
+    code = text[text.index("## Recipe `code`"):text.index("## Recipe `math`")]
+    assert code.index("Measured by the pooled evaluator") < code.index("fit-b") < code.index("Earlier results")
+    assert code.index("Earlier results") < code.index("[fit-a](results/fit-a.json) ([command]")
+    without = results_markdown.render_page([old], results_page.load_page(make_root(tmp_path, [old]) / "results"))
+    assert "not measured with the pooled evaluator yet" in without  # an older fit alone is not quoted
+    page = copy.deepcopy(PAGE)
+    page["findings"]["answer"] = "Gains of 13 percent."
+    with pytest.raises(ValueError, match="findings.answer: free text carries a figure"):
+        results_page.load_page(make_root(tmp_path / "bad", [], page) / "results")
 
 
 def test_page_shows_every_row_linked_to_its_json_and_command(tmp_path):
