@@ -6,7 +6,8 @@ returns them (checked, sorted by date and name) and ``page.json`` as
 schema of both is in :mod:`exittrain.report.results_page`. It reads no file, clock or host, so the
 same results give the same page byte for byte. The header names the newest result's commit and
 date; it opens with the findings (the question, its answer so far, what the default recipe's served
-drafter yields at the newest pooled fit, and what is not measured yet); then come the hosts, one section per recipe (its decoded table with the serving-track
+drafter yields at the newest pooled fit, and what is not measured yet); then come the hosts, one
+section per recipe (its decoded table with the serving-track
 columns once a result has them, and its wall time by stage), the ablation, the experiments
 (:func:`exittrain.report.experiment_page.experiment_lines`), the known negatives, the notebook and
 every result's exact command. Every figure's row links to its JSON and to its command.
