@@ -6,6 +6,11 @@ The command's config name (``--config-name=fit``) picks its library function fro
 recipes are registered as the ``recipe`` group (:func:`exittrain.configs.register_recipes`) before
 Hydra starts, so ``+recipe=code`` works exactly as typed. Every output goes to Hydra's run
 directory. Nothing in the package imports this module.
+
+The CPU decode lab (:mod:`exittrain.cpu_decode`) is bound here and only when asked for: a ``fit``
+or ``eval`` whose config says ``eval.decode=auto`` gets ``lab=``
+:class:`~exittrain.cpu_decode.decode_lab.DecodeLab` (:func:`lab_arguments`); the runs themselves
+never import it.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import logging
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from exittrain.configs import CONF_DIR, register_recipes
 from exittrain.host_memory import keep_freed_host_memory
@@ -28,12 +33,27 @@ COMMANDS = {
 }
 
 
+# the commands whose run takes the CPU decode lab when their config asks for eval.decode=auto
+LAB_COMMANDS = ("fit", "eval")
+
+
+def lab_arguments(command: str, cfg: DictConfig) -> dict:
+    """``{"lab": DecodeLab()}`` for a ``fit`` or ``eval`` whose config asks for ``eval.decode=auto``,
+    else ``{}``; :mod:`exittrain.cpu_decode` is imported only in the first case."""
+    if command not in LAB_COMMANDS or OmegaConf.select(cfg, "eval.decode") != "auto":
+        return {}
+    from exittrain.cpu_decode.decode_lab import DecodeLab
+
+    return {"lab": DecodeLab()}
+
+
 def run_command(command: str, cfg: DictConfig):
-    """Call the library function of ``command`` on ``cfg``; ValueError for an unknown command."""
+    """Call the library function of ``command`` on ``cfg`` (with :func:`lab_arguments`); ValueError for
+    an unknown command."""
     if command not in COMMANDS:
         raise ValueError(f"unknown command config {command!r}; use one of {sorted(COMMANDS)}")
     module, name = COMMANDS[command].split(":")
-    return getattr(importlib.import_module(module), name)(cfg)
+    return getattr(importlib.import_module(module), name)(cfg, **lab_arguments(command, cfg))
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=None)

@@ -18,7 +18,6 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from exittrain.build import build_target
-from exittrain.cpu_decode.auto_settings import auto_probe
 from exittrain.heldout.evaluator import HeldOutEvaluator, format_report
 from exittrain.heldout.tree_example import tree_example
 from exittrain.lit.run_logging import close_logger, log_table, make_logger
@@ -56,7 +55,7 @@ def drafter_labels(paths: list[Path]) -> list[str]:
     return out
 
 
-def run_eval(cfg: DictConfig, *, target=None) -> dict:
+def run_eval(cfg: DictConfig, *, target=None, lab=None) -> dict:
     """Measure the drafters at ``cfg.drafter_path`` (one folder or a list) on the recipe's held-out
     prompts; returns ``rows`` (per prompt, budget and temperature), ``summary`` (the table), ``chain``
     (per prompt and temperature) and ``drafters`` ({label: folder}), every row labelled by
@@ -64,17 +63,23 @@ def run_eval(cfg: DictConfig, *, target=None) -> dict:
 
     One evaluator measures every drafter with ``reference`` = the first's label: each later drafter's
     table rows carry their paired pooled differences against it. ``target``: a built target, or a
-    function that returns one, instead of building ``cfg.target``. Every drafter folder is checked
-    before the target loads."""
+    function that returns one, instead of building ``cfg.target``. ``lab``: the CPU decode lab
+    (:class:`exittrain.cpu_decode.decode_lab.DecodeLab`), which ``eval.decode=auto`` needs for its
+    probe and nothing else reads (``python -m exittrain eval`` passes it then). Every drafter folder
+    is checked before the target loads."""
     checked = check_eval_config(cfg)  # every setting and every drafter folder, before the target loads
     paths, settings = checked.drafter_paths, checked.eval
+    if settings["decode"] == "auto" and lab is None:
+        raise ValueError("eval.decode=auto needs the CPU decode lab, which eval does not import: pass run_eval(cfg, "
+                         "lab=DecodeLab()) (exittrain.cpu_decode.decode_lab; python -m exittrain eval passes it), "
+                         "or set eval.decode=fixed")
     labels = drafter_labels(paths)
     out = RunDir(cfg.paths.output_dir)
     target = build_target(cfg, target)
     prompts = _eval_prompts(cfg, target)
     _check_prompt_lengths(prompts, target, settings)
     # the evaluator fit's final table comes from: the same measures and columns
-    auto = auto_probe(target, settings["verifier"]) if settings["decode"] == "auto" else None
+    auto = lab.auto_probe(target, settings["verifier"]) if settings["decode"] == "auto" else None
     evaluator = HeldOutEvaluator(target, prompts, settings, auto=auto, reference=labels[0])
     logger = make_logger(cfg, f"{cfg.recipe_name}-eval")
     table, rows, chain = [], [], []

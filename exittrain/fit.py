@@ -41,8 +41,6 @@ from exittrain.build import (
     build_target,
     prepare_data,
 )
-from exittrain.cpu_decode.auto_settings import auto_probe
-from exittrain.cpu_decode.draft_vocab import count_answer_tokens, save_token_counts
 from exittrain.export import export_beside
 from exittrain.heldout.evaluator import HeldOutEvaluator, format_report
 from exittrain.heldout.serving_track import check_servable, check_serve_config, target_folder, vllm_enabled
@@ -87,21 +85,38 @@ class FitRun:
     serve: dict | None = None
     vllm_python: str | None = None
     vllm_required: bool = False
+    lab: Any = None
     token_counts: Any = None
 
     def answer_token_counts(self):
-        """The answer tokens by frequency (the draft vocabulary's source), counted once per run."""
+        """The answer tokens by frequency (the draft vocabulary's source), counted once per run by the
+        CPU decode lab (``lab``, given at ``eval.decode=auto`` only)."""
         if self.token_counts is None:
-            self.token_counts = count_answer_tokens(self.datamodule.answer_token_rows())
+            self.token_counts = self.lab.count_answer_tokens(self.datamodule.answer_token_rows())
         return self.token_counts
 
 
-def setup_run(cfg: DictConfig, target: TargetArg = None) -> FitRun:
-    """Validate the config, then build the target, the drafter and the data (each rank answers its shard)."""
+def _require_lab(settings: dict, lab) -> None:
+    """ValueError, naming the fix, where ``eval.decode=auto`` is asked for without the CPU decode lab."""
+    if settings["decode"] == "auto" and lab is None:
+        raise ValueError(
+            "eval.decode=auto needs the CPU decode lab, which fit does not import: pass "
+            "fit(cfg, lab=DecodeLab()) (exittrain.cpu_decode.decode_lab; python -m exittrain fit passes it when "
+            "the config asks for eval.decode=auto), or set eval.decode=fixed"
+        )
+
+
+def setup_run(cfg: DictConfig, target: TargetArg = None, lab=None) -> FitRun:
+    """Validate the config, then build the target, the drafter and the data (each rank answers its shard).
+
+    ``lab``: the CPU decode lab (:class:`exittrain.cpu_decode.decode_lab.DecodeLab`, or an object with
+    its ``auto_probe``, ``count_answer_tokens`` and ``save_token_counts``), required by and read only
+    at ``eval.decode=auto``; ValueError without it."""
     run_dir = RunDir(cfg.paths.output_dir)
     run_dir.path.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.seed)
     checked = check_fit_config(cfg)  # every setting, before anything loads
+    _require_lab(checked.eval, lab)
     serve = check_serve_config(cfg)
     vllm_python = default_vllm_python()
     vllm_mode = checked.vllm  # eval.vllm as exittrain.settings.vllm_mode reads it
@@ -119,11 +134,11 @@ def setup_run(cfg: DictConfig, target: TargetArg = None) -> FitRun:
     run = FitRun(
         cfg=cfg, stages=stages, settings=settings, run_dir=run_dir, target=target, drafter=drafter,
         datamodule=datamodule, eval_prompts=eval_prompts, started=started, full=drafter, serve=serve,
-        vllm_python=vllm_python, vllm_required=vllm_mode == "true",
+        vllm_python=vllm_python, vllm_required=vllm_mode == "true", lab=lab,
     )
     auto = None
     if settings["decode"] == "auto":  # the CPU's decode probe, asked for: it tries a draft vocabulary of the answers
-        auto = auto_probe(target, settings["verifier"], run.answer_token_counts())
+        auto = lab.auto_probe(target, settings["verifier"], run.answer_token_counts())
     run.evaluator = HeldOutEvaluator(target, eval_prompts[: cfg.eval.num_prompts], settings, auto=auto)
     run.summary = {"recipe": cfg.recipe_name, "stages": stages, "target": target.name, "tables": {}, "serve": serve}
     run.timings["regeneration_and_setup_s"] = time.perf_counter() - started
@@ -229,9 +244,8 @@ def finish_run(run: FitRun) -> dict:
     out = run.run_dir
     drafter_dir = out.drafter_path("exittrain")
     save_drafter(run.full, drafter_dir)
-    # the answer tokens by frequency, from which a decoder takes its draft vocabulary
-    save_token_counts(drafter_dir, run.answer_token_counts(),
-                      source=str(run.datamodule.cache_path))
+    if run.settings["decode"] == "auto":  # the answer tokens by frequency, a CPU decoder's draft vocabulary
+        run.lab.save_token_counts(drafter_dir, run.answer_token_counts(), source=str(run.datamodule.cache_path))
     exported = export_beside(run.full, out.path, run.target)  # the served format, beside drafter/ (or why not)
     run.summary["drafter_dflash"] = exported
     served_label = "exittrain"  # with nothing dropped, the export is these weights: its rows are the drafter's
@@ -271,14 +285,19 @@ def finish_run(run: FitRun) -> dict:
     return run.summary
 
 
-def fit(cfg: DictConfig, *, target: TargetArg = None) -> dict:
+def fit(cfg: DictConfig, *, target: TargetArg = None, lab=None) -> dict:
     """Regenerate the data, warm start (pretrain), ExitTrain, then the final block-length tables.
 
     ``target``: a built :class:`~exittrain.models.TargetModel`, or a function that returns one
-    (called once the config is validated), instead of building ``cfg.target``. Returns the summary
-    that ``metrics.json`` holds; on ranks other than 0 it has no tables and nothing is written.
+    (called once the config is validated), instead of building ``cfg.target``. ``lab``: the CPU
+    decode lab (:class:`exittrain.cpu_decode.decode_lab.DecodeLab`), which ``eval.decode=auto`` needs
+    (ValueError before anything loads without it) and nothing else reads: its probe picks the speed
+    columns' decoder, and ``draft_vocab.json`` (the answer tokens by frequency) is written beside the
+    drafter then only. ``python -m exittrain fit`` passes it when the config asks for it. Returns
+    the summary that ``metrics.json`` holds; on ranks other than 0 it has no tables and nothing is
+    written.
     """
-    run = setup_run(cfg, target)
+    run = setup_run(cfg, target, lab)
     for stage in run.stages:
         train_stage(run, stage)
     if global_rank() != 0:

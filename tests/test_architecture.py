@@ -8,8 +8,15 @@
   them by name); the benchmarks build through the library modules ``fit`` itself uses.
 - The import graph among ``exittrain.*`` modules has no cycle (:func:`import_graph` states the rule).
 - The package is an ordered list of layers (:data:`LAYERS`, bottom first): every import points to the
-  importer's own layer or one below it. What makes a CPU decode fast (``cpu_decode/``) sits above
-  heldout and lit, so the training path cannot reach it.
+  importer's own layer or one below it. What makes a CPU decode fast (``cpu_decode/``, the lab) sits
+  above the runs (``fit``, ``eval``), so the training path cannot reach it; the entry layer binds it.
+- The lab stays out of the product: the import closure of the training path (``fit``, ``eval``,
+  ``lit/``, ``objective``, ``models/``; imports inside functions too) holds no ``cpu_decode`` module
+  (:data:`LAB_FREE`); no module assigns attributes of an imported package module or class
+  (``module.attr = ...``, ``Class.attr = ...``, ``setattr(module, ...)``); a lab function sets no
+  attribute of an object it is passed (``target.row_kernels = ...``); and no function of a training
+  path module writes a module-level name (a process-wide switch or cache: ``_INSTALLED[0] = ...``).
+  A speed-up is an explicit option of the object that uses it (docs/STYLE.md, habit 17).
 - No two modules share a file name.
 - One import path per name: no module but a package's ``__init__`` lists in ``__all__`` a name it
   imports, and no import takes a name from a module that only imported it.
@@ -397,10 +404,11 @@ LAYERS = (
     # the foundation: no layer below it reads the Hydra configs (the data layer's defaults are Python)
     ("settings", ("settings.py", "build.py", "export.py", "configs.py")),
     ("plan", ("plan/",)),  # the memory planner
-    # what makes a decode fast on a CPU (the auto probe, packed linears, row layouts, draft vocabulary):
-    # above heldout and lit so that the training path cannot import it, below the runs that turn it on
-    ("cpu_decode", ("cpu_decode/",)),
     ("runs", ("fit.py", "evaluate.py", "prepare.py")),  # the commands' runs
+    # the lab: what makes a decode fast on a CPU (the auto probe, packed linears, row layouts, draft
+    # vocabulary). Above the runs, so that fit and eval cannot import it: the entry layer (cli.py)
+    # binds it for eval.decode=auto and passes it to them (lab=); the CPU benches import it
+    ("cpu_decode", ("cpu_decode/",)),
     ("report", ("report/",)),
     ("bench", ("bench/",)),
     ("entry", ("cli.py", "__main__.py")),
@@ -616,4 +624,247 @@ def test_the_home_scan_flags_an_import_through_another_module(tmp_path):
     assert imports_through_a_non_owner(fake) == [
         "exittrain/far.py:1: from exittrain.pkg.user import LIMIT",
         "exittrain/far.py:3: from exittrain.pkg.user import home",
+    ]
+
+
+# -- the lab stays out of the product -------------------------------------------------------------
+
+LAB = ("cpu_decode/",)  # the lab's files, relative to the package
+# the training path, relative to the package: what fit runs. Its import closure holds no lab module
+# (eval's run too: it binds the lab only through its lab= argument), and its modules keep no
+# process-wide switch or cache
+TRAINING_PATH = ("fit.py", "lit/", "objective.py", "models/")
+LAB_FREE = (*TRAINING_PATH, "evaluate.py")
+# training path modules allowed a function that writes a module-level name, each with the reason
+MODULE_STATE_ALLOWED: dict[str, str] = {
+    "objective.py": "_warned_top_forward, a warn-once flag: it changes a log line, never what is computed",
+}
+
+
+def _held(relative: str, paths: tuple[str, ...]) -> bool:
+    return any(relative == p or (p.endswith("/") and relative.startswith(p)) for p in paths)
+
+
+def import_closure(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others (``import_graph``'s edges: imports
+    inside functions too), ``start`` excluded."""
+    seen, stack = set(), [start]
+    while stack:
+        for target in graph.get(stack.pop(), ()):
+            if target not in seen and target != start:
+                seen.add(target)
+                stack.append(target)
+    return seen
+
+
+def lab_reached(package: Path = PACKAGE, free=LAB_FREE, lab=LAB) -> dict[str, list[str]]:
+    """{module of ``free``: the lab modules its import closure holds}, for every such module that reaches one."""
+    graph, files = import_graph(package), module_files(package)
+    out = {}
+    for module in sorted(graph):
+        if not _held(files[module], free):
+            continue
+        reached = sorted(m for m in import_closure(graph, module) if _held(files[m], lab))
+        if reached:
+            out[module] = reached
+    return out
+
+
+def test_the_training_path_imports_no_lab_module():
+    graph = import_graph()
+    assert "exittrain.fit" in graph and import_closure(graph, "exittrain.fit")  # the scan sees fit's imports
+    offenders = lab_reached()
+    assert not offenders, (
+        f"the training path reaches the CPU decode lab (exittrain/cpu_decode) through its imports: {offenders}. "
+        "Take what it needs as an explicit argument (fit(cfg, lab=...), bound in exittrain/cli.py) instead"
+    )
+
+
+def test_the_closure_scan_flags_a_lab_module_reached_through_others(tmp_path):
+    """Negative control: fit reaching the lab through a function-level import of a module that imports
+    it is flagged, and so is a model importing it directly; a lab module importing the models, and
+    the entry point importing the lab, are not."""
+    fake = write_package(tmp_path, {
+        "fit.py": "def run():\n    from exittrain.heldout import table\n",
+        "heldout/__init__.py": "",
+        "heldout/table.py": "import exittrain.cpu_decode.probe\n",
+        "cpu_decode/__init__.py": "",
+        "cpu_decode/probe.py": "from exittrain.models.head import apply_head\n",
+        "models/__init__.py": "",
+        "models/head.py": "def apply_head():\n    pass\n",
+        "models/vocab.py": "from exittrain.cpu_decode import probe\n",
+        "cli.py": "from exittrain.cpu_decode.probe import apply_head\n",
+    })
+    assert lab_reached(fake) == {
+        "exittrain.fit": ["exittrain.cpu_decode", "exittrain.cpu_decode.probe"],
+        "exittrain.models.vocab": ["exittrain.cpu_decode", "exittrain.cpu_decode.probe"],
+    }
+
+
+def _bound_imports(tree: ast.Module, path: Path, package: Path) -> set[str]:
+    """The names a module binds, anywhere in it, by importing a module of the package or a name from one."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.asname or alias.name.split(".")[0] for alias in node.names
+                         if alias.name.split(".")[0] == package.name)
+        elif isinstance(node, ast.ImportFrom) and from_base(node, path, package).split(".")[0] == package.name:
+            names.update(alias.asname or alias.name for alias in node.names)
+    return names
+
+
+def _root(node: ast.AST) -> tuple[str | None, bool]:
+    """``(the name an assignment target hangs from, whether an attribute lies on the way)``:
+    ``a.b[0].c`` -> ``("a", True)``, ``a[0]`` -> ``("a", False)``, ``a`` -> ``("a", False)``."""
+    attribute = False
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        attribute = attribute or isinstance(node, ast.Attribute)
+        node = node.value
+    return (node.id if isinstance(node, ast.Name) else None), attribute
+
+
+def _written(node: ast.AST) -> list[ast.AST]:
+    """The targets a statement writes or deletes (tuple targets unpacked), or ``setattr``/``delattr``'s object."""
+    if isinstance(node, ast.Assign):
+        targets = node.targets
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        targets = [node.target]
+    elif isinstance(node, ast.Delete):
+        targets = node.targets
+    elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr")
+          and node.args):
+        return [ast.Attribute(value=node.args[0], attr="?", ctx=ast.Store())]
+    else:
+        return []
+    out = []
+    for target in targets:
+        out.extend(target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target])
+    return out
+
+
+def monkey_patches(package: Path = PACKAGE, lab=LAB) -> list[str]:
+    """``file:line: target`` for every write of an attribute that patches code the writer does not own:
+
+    - anywhere in the package, an attribute of a name bound by importing a package module or a name
+      from one (``head_product.X = ...``, ``TargetModel.row_kernels = ...``, ``target_model.CACHE[k] = ...``,
+      ``setattr(module, ...)``; also ``del``);
+    - in a lab module, an attribute of a function's parameter other than ``self``/``cls``: an object
+      it was passed (``target.row_kernels = packs``).
+    """
+    out = []
+    for name, path in package_files(package).items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        imported = _bound_imports(tree, path, package)
+        for node in ast.walk(tree):
+            for target in _written(node):
+                root, attribute = _root(target)
+                if attribute and root in imported:
+                    out.append(f"{name}:{node.lineno}: {ast.unparse(target)}")
+        if not _held(name, lab):
+            continue
+        for function in ast.walk(tree):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            arguments = function.args
+            passed = {a.arg for a in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]} - {"self", "cls"}
+            for node in ast.walk(function):
+                for target in _written(node):
+                    root, attribute = _root(target)
+                    if attribute and root in passed:
+                        out.append(f"{name}:{node.lineno}: {ast.unparse(target)}")
+    return sorted(set(out))
+
+
+def module_state_writes(package: Path = PACKAGE, paths=TRAINING_PATH) -> list[str]:
+    """``file:line: what`` for every function of a module under ``paths`` that writes a module-level
+    name of its module: a ``global`` statement, an item or attribute written through it
+    (``_INSTALLED[0] = ...``, ``_SWITCH.on = True``), or a container method that changes it
+    (``_CACHE.clear()``, ``.update``, ``.pop``, ...). Such a name is a process-wide switch or cache:
+    an option of an object, or an object its owner creates and drops, says the same explicitly."""
+    mutators = {"clear", "update", "pop", "popitem", "setdefault", "append", "extend", "insert", "remove", "add",
+                "discard"}
+    out = []
+    for name, path in package_files(package).items():
+        if not _held(name, paths):
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        module_names = {n.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+                        for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                        for n in ast.walk(t) if isinstance(n, ast.Name)}
+        for function in ast.walk(tree):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            arguments = function.args
+            local = {a.arg for a in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs,
+                                     *filter(None, (arguments.vararg, arguments.kwarg))]}
+            local |= {n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            shared = module_names - local
+            for node in ast.walk(function):
+                if isinstance(node, ast.Global):
+                    out.append(f"{name}:{node.lineno}: global {', '.join(node.names)}")
+                for target in _written(node):
+                    root, _ = _root(target)
+                    if root in shared and not isinstance(target, ast.Name):
+                        out.append(f"{name}:{node.lineno}: {ast.unparse(target)}")
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in mutators
+                        and isinstance(node.func.value, ast.Name) and node.func.value.id in shared):
+                    out.append(f"{name}:{node.lineno}: {ast.unparse(node.func)}()")
+    return sorted(set(out))
+
+
+def test_no_module_patches_what_it_imports_and_the_lab_patches_nothing_it_is_passed():
+    offenders = monkey_patches()
+    assert not offenders, (
+        "attribute writes that patch another module's code or an object a lab function was passed:\n"
+        + "\n".join(offenders)
+        + "\nMake the speed-up an explicit option of the object that uses it (a constructor or per-call argument)"
+    )
+
+
+def test_the_training_path_keeps_no_process_wide_switch_or_cache():
+    offenders = [o for o in module_state_writes() if o.split(":")[0] not in MODULE_STATE_ALLOWED]
+    assert not offenders, (
+        "functions of the training path that write a module-level name (a process-wide switch or cache):\n"
+        + "\n".join(offenders)
+        + "\nMake it an option of the object that uses it, or a cache object its owner creates and drops"
+    )
+
+
+def test_the_patch_scans_flag_a_lab_that_patches_the_product(tmp_path):
+    """Negative controls: a lab module assigning a product module's global, a product class's attribute
+    (by ``setattr`` too) and an attribute of the target it was passed is flagged, and so is a product
+    function holding a switch or a cache at module level; a lab writing its own objects' attributes
+    and a product module's own local state are not."""
+    fake = write_package(tmp_path, {
+        "models/__init__.py": "",
+        "models/head.py": (
+            "_INSTALLED = [None]\n_CACHE = {}\n_OK = 3\n"
+            "def install(p):\n    _INSTALLED[0] = p\n"
+            "def rows(k):\n    _CACHE.clear()\n    return _OK\n"
+            "def local(x):\n    _CACHE = {}\n    _CACHE[x] = 1\n    return _CACHE\n"
+            "def switch():\n    global _OK\n    _OK = 4\n"
+        ),
+        "models/target.py": "class Target:\n    kernels = None\n    def set(self, k):\n        self.kernels = k\n",
+        "cpu_decode/__init__.py": "",
+        "cpu_decode/fast.py": (
+            "from exittrain.models import head\nfrom exittrain.models.target import Target\n"
+            "import exittrain.models.head as h\n"
+            "def fast(target, packs):\n"
+            "    head._INSTALLED[0] = packs\n    Target.kernels = packs\n    setattr(h, 'X', 1)\n"
+            "    target.kernels = packs\n    box = Box()\n    box.kernels = packs\n"
+            "class Box:\n    def __init__(self, packs):\n        self.packs = packs\n"
+        ),
+        "bench/__init__.py": "",
+        "bench/rows.py": "def time_it(target):\n    target.kernels = None\n",  # not the lab: its own business
+    })
+    assert monkey_patches(fake) == [
+        "cpu_decode/fast.py:5: head._INSTALLED[0]",
+        "cpu_decode/fast.py:6: Target.kernels",
+        "cpu_decode/fast.py:7: h.?",
+        "cpu_decode/fast.py:8: target.kernels",
+    ]
+    assert module_state_writes(fake) == [
+        "models/head.py:14: global _OK",
+        "models/head.py:5: _INSTALLED[0]",
+        "models/head.py:7: _CACHE.clear()",
     ]

@@ -225,6 +225,28 @@ def test_fit_on_rank_zero_regenerates_evaluates_and_writes(rank, tmp_path, monke
     assert summary["served"]["label"] == "exittrain" and summary["served"]["dropped"] == []
 
 
+def test_fit_at_decode_auto_takes_the_cpu_decode_lab_and_writes_the_token_counts(rank, tmp_path):
+    """``eval.decode=auto``: without the lab (fit does not import it), fit stops before anything
+    loads and names the fix; with it, as ``python -m exittrain fit`` binds it, the speed columns
+    decode at the probe's choice and the answer tokens, counted once by the lab, are written beside
+    the drafter for a later decode."""
+    from exittrain.cpu_decode.decode_lab import DecodeLab
+    from exittrain.cpu_decode.draft_vocab import count_answer_tokens, load_token_counts
+
+    cfg, target = _tiny_fit(tmp_path)
+    cfg.eval.decode = "auto"
+    with pytest.raises(ValueError, match=r"eval.decode=auto needs the CPU decode lab.*lab=DecodeLab\(\)"):
+        fit(cfg, target=lambda: pytest.fail("the target loaded before the check"))
+    rank(0)
+    counted = []
+    lab = DecodeLab(count_answer_tokens=lambda rows: counted.append(1) or count_answer_tokens(rows))
+    summary = fit(cfg, target=target, lab=lab)
+    assert counted == [1]  # the probe's draft vocabulary and the file share one count
+    rows = [r for table in summary["tables"].values() for r in table if "tau" in r]
+    assert rows and all("auto_setting" in r and r["speedup"] > 0 for r in rows)
+    counts = load_token_counts(tmp_path / "run" / "drafter")
+    assert counts["rows"] > 0 and counts["counts"] == sorted(counts["counts"], reverse=True)
+
 def test_fit_rejects_a_greedy_verifier_at_a_temperature_before_anything_loads(tmp_path):
     cfg, _ = _tiny_fit(tmp_path)
     cfg.eval.verifier = "greedy"

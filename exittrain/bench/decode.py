@@ -56,7 +56,6 @@ threads. Writes ``<out>.json`` and ``<out>.md``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import re
 import statistics
 import time
@@ -68,8 +67,8 @@ from exittrain.cpu_decode.auto_settings import AutoChoice, auto_decoder
 from exittrain.cpu_decode.decode_settings import DecodeSetting
 from exittrain.cpu_decode.draft_vocab import load_draft_vocabulary, load_token_counts
 from exittrain.cpu_decode.fast_products import FastCpuDecoder
-from exittrain.cpu_decode.packed_linears import packed_choices, unpacked
-from exittrain.cpu_decode.row_layouts import layout_choices, linear_only
+from exittrain.cpu_decode.packed_linears import packed_choices
+from exittrain.cpu_decode.row_layouts import layout_choices
 from exittrain.decoding import ROUND_PARTS
 from exittrain.decoding.drafter_context import drafter_context
 from exittrain.decoding.speculative import rounds_by_kind
@@ -218,27 +217,18 @@ def drafter_round_ms(target, drafter, text: list[int], contexts: list[int], roun
     return rows
 
 
-@contextlib.contextmanager
-def _matmuls(meta: dict):
-    """A row's products: head layout ``auto`` (head_rows picks) or ``linear`` (F.linear, the
-    reference twin); ``packed`` True (packed linears where kept) or False (F.linear, the twin)."""
-    with contextlib.ExitStack() as stack:
-        if meta["head_layout"] == "linear":
-            stack.enter_context(linear_only())
-        if not meta.get("packed", True):
-            stack.enter_context(unpacked())
-        yield
-
-
 def _fixed_decoders(target, drafter, drafter_path, budgets, caches, head_layouts, copy_tails, vocab_sizes,
                     copy_leads=(0,), copy_earliest=(False,), miss_steps=(0,), packed=(True,)) -> list:
     """``(row settings, decoder)`` for every combination of the fixed grid (the copy chains vary
-    only where there is a copy tail)."""
+    only where there is a copy tail). A row's products are its decoder's options: head layout
+    ``auto`` (head_rows picks) or ``linear`` (F.linear, the reference twin); ``packed`` True
+    (packed linears where kept) or False (F.linear, the twin)."""
     vocabs = {n: load_draft_vocabulary(drafter_path, n, target) for n in vocab_sizes}
     return [({"budget": b, "drafter_cache": c, "head_layout": h, "packed": k, "copy_tail": t, "draft_vocab": n,
               "copy_lead": m, "copy_earliest": e, "miss_steps": st, "auto": False},
              FastCpuDecoder(target, drafter, budget=b, verifier="tev", drafter_cache=c, copy_tail=t,
-                            draft_vocab=vocabs[n], copy_lead=m, copy_earliest=e, miss_steps=st))
+                            draft_vocab=vocabs[n], copy_lead=m, copy_earliest=e, miss_steps=st,
+                            head_layouts=h == "auto", packed=k))
             for b in budgets for c in caches for h in head_layouts for k in packed for t in copy_tails
             for n in vocab_sizes for m in copy_leads for e in (copy_earliest if t else copy_earliest[:1])
             for st in miss_steps]
@@ -263,9 +253,8 @@ def _measure_set(target, prompts, decoders, new_tokens: int, lookup_tokens: int,
     # warm-up: one short decode of each kind so lazy initialisation is not timed
     hf_generate(target, prompts[0], 4)
     hf_generate(target, prompts[0], 4, **lookup)
-    for meta, decoder in decoders:
-        with _matmuls(meta):
-            decoder.generate(prompts[0], 4)
+    for _, decoder in decoders:
+        decoder.generate(prompts[0], 4)
 
     greedy, plookup = ([], []), ([], [])
     ours: list[list] = [[] for _ in decoders]
@@ -275,9 +264,8 @@ def _measure_set(target, prompts, decoders, new_tokens: int, lookup_tokens: int,
             tokens, seconds = hf_generate(target, prompt, new_tokens, **extra)
             store[0].append(tokens)
             store[1].append(seconds)
-        for results, (meta, decoder) in zip(ours, decoders):
-            with _matmuls(meta):
-                results.append(decoder.generate(prompt, new_tokens, temperature=0.0))
+        for results, (_, decoder) in zip(ours, decoders):
+            results.append(decoder.generate(prompt, new_tokens, temperature=0.0))
         ticker.update(done, greedy_s=f"{sum(greedy[1]):.0f}", lookup_s=f"{sum(plookup[1]):.0f}",
                       ours_s=" ".join(f"{sum(r.seconds for r in v):.0f}" for v in ours))
     base, pl = _summary(*greedy), _summary(*plookup)

@@ -16,10 +16,14 @@ then at each row count R times ``repeats`` forwards after one untimed warm-up:
   under the root (:func:`~exittrain.core.copy_tail.copy_only_tree`), as a round runs it.
 
 Tree forwards run with the decoder layers' linears packed for their rows where that times
-faster here (``--packed on``: :func:`~exittrain.cpu_decode.fast_products.fast_products`,
-:mod:`exittrain.cpu_decode.packed_linears`), with ``F.linear`` (``off``), or both side by side; and
-with grouped query heads reading the cached keys in place (``--attention grouped``,
-:mod:`exittrain.models.grouped_attention`), sdpa's keys repeated per head (``repeated``), or both.
+faster here (``--packed on``: the target's ``row_kernels`` option,
+:class:`~exittrain.cpu_decode.fast_products.RowKernels`, :mod:`exittrain.cpu_decode.packed_linears`),
+with ``F.linear`` (``off``), or both side by side; and with grouped query heads reading the cached
+keys in place (``--attention grouped``, :mod:`exittrain.models.grouped_attention`), sdpa's keys
+repeated per head (``repeated``: the target's ``grouped_attention=False``), or both. Each
+combination is a target made with those options
+(:meth:`~exittrain.models.target_model.TargetModel.with_options`), the LM head in the layout a CPU
+decode runs (:func:`~exittrain.cpu_decode.row_layouts.head_rows`).
 After each forward the cache is cut back to C, so every forward sees the same context. The
 figure is the median; the table also gives each count's ratio to one row. The rows are timed
 interleaved (every count once per repeat), so a load that drifts during the run spreads over
@@ -29,16 +33,15 @@ all counts rather than landing on one.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import time
 
 import torch
 
 from exittrain.core.copy_tail import copy_only_tree
-from exittrain.cpu_decode.fast_products import fast_products
-from exittrain.cpu_decode.packed_linears import packed_choices, unpacked
-from exittrain.models.grouped_attention import repeated_keys
+from exittrain.cpu_decode.fast_products import RowKernels
+from exittrain.cpu_decode.packed_linears import packed_choices
+from exittrain.cpu_decode.row_layouts import choose_layouts, head_rows
 from exittrain.models.hf_cache import cache_kwargs
 from exittrain.tables import write_results
 
@@ -65,14 +68,21 @@ ATTENTION_MODES = ("grouped", "repeated")
 runs, :mod:`exittrain.models.grouped_attention`), or transformers' sdpa repeats them."""
 
 
-def _tree_paths(mode: str, attention: str) -> contextlib.ExitStack:
-    """The reference twins a tree forward runs in: ``F.linear`` for ``off``, repeated keys for ``repeated``."""
-    stack = contextlib.ExitStack()
-    if mode == "off":
-        stack.enter_context(unpacked())
-    if attention == "repeated":
-        stack.enter_context(repeated_keys())
-    return stack
+def tree_targets(target, max_rows: int, packed: tuple[str, ...], attention: tuple[str, ...]) -> dict:
+    """``{(packing mode, attention): target}``: ``target`` with the options a CPU decode's tree
+    forwards run (its LM head in :func:`~exittrain.cpu_decode.row_layouts.head_rows`' layout, and
+    for ``on`` its linears packed for up to ``max_rows`` rows), or their reference twins (``off``:
+    ``F.linear``; ``repeated``: ``grouped_attention=False``); made now, before the first lap."""
+    kernels = None
+    if "on" in packed:
+        kernels = RowKernels(target.model, target.tree_linears())
+        kernels.prepare(max_rows)
+    head = target.plain_head()
+    if head is not None:
+        choose_layouts(head.weight, range(2, max_rows + 1))
+    return {(mode, a): target.with_options(row_kernels=kernels if mode == "on" else None, head_product=head_rows,
+                                           grouped_attention=a == "grouped")
+            for mode in packed for a in attention}
 
 
 def _columns(rows: list[int], modes, attentions=("grouped",)) -> list[tuple[int, str | None, str | None]]:
@@ -105,25 +115,24 @@ def forward_ms(target, ids: list[int], rows: list[int], repeats: int, packed: tu
     chain = [ids[i % len(ids)] for i in range(max(rows))]
     trees = {r: copy_only_tree(chain[: r - 1], device) for r in rows if r > 1}
     keys = _columns(rows, packed, attention)
+    tree_target = tree_targets(target, max(rows), packed, attention)
 
     def forward(r: int, mode: str | None, attention: str | None) -> float:
         start = time.perf_counter()
         if r == 1:
             target.model(input_ids=root.view(1, 1), use_cache=True, **cache_kwargs(cache))
         else:
-            with _tree_paths(mode, attention):
-                target.tree_forward(cache, root, trees[r])
+            tree_target[mode, attention].tree_forward(cache, root, trees[r])
         seconds = time.perf_counter() - start
         cache.crop(-r)  # back to the context alone
         return seconds
 
     laps = {key: [] for key in keys}
-    with fast_products(target, max_rows=max(rows)):  # a CPU decode's products, made before the first lap
-        for repeat in range(repeats + 1):
-            for key in keys:
-                seconds = forward(*key)
-                if repeat:  # the first pass is the warm-up
-                    laps[key].append(seconds)
+    for repeat in range(repeats + 1):
+        for key in keys:
+            seconds = forward(*key)
+            if repeat:  # the first pass is the warm-up
+                laps[key].append(seconds)
     return {_key(*key): 1e3 * statistics.median(v) for key, v in laps.items()}
 
 

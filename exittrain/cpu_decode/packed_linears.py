@@ -35,11 +35,14 @@ The contract and its limits:
   ``F.linear`` and its packs are freed.
 - ``F.linear`` is the reference twin and the fallback: for one row, rows beyond the largest
   bucket, a float type other than float32, a GPU, a product that needs gradients, a module with
-  an accelerate hook, a torch without MKL (:data:`AVAILABLE`), and inside :func:`unpacked`.
+  an accelerate hook, a torch without MKL (:data:`AVAILABLE`), and wherever no pack is asked for
+  (``FastCpuDecoder(packed=False)``, :mod:`exittrain.cpu_decode.fast_products`, is the twin).
   Both compute the same dot products; they differ by float summation order only.
 - Packs are made for the weights as they are when prepared: a module whose weight changes
   afterwards (training) must be prepared again. The forwards are swapped in only inside
-  :meth:`PackedLinears.active`, so training forwards never see them.
+  :meth:`PackedLinears.active`, which only the objects given the packs as an option enter (a
+  target's ``row_kernels``, :class:`~exittrain.cpu_decode.fast_products.DrafterWithProducts`), so
+  training forwards never see them.
 """
 
 from __future__ import annotations
@@ -53,9 +56,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from exittrain.timing import ReferenceSwitch, alternating_medians
+from exittrain.timing import alternating_medians
 
-__all__ = ["AVAILABLE", "ROW_BUCKETS", "TIMED_REPEATS", "PackedLinears", "packed_choices", "packed_for", "unpacked"]
+__all__ = ["AVAILABLE", "ROW_BUCKETS", "TIMED_REPEATS", "PackedLinears", "packed_choices", "packed_for"]
 
 AVAILABLE = bool(torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
 """Whether this torch build carries MKL's packed product (x86 builds do; ARM and macOS ones do not)."""
@@ -66,15 +69,7 @@ ROW_BUCKETS = (2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64)
 TIMED_REPEATS = 5  # timed passes per layout and bucket after the warm-up; the median decides
 _WIN_MARGIN = 0.9  # packed must be 10% faster than F.linear for its bucket to be kept
 _clock = None  # what prepare's timing reads (None: time.perf_counter); tests script it
-_OFF = ReferenceSwitch()  # unpacked() holds it
 log = logging.getLogger("exittrain")
-
-
-@contextlib.contextmanager
-def unpacked() -> Iterator[None]:
-    """Within the block every packed linear runs ``F.linear`` (the reference twin), for side-by-side timing."""
-    with _OFF.held():
-        yield
 
 
 def _packable(module: nn.Module) -> bool:
@@ -171,7 +166,7 @@ class PackedLinears:
         index = self._index.get(id(module))
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         bucket = self._bucket_of.get(rows)
-        if (index is None or bucket is None or not self._active or _OFF.on or x.dtype != torch.float32
+        if (index is None or bucket is None or not self._active or x.dtype != torch.float32
                 or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad)):
             return None
         out_MO = self._product(x.reshape(rows, x.shape[-1]), self.packs[bucket][index], module, bucket)

@@ -11,24 +11,23 @@ Which layout wins depends on the library, the CPU and the row count, so nothing 
 :data:`TIMED_REPEATS` times after a warm-up call, the two layouts taking turns, and keeps the one
 with the lower median: one noisy first call (a page fault, another process's burst) moves a
 median of five no more than one sample, where a single timing would stick for the whole run.
-The choice is cached. A GPU, a product that needs gradients, or more than :data:`MAX_ROWS` rows
-always takes ``F.linear``, the reference twin. Both compute the same dot products; the results
-differ by float summation order only (the tests bound it). :func:`layout_choices` reports what
-was chosen, for the benchmarks' host line.
+The choice is cached for the process. A GPU, a product that needs gradients, or more than
+:data:`MAX_ROWS` rows always takes ``F.linear``, the reference twin; so does a decoder that is
+not given :func:`head_rows` as its head product (``FastCpuDecoder(head_layouts=False)``). Both
+compute the same dot products; the results differ by float summation order only (the tests bound
+it). :func:`layout_choices` reports what was chosen, for the benchmarks' host line.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
 from exittrain.timing import alternating_medians
 
-__all__ = ["MAX_ROWS", "TIMED_REPEATS", "choose_layouts", "head_rows", "layout_choices", "linear_only"]
+__all__ = ["MAX_ROWS", "TIMED_REPEATS", "choose_layouts", "head_rows", "layout_choices"]
 
 MAX_ROWS = 64  # beyond this many rows the kernels are compute-bound and F.linear is as good
 TIMED_REPEATS = 5  # timed calls per layout after the warm-up; the median decides
@@ -37,17 +36,6 @@ _WIN_MARGIN = 0.9  # the transposed layout must be 10% faster to be picked: nois
 # (rows, V, H, dtype, threads) -> (transposed?, linear ms, transposed ms)
 _CHOICES: dict[tuple, tuple[bool, float, float]] = {}
 _clock = time.perf_counter  # what _time_layouts reads; tests replace it
-_FORCE_LINEAR = [False]  # linear_only() sets it: the reference twin everywhere, for side-by-side timing
-
-
-@contextlib.contextmanager
-def linear_only() -> Iterator[None]:
-    """Within the block every :func:`head_rows` call is ``F.linear`` (what the code did before)."""
-    before, _FORCE_LINEAR[0] = _FORCE_LINEAR[0], True
-    try:
-        yield
-    finally:
-        _FORCE_LINEAR[0] = before
 
 
 def _transposed(x_MH: torch.Tensor, weight_VH: torch.Tensor) -> torch.Tensor:
@@ -86,9 +74,9 @@ def choose_layouts(weight_VH: torch.Tensor, row_counts) -> None:
     and a tree with a copy tail takes many sizes (B = 16 with a tail of 10: up to 27 rows). Chosen
     on first use, the choices land inside timed rounds: a short decode pays them where a long one
     would not, and ``decode: auto``'s probe, which timed other rounds, does not see them. Counts
-    the fast path never takes (1, more than :data:`MAX_ROWS`), a GPU weight and
-    :func:`linear_only` are skipped, as in :func:`head_rows`."""
-    if _FORCE_LINEAR[0] or weight_VH.device.type != "cpu":
+    the fast path never takes (1, more than :data:`MAX_ROWS`) and a GPU weight are skipped, as in
+    :func:`head_rows`."""
+    if weight_VH.device.type != "cpu":
         return
     generator = torch.Generator().manual_seed(0)
     for rows in sorted(set(row_counts)):
@@ -100,8 +88,7 @@ def head_rows(x: torch.Tensor, weight_VH: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight_VH)`` for ``x`` (..., H) -> (..., V), no bias, in the faster layout (see the module)."""
     x_MH = x.reshape(-1, x.shape[-1])
     fast = (
-        not _FORCE_LINEAR[0]
-        and x.device.type == "cpu"
+        x.device.type == "cpu"
         and 1 < x_MH.shape[0] <= MAX_ROWS
         and not (torch.is_grad_enabled() and (x.requires_grad or weight_VH.requires_grad))
         and x.dtype == weight_VH.dtype

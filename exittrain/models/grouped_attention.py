@@ -13,10 +13,12 @@ gives the same numbers bit for bit on the hosts measured.
 transformers' own ``sdpa_attention_forward`` (its reference twin) for everything else: no mask,
 no groups, another device, dropout, soft-capping, a position bias. It is registered with
 transformers' ``AttentionInterface`` as :data:`GROUPED_SDPA`, and :func:`grouped_query_attention`
-switches a config from ``sdpa`` to it while open; the tree forwards and the training-time tree
-scoring open it. A config on ``eager`` or anything else is left alone. Inside
-:func:`repeated_keys` the reference runs everywhere, for side-by-side timing (``bench rows
---attention grouped repeated``).
+sets a config from ``sdpa`` to it while open. A config on ``eager`` or anything else is left alone.
+Who opens it is an explicit option of the target:
+:class:`~exittrain.models.target_model.TargetModel`'s ``grouped_attention`` (default True), read by
+the tree forwards and the training-time tree scoring; a target made with
+``grouped_attention=False`` runs transformers' sdpa, which repeats the keys (the reference twin,
+for side-by-side timing: ``bench rows --attention grouped repeated``). This module holds no switch.
 
 Measured in the profile of one tree forward of 2 rows over 300 tokens of context (SmolLM2-135M
 in fp32, 2 cores of an AMX Xeon under the AVX2 emulation): the copies took 8 of its ~73 ms of
@@ -33,31 +35,17 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from exittrain.timing import ReferenceSwitch
-
-__all__ = ["GROUPED_SDPA", "grouped_query_attention", "grouped_sdpa_forward", "repeated_keys"]
+__all__ = ["GROUPED_SDPA", "grouped_query_attention", "grouped_sdpa_forward"]
 
 GROUPED_SDPA = "exittrain_grouped_sdpa"
 """The name :func:`grouped_sdpa_forward` is registered under in transformers' ``AttentionInterface``."""
-
-_OFF = ReferenceSwitch()  # repeated_keys() holds it
-
-
-@contextlib.contextmanager
-def repeated_keys() -> Iterator[None]:
-    """Within the block :func:`grouped_sdpa_forward` always hands over to transformers' sdpa (the
-    reference twin, which repeats the keys under a mask), for side-by-side timing."""
-    with _OFF.held():
-        yield
-
 
 def _runs_grouped(module, query: torch.Tensor, attention_mask, dropout: float, kwargs: dict) -> bool:
     """Whether :func:`grouped_sdpa_forward` takes its own path: grouped heads under a mask on CPU,
     with nothing the fused call below does not apply (dropout, soft-capping, a position bias,
     attention weights asked back)."""
     return (
-        not _OFF.on
-        and getattr(module, "num_key_value_groups", 1) > 1
+        getattr(module, "num_key_value_groups", 1) > 1
         and attention_mask is not None
         and query.device.type == "cpu"
         and not dropout

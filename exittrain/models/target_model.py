@@ -30,8 +30,9 @@ implementation, and the model's own sliding window is not applied on top of it: 
 sliding-window layer (window w) the tree mask itself hides every key at ``query position - key
 position >= w``, as the plain forward of the path does, and a model with both kinds of layers gets
 a dict of masks by layer type (:func:`~exittrain.models.target_model.attention_windows`). On
-``sdpa`` these forwards run :mod:`exittrain.models.grouped_attention`, so grouped query heads
-read the cached keys in place on a CPU rather than copies per head.
+``sdpa`` these forwards run :mod:`exittrain.models.grouped_attention` (the ``grouped_attention``
+option, on by default), so grouped query heads read the cached keys in place on a CPU rather than
+copies per head.
 :class:`TargetModel` refuses at load time what a tree mask cannot express (bidirectional or
 chunked attention, other layer types, attention soft-capping under sdpa), and a tree forward past
 the limit of a position-dependent rotary embedding (``dynamic``, ``longrope``:
@@ -52,6 +53,13 @@ embeddings; the training module checks the drafter's device at fit start). This 
 head may sit on the last one. ``Tensor.to`` returns the tensor itself when it is already there,
 so a single-device target pays no copy.
 
+**Options.** What a decode may change about the tree forwards is given to the target's
+constructor (or :meth:`TargetModel.with_options`, a new wrapper over the same model) and fixed for
+the object's life; nothing outside the object switches it: ``row_kernels`` (faster products for a
+tree forward's few rows, entered around each tree forward), ``head_product`` (the plain LM head's
+product, :mod:`exittrain.models.head_product`) and ``grouped_attention``. Their defaults are what
+training and the plain decoder run: ``F.linear`` everywhere, grouped attention on.
+
 **Limits.** Batch decoding with per-row acceptance (ragged caches) is not supported: ``commit``
 takes one row. ``score_trees`` returns full-vocabulary logits, (N, B+1, V) in the model dtype;
 ``chunk_size`` bounds the activations of one forward, not these logits: for a large vocabulary
@@ -61,13 +69,14 @@ call it on fewer anchors.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from exittrain.models.grouped_attention import grouped_query_attention
-from exittrain.models.head_product import head_product, is_plain_head
+from exittrain.models.head_product import HeadProduct, apply_head, is_plain_head
 from exittrain.models.target_decode import TargetDecoding
 from exittrain.models.target_scoring import TreeScoring
 
@@ -206,13 +215,29 @@ class TargetModel(TargetDecoding, TreeScoring):
     (:func:`attention_windows`), which the tree masks reproduce; ``position_limit`` the position a
     tree may not reach, for a position-dependent rotary embedding (:func:`position_limit`), else None.
 
+    Options (keyword arguments, fixed for the object's life; :meth:`with_options` gives a wrapper
+    with others over the same model):
+
+    - ``row_kernels``: faster products for a tree forward's few rows, or None (``F.linear``, as in
+      training and the plain decoder). An object with ``active()``, a context every tree forward
+      runs in (the kernels' forwards while open), and ``apply(module, x)``, a linear's output from
+      the kernels or None where the module's own product must run; the plain LM head's logits go
+      through ``apply`` first. The CPU decoder passes its packed linears
+      (:class:`exittrain.cpu_decode.fast_products.RowKernels`).
+    - ``head_product``: the plain LM head's product where ``row_kernels`` gives none
+      (:mod:`exittrain.models.head_product`); None: ``F.linear``.
+    - ``grouped_attention`` (default True): tree forwards on sdpa read grouped key/value heads in
+      place (:mod:`exittrain.models.grouped_attention`); False runs transformers' sdpa, which
+      repeats them (the reference twin, for side-by-side timing).
+
     The decoding operations (:meth:`prefill`, :meth:`tree_forward`, :meth:`commit`) come from
     :class:`~exittrain.models.target_decode.TargetDecoding`, the training-time scoring
     (:meth:`score_trees`, :meth:`sequence_features`, :meth:`token_top_logprobs`) from
     :class:`~exittrain.models.target_scoring.TreeScoring`; this class holds what both use.
     """
 
-    def __init__(self, model: nn.Module, tokenizer=None, *, name: str):
+    def __init__(self, model: nn.Module, tokenizer=None, *, name: str, row_kernels=None,
+                 head_product: HeadProduct | None = None, grouped_attention: bool = True):
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string identifying the target, got {name!r}")
         config = model.config.get_text_config(decoder=True)
@@ -223,10 +248,7 @@ class TargetModel(TargetDecoding, TreeScoring):
         self.tokenizer = tokenizer
         self.name = name
         self.config = config
-        # faster products for a tree forward's few rows, set for the length of a CPU decode by
-        # exittrain.cpu_decode.fast_products (an object with active() and apply(module, x) -> Tensor
-        # or None); None: every linear runs F.linear, as in training and the plain decoder
-        self.row_kernels = None
+        self._set_options(row_kernels, head_product, grouped_attention)
         model.requires_grad_(False)
         model.eval()
 
@@ -240,6 +262,27 @@ class TargetModel(TargetDecoding, TreeScoring):
         ids += _as_id_list(getattr(gen, "eos_token_id", None)) + _as_id_list(getattr(config, "eos_token_id", None))
         self.eos_token_ids: list[int] = list(dict.fromkeys(ids))
         self.eos_token_id: int | None = self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def _set_options(self, row_kernels, head_product, grouped_attention) -> None:
+        """Check and keep the options (see the class docstring); ValueError naming the option."""
+        if row_kernels is not None and not (callable(getattr(row_kernels, "active", None))
+                                            and callable(getattr(row_kernels, "apply", None))):
+            raise ValueError(f"row_kernels must be None or an object with active() and apply(module, x), got "
+                             f"{type(row_kernels).__name__}")
+        if head_product is not None and not callable(head_product):
+            raise ValueError(f"head_product must be None (F.linear) or a function (x, weight) -> logits, got "
+                             f"{type(head_product).__name__}")
+        if not isinstance(grouped_attention, bool):
+            raise ValueError(f"grouped_attention must be True or False, got {grouped_attention!r}")
+        self.row_kernels, self.head_product, self.grouped_attention = row_kernels, head_product, grouped_attention
+
+    def with_options(self, *, row_kernels=None, head_product: HeadProduct | None = None,
+                     grouped_attention: bool = True) -> TargetModel:
+        """A wrapper over the same model, tokenizer and attributes with these options (see the class
+        docstring); an option not given takes its default, not this wrapper's. This one is unchanged."""
+        other = copy.copy(self)
+        other._set_options(row_kernels, head_product, grouped_attention)
+        return other
 
     @staticmethod
     def _check_supported(model: nn.Module, config) -> dict[str, int | None]:
@@ -360,28 +403,27 @@ class TargetModel(TargetDecoding, TreeScoring):
         return [*self._decoder.layers.modules(), self.lm_head]
 
     def _row_kernels_active(self):
-        """The row kernels' forwards while open, where a CPU decode set :attr:`row_kernels`."""
+        """The :attr:`row_kernels`' forwards while open; nothing without them."""
         return contextlib.nullcontext() if self.row_kernels is None else self.row_kernels.active()
 
     def _tree_attention(self):
-        """Open around a forward under a 4D tree mask: on sdpa, grouped query heads read their
-        key/value heads in place instead of copies of the cache
+        """Open around a forward under a 4D tree mask: with :attr:`grouped_attention`, on sdpa,
+        grouped query heads read their key/value heads in place instead of copies of the cache
         (:mod:`exittrain.models.grouped_attention`)."""
-        return grouped_query_attention(self.config)
+        return grouped_query_attention(self.config) if self.grouped_attention else contextlib.nullcontext()
 
     def _causal_lm_logits(self, **kwargs) -> torch.Tensor:
         """``self.model(**kwargs).logits``. Where the model's logits are its plain LM head applied to
         the decoder's last hidden state (:data:`PLAIN_HEAD_MODEL_TYPES`, a plain head:
         :func:`~exittrain.models.head_product.is_plain_head`), the decoder runs alone and the head is
-        applied here: by :attr:`row_kernels` where a CPU decode set them, else through
-        :func:`~exittrain.models.head_product.head_product` (``F.linear`` unless a CPU decode
-        installed a faster layout). Same numbers up to float summation order."""
+        applied here: by the :attr:`row_kernels` option where it gives the product, else by the
+        :attr:`head_product` option (None: ``F.linear``). Same numbers up to float summation order."""
         head = self.plain_head()
         if head is None:
             return self.model(**kwargs).logits
         hidden = self._decoder(**kwargs).last_hidden_state.to(head.weight.device)
         fast = None if self.row_kernels is None else self.row_kernels.apply(head, hidden)
-        return head_product(hidden, head.weight) if fast is None else fast
+        return apply_head(hidden, head.weight, self.head_product) if fast is None else fast
 
     def _mask_value(self) -> float:
         return torch.finfo(self.dtype).min

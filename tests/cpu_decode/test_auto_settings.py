@@ -450,7 +450,7 @@ def test_evaluate_prompts_auto_rows_carry_the_quality_and_the_speed_setting(targ
     settings = dict(budgets=[4], temperatures=[0.0], max_new_tokens=12, verifier="tev", baseline=True, oracle=False,
                     seed=0, decode="auto")
     with pytest.raises(ValueError, match="eval.decode=auto needs the CPU decode probe"):
-        HeldOutEvaluator(target, PROMPTS[:1], settings, ([], 4))
+        HeldOutEvaluator(target, PROMPTS[:1], settings)
 
 
 def test_the_evaluator_shows_speed_on_a_cpu_only_at_decode_auto(target, drafter):
@@ -458,10 +458,10 @@ def test_the_evaluator_shows_speed_on_a_cpu_only_at_decode_auto(target, drafter)
     and the report says why; with the probe the speed columns are there."""
     settings = dict(budgets=[4], temperatures=[0.0], max_new_tokens=8, verifier="tev", baseline=True, oracle=False,
                     seed=0, decode="fixed")
-    plain, _, _ = HeldOutEvaluator(target, PROMPTS[:1], settings, ([], 4), chain=False).measure(drafter, "x")
+    plain, _, _ = HeldOutEvaluator(target, PROMPTS[:1], settings, chain=False).measure(drafter, "x")
     assert "tokens_per_s" not in plain[0] and "speedup" not in plain[0] and plain[0]["lossless"] is True
     assert "tok/s" not in format_report(plain) and "Speed: not measured" in format_report(plain)
-    fast, _, _ = HeldOutEvaluator(target, PROMPTS[:1], {**settings, "decode": "auto"}, ([], 4),
+    fast, _, _ = HeldOutEvaluator(target, PROMPTS[:1], {**settings, "decode": "auto"},
                                   auto=auto.auto_probe(target), chain=False).measure(drafter, "x")
     assert fast[0]["speedup"] > 0 and "tok/s" in format_report(fast)
     assert "Speed: not measured" not in format_report(fast)

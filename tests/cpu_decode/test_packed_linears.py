@@ -9,8 +9,8 @@ from torch import nn
 
 from exittrain.core import DraftTree
 from exittrain.cpu_decode import packed_linears as pl
-from exittrain.cpu_decode.fast_products import fast_products
-from exittrain.cpu_decode.packed_linears import PackedLinears, unpacked
+from exittrain.cpu_decode.fast_products import RowKernels
+from exittrain.cpu_decode.packed_linears import PackedLinears
 from tests.models.helpers import random_context, random_trees, tiny_target
 
 pytestmark = pytest.mark.skipif(not pl.AVAILABLE, reason="this torch build has no MKL packed product")
@@ -92,7 +92,7 @@ def test_the_budget_drops_the_smallest_buckets_first_and_pads_their_rows_up(monk
     assert timed == [8, 10] and sorted(packed.packs) == [8, 10]
 
 
-def test_f_linear_runs_outside_the_block_under_unpacked_and_where_gradients_flow(monkeypatch):
+def test_f_linear_runs_outside_the_block_and_where_gradients_flow(monkeypatch):
     stack = _stack()
     packed = PackedLinears(list(stack))
     _scripted(monkeypatch)
@@ -102,8 +102,6 @@ def test_f_linear_runs_outside_the_block_under_unpacked_and_where_gradients_flow
     with packed.active():
         with torch.no_grad():
             assert packed.apply(stack[0], x) is not None
-            with unpacked():
-                assert packed.apply(stack[0], x) is None
             assert packed.apply(stack[0], x.double()) is None
         assert packed.apply(stack[0], x.requires_grad_()) is None
 
@@ -118,8 +116,9 @@ def test_what_cannot_be_packed_is_left_alone():
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_tree_forward_with_packed_linears_equals_the_unpacked_one(monkeypatch, kind):
-    """The target's decoder linears and its LM head run from packs inside tree_forward, and give
-    the logits F.linear gives (to float summation order)."""
+    """The target's decoder linears and its LM head run from packs inside tree_forward of a target
+    given them as its ``row_kernels`` option, and give the logits F.linear gives (to float
+    summation order); the target it was made from runs F.linear."""
     target = tiny_target(kind)
     _scripted(monkeypatch)
     context, root = random_context(2, 9), 5
@@ -127,11 +126,18 @@ def test_tree_forward_with_packed_linears_equals_the_unpacked_one(monkeypatch, k
     calls = []
     real_apply = PackedLinears.apply
     monkeypatch.setattr(PackedLinears, "apply", lambda self, m, x: calls.append(real_apply(self, m, x)) or calls[-1])
-    with fast_products(target, max_rows=13):
-        assert target.row_kernels.packs and target.lm_head in target.row_kernels.linears
-        fast = target.tree_forward(target.prefill(torch.tensor([context])).cache, root, tree).logits
+    kernels = RowKernels(target.model, target.tree_linears())
+    packed_target = target.with_options(row_kernels=kernels)
+    calls.clear()
+    packed_target.tree_forward(packed_target.prefill(torch.tensor([context])).cache, root, tree)
+    assert all(c is None for c in calls)  # not prepared yet: every linear's own product
+    kernels.prepare(13)
+    assert kernels.packs.packs and target.lm_head in kernels.packs.linears
+    calls.clear()
+    fast = packed_target.tree_forward(packed_target.prefill(torch.tensor([context])).cache, root, tree).logits
     assert calls and all(c is not None for c in calls)  # every linear and the head ran packed (13 rows)
-    assert target.row_kernels is None  # the decode's block ended: F.linear again
+    assert target.row_kernels is None  # the target it was made from: F.linear
+    assert not any("forward" in vars(m) for m in target.tree_linears())  # no forward left swapped in
     calls.clear()
     plain = target.tree_forward(target.prefill(torch.tensor([context])).cache, root, tree).logits
     assert calls == []
@@ -180,5 +186,12 @@ def test_greedy_decoding_with_packed_target_and_drafter_equals_the_targets_own(m
     prompt = [5, 17, 33, 2, 40, 41, 9, 12]
     decoder = FastCpuDecoder(target, drafter, budget=6, verifier="tev", copy_tail=3)
     tokens = decoder.generate(prompt, max_new_tokens=24, temperature=0.0).tokens
-    assert pl._PACKED[target.model].packs and pl.packed_for(drafter, 4).packs  # both ran from packs
+    assert decoder.target_kernels.packs.packs and decoder.drafter_kernels.packs.packs  # both ran from packs
+    assert decoder.target.row_kernels is decoder.target_kernels and target.row_kernels is None
+    assert decoder.drafter.drafter is drafter and not any("forward" in vars(m) for m in drafter.modules())
     assert tokens == autoregressive_generate(target, prompt, 24).tokens
+    unpacked = FastCpuDecoder(target, drafter, budget=6, verifier="tev", copy_tail=3, packed=False)
+    assert unpacked.target.row_kernels is None and unpacked.drafter.kernels is None  # F.linear, the twin
+    assert unpacked.generate(prompt, max_new_tokens=24, temperature=0.0).tokens == tokens
+    with pytest.raises(ValueError, match="packed must be True or False"):
+        FastCpuDecoder(target, drafter, packed="on")

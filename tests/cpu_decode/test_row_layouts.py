@@ -1,6 +1,6 @@
 """The LM head in the faster layout: the same numbers as F.linear (its reference twin) in either
 layout, F.linear wherever the fast path does not apply, and the tree forward and the drafter head
-unchanged by it."""
+unchanged by it when they are given it as their head product (an explicit option, never installed)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,9 @@ from tests.models.helpers import random_context, random_trees, tiny_target
 
 @pytest.fixture
 def forced(monkeypatch):
-    """force(True | False): every head_rows call takes the transposed layout, or F.linear; and
-    head_rows is the installed head product, as inside a CPU decode's rounds."""
+    """force(True | False): every head_rows call takes the transposed layout, or F.linear."""
     def force(transposed: bool):
         monkeypatch.setattr(rm, "_choose", lambda x, w: transposed)
-        monkeypatch.setattr(head_product, "_INSTALLED", [rm.head_rows])
     return force
 
 
@@ -119,7 +117,9 @@ def test_tree_forward_logits_equal_the_models_own_in_either_layout(forced, kind,
     context, root = random_context(2, 9), 5
     tree: DraftTree = random_trees(1, k=4, budget=12, seed=3)
     forced(transposed)
-    fast = target.tree_forward(target.prefill(torch.tensor([context])).cache, root, tree).logits
+    fast_target = target.with_options(head_product=rm.head_rows)  # as a CPU decode's rounds run it
+    assert target.head_product is None  # the target it was made from is unchanged
+    fast = fast_target.tree_forward(fast_target.prefill(torch.tensor([context])).cache, root, tree).logits
     # the reference: the causal LM's own forward, its own head
     target._causal_lm_logits = lambda **kw: target.model(**kw).logits
     want = target.tree_forward(target.prefill(torch.tensor([context])).cache, root, tree).logits
@@ -133,7 +133,8 @@ def test_the_drafter_head_equals_the_target_head_module(forced, transposed):
     hidden = torch.randn(2, 3, target.hidden_size)
     forced(transposed)
     with torch.no_grad():
-        torch.testing.assert_close(drafter.head(hidden), target.lm_head(hidden), atol=1e-5, rtol=1e-5)
+        fast = drafter.head(hidden, head_product=rm.head_rows)
+        torch.testing.assert_close(fast, target.lm_head(hidden), atol=1e-5, rtol=1e-5)
 
 
 def test_only_a_plain_head_of_a_known_model_type_is_computed_here(monkeypatch):
@@ -143,9 +144,8 @@ def test_only_a_plain_head_of_a_known_model_type_is_computed_here(monkeypatch):
     hooked._hf_hook = object()  # accelerate dispatched or offloaded it: the weight may not be in place
     assert not head_product.is_plain_head(hooked)
 
-    target = tiny_target("llama")
     called = []
-    monkeypatch.setattr("exittrain.models.target_model.head_product", lambda *a: called.append(1) or F.linear(*a))
+    target = tiny_target("llama").with_options(head_product=lambda *a: called.append(1) or F.linear(*a))
     tree = random_trees(1, k=3, budget=6, seed=1)
     target.tree_forward(target.prefill(torch.tensor([random_context(3, 7)])).cache, 5, tree)
     assert called == [1]
@@ -156,8 +156,9 @@ def test_only_a_plain_head_of_a_known_model_type_is_computed_here(monkeypatch):
 
 def test_choices_are_made_up_front_for_every_tree_size_a_decoder_can_verify(monkeypatch):
     """choose_layouts times each count the fast path can take, once; the CPU's fast decoder calls it
-    through fast_products before its first round, for 2 .. its tree rows (scripted timer). The plain
-    decoder, the one training's decode check runs, times nothing."""
+    before its first round, for 2 .. its tree rows (scripted timer). The plain decoder, the one
+    training's decode check runs, and the fast decoder made with ``head_layouts=False`` (the
+    reference twin), time nothing."""
     from exittrain.cpu_decode.fast_products import FastCpuDecoder
     from exittrain.decoding import SpeculativeDecoder
 
@@ -169,9 +170,6 @@ def test_choices_are_made_up_front_for_every_tree_size_a_decoder_can_verify(monk
     assert timed == [(2, 300), (3, 300)]
     rm.choose_layouts(w, [2, 4])
     assert timed[2:] == [(4, 300)]  # 2 was chosen already
-    with rm.linear_only():
-        rm.choose_layouts(w, [5])
-    assert len(timed) == 3
 
     timed.clear()
     rm._CHOICES.clear()
@@ -180,9 +178,13 @@ def test_choices_are_made_up_front_for_every_tree_size_a_decoder_can_verify(monk
     vocab = target.lm_head.weight.shape[0]
     plain = SpeculativeDecoder(target, drafter, budget=3, copy_tail=2).generate([5, 6, 7, 8, 5, 6], 4).tokens
     assert timed == [] and rm.layout_choices() == []
+    twin = FastCpuDecoder(target, drafter, budget=3, copy_tail=2, head_layouts=False, packed=False)
+    assert twin.generate([5, 6, 7, 8, 5, 6], 4).tokens == plain and timed == []
+    assert twin.target.head_product is None and twin.target.row_kernels is None
     fast = FastCpuDecoder(target, drafter, budget=3, copy_tail=2).generate([5, 6, 7, 8, 5, 6], 4).tokens
     assert fast == plain
     head_counts = [rows for rows, v in timed if v == vocab]
     assert head_counts[:5] == [2, 3, 4, 5, 6]  # 3 nodes + a tail of 2 + the root: chosen before any round
     assert len(head_counts) == len(set(head_counts))  # and none of them again during the rounds
+    assert target.head_product is None and target.row_kernels is None  # the caller's target is unchanged
     rm._CHOICES.clear()

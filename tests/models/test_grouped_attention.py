@@ -1,4 +1,5 @@
-"""Grouped masked attention: equal to transformers' sdpa with repeated keys, scoped to its block."""
+"""Grouped masked attention: equal to transformers' sdpa with repeated keys, scoped to its block, and
+an explicit option of the target (``grouped_attention``), never a process-wide switch."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from exittrain.models.grouped_attention import (
     GROUPED_SDPA,
     grouped_query_attention,
     grouped_sdpa_forward,
-    repeated_keys,
 )
 from tests.models.helpers import path_tokens, random_context, random_trees, tiny_target
 
@@ -55,11 +55,6 @@ def test_grouped_path_never_repeats_keys_and_hands_the_rest_to_sdpa(monkeypatch)
     calls.clear()
     out, _ = grouped_sdpa_forward(module, query, key, value, None)
     assert calls == [] and out.shape == (2, 4, 6, 8)
-    # the reference twin on demand, for side-by-side timing, and the same numbers as grouped
-    with repeated_keys():
-        want, _ = grouped_sdpa_forward(module, query, key, value, allowed)
-    assert calls == [3, 3]
-    torch.testing.assert_close(grouped_sdpa_forward(module, query, key, value, allowed)[0], want)
 
 
 def test_block_switches_sdpa_only_and_restores_it_after_an_error():
@@ -103,3 +98,29 @@ def test_tree_forward_runs_grouped_and_matches_sequential_paths(monkeypatch):
         ids = torch.tensor([context + path_tokens(tree, 0, row)])
         want = target.model(input_ids=ids).logits[0, -1]
         torch.testing.assert_close(logits[row], want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_target_made_without_grouped_attention_runs_sdpa_with_repeated_keys(monkeypatch):
+    """``grouped_attention=False`` (the reference twin, for side-by-side timing) is an option of the
+    target it is given to: its tree forwards repeat the keys and give the grouped forward's logits,
+    while the target it was made from still runs grouped."""
+    target = tiny_target("llama")
+    twin = target.with_options(grouped_attention=False)
+    assert target.grouped_attention and not twin.grouped_attention and twin.model is target.model
+    calls = []
+    real_repeat = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: calls.append(n) or real_repeat(x, n))
+    context, tree = random_context(3, 12), random_trees(1, 3, 6, seed=4)
+
+    def tree_logits(t):
+        cache = t.prefill(torch.tensor([context[:-1]])).cache
+        calls.clear()
+        return t.tree_forward(cache, context[-1], tree).logits
+
+    grouped = tree_logits(target)
+    assert calls == []
+    repeated = tree_logits(twin)
+    assert len(calls) == 2 * target.num_layers  # keys and values, every layer
+    torch.testing.assert_close(repeated, grouped, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="grouped_attention must be True or False"):
+        target.with_options(grouped_attention="off")

@@ -65,8 +65,8 @@ from exittrain.models.drafter.copy_branch import copy_logits, copy_terms, init_c
 from exittrain.models.drafter.layers import ContextKV, DrafterLayer, DrafterRMSNorm
 from exittrain.models.drafter.saved_files import check_saved_files
 from exittrain.models.drafter.starting_points import copy_target_layers
-from exittrain.models.head_product import head_product, is_plain_head
-from exittrain.models.vocab_head import vocab_logits, vocab_logits_reference
+from exittrain.models.head_product import HeadProduct, apply_head, is_plain_head
+from exittrain.models.vocab_head import VocabRows, vocab_logits_reference
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,8 @@ class BlockDrafter(PreTrainedModel):
         self.copy_gate = nn.Linear(H, len(config.copy_ngrams)) if config.copy_ngrams else None
         # plain dict: the shared target modules stay outside parameters() and state_dict()
         self._shared: dict[str, nn.Module] = {}
+        # the head's rows for a draft vocabulary, kept while this drafter decodes with one (not a buffer)
+        self._vocab_rows = VocabRows()
         self.post_init()
 
     def _init_weights(self, module):
@@ -205,20 +207,24 @@ class BlockDrafter(PreTrainedModel):
         hidden_NKH: torch.Tensor,
         copy: tuple[torch.Tensor, torch.Tensor] | None = None,
         vocab_ids: torch.Tensor | None = None,
+        *,
+        head_product: HeadProduct | None = None,
     ) -> torch.Tensor:
         """Logits (N, K, V) of ``q_1..q_K`` from the pre-head states: the frozen target LM head;
         with ``copy`` (:meth:`copy_terms`), the copy-mixed log-probabilities in float32. With
         ``vocab_ids`` (S,) only those tokens are scored and the others get -inf before the copy
-        mix (:mod:`exittrain.models.vocab_head`; a decode-time option)."""
+        mix (:mod:`exittrain.models.vocab_head`; a decode-time option). ``head_product``: the
+        plain head's product, a decode-time option (:mod:`exittrain.models.head_product`; None:
+        ``F.linear``, as training runs it); a hooked head runs its own forward."""
         lm_head = self._target_module("lm_head")
         # contiguous: the blocks' states come out strided, and a strided (N, K, H) input sends the
         # product through a batched matmul over an expanded weight, about 3x slower than one mm on a CPU
         hidden = hidden_NKH.to(lm_head.weight.dtype).contiguous()
         if is_plain_head(lm_head):
-            # a few rows at decode time, through the head product a CPU decode may install; the
-            # weight is in place (no accelerate hook), so the rows go to its device
+            # the weight is in place (no accelerate hook), so the rows go to its device
             hidden, weight = hidden.to(lm_head.weight.device), lm_head.weight
-            logits = head_product(hidden, weight) if vocab_ids is None else vocab_logits(hidden, weight, vocab_ids)
+            logits = (apply_head(hidden, weight, head_product) if vocab_ids is None
+                      else self._vocab_rows.logits(hidden, weight, vocab_ids, head_product))
         else:  # a hooked head moves its inputs itself (its weight may be offloaded until its forward)
             logits = lm_head(hidden)
             logits = logits if vocab_ids is None else vocab_logits_reference(logits, vocab_ids)
@@ -263,6 +269,7 @@ class BlockDrafter(PreTrainedModel):
         context_window: int | None = None,
         apply_lm_head: bool = True,
         vocab_ids: torch.Tensor | None = None,
+        head_product: HeadProduct | None = None,
     ) -> torch.Tensor:
         """Draft one block per root from cached context K/V (:meth:`project_context`).
 
@@ -273,7 +280,8 @@ class BlockDrafter(PreTrainedModel):
         cached positions are used. ``context_ids`` (N, C') the token ids before each root,
         right-aligned, negative = padding: required by the copy branch, ignored without it.
         Returns logits (N, K, V), or the pre-head states (N, K, H) with ``apply_lm_head=False``;
-        ``vocab_ids`` restricts the head to a draft vocabulary (:meth:`head`).
+        ``vocab_ids`` restricts the head to a draft vocabulary and ``head_product`` computes its
+        product (:meth:`head`).
         """
         N = root_tokens.shape[0]
         if root_tokens.shape != (N,) or root_positions.shape != (N,):
@@ -320,7 +328,7 @@ class BlockDrafter(PreTrainedModel):
         if self.copy_gate is not None:
             ids = torch.cat([context_ids.to(device=device, dtype=torch.long), root_tokens.view(N, 1).to(device)], dim=1)
             copy = self.copy_terms(hidden, ids, torch.full((N, 1), ids.shape[1] - 1, device=device))
-        return self.head(hidden, copy, vocab_ids)
+        return self.head(hidden, copy, vocab_ids, head_product=head_product)
 
     def forward(
         self,
@@ -332,6 +340,7 @@ class BlockDrafter(PreTrainedModel):
         context_window: int | None = None,
         apply_lm_head: bool = True,
         vocab_ids: torch.Tensor | None = None,
+        head_product: HeadProduct | None = None,
     ) -> torch.Tensor:
         """Draft one block per root from its context features (no cache).
 
@@ -355,6 +364,7 @@ class BlockDrafter(PreTrainedModel):
         return self.draft_block(
             root_tokens, torch.full((N,), C, device=device), kv, context_mask=context_mask,
             context_ids=context_ids, context_window=W, apply_lm_head=apply_lm_head, vocab_ids=vocab_ids,
+            head_product=head_product,
         )
 
     # -- training path ----------------------------------------------------------------------------
