@@ -145,15 +145,15 @@ def setup_run(cfg: DictConfig, target: TargetArg = None, lab=None) -> FitRun:
     return run
 
 
-def evaluate_held_out(run: FitRun, label: str, drafter=None, *, tree: bool = True) -> list[dict]:
-    """Measure ``drafter`` (default ``run.full``) on the held-out prompts (``run.evaluator``); records
-    the table and writes ``eval_<label>.json`` and ``chain_<label>.json``; ``tree=False``: the serving
-    track alone (:meth:`~exittrain.heldout.evaluator.HeldOutEvaluator.measure`).
+def evaluate_held_out(run: FitRun, label: str, drafter=None) -> list[dict]:
+    """Measure ``drafter`` (default ``run.full``) on the held-out prompts (``run.evaluator``,
+    :meth:`~exittrain.heldout.evaluator.HeldOutEvaluator.measure`); records the table and writes
+    ``eval_<label>.json`` and ``chain_<label>.json``.
 
     Global rank 0's work: the other ranks go on to the next stage and wait for rank 0 in its first
     collective (the evaluation must finish within the process group's timeout, 30 min by default)."""
     t0 = time.perf_counter()
-    table, rows, chain = run.evaluator.measure(run.full if drafter is None else drafter, label, tree=tree)
+    table, rows, chain = run.evaluator.measure(run.full if drafter is None else drafter, label)
     write_json_atomic(run.run_dir.path / f"chain_{label}.json", chain)  # not eval_*.json: another row layout
     run.summary["tables"][label] = table
     run.run_dir.write_eval_rows(label, rows)

@@ -86,33 +86,23 @@ class HeldOutEvaluator:
         self.passes = SequencePasses(target)  # the causal passes over those answers, shared likewise
         self.blocks: dict[str, dict[tuple, list[list[int]]]] = {}  # label -> track key -> per-prompt blocks
 
-    def measure(self, drafter, label: str, *, tree: bool = True) -> tuple[list[dict], list[dict], list[dict]]:
+    def measure(self, drafter, label: str) -> tuple[list[dict], list[dict], list[dict]]:
         """``(table, rows, chain)``: the drafter's table rows (one per budget and temperature), its
         per-prompt tree rows (one per prompt, budget and temperature) and its per-prompt chain rows (one
-        per prompt and temperature; empty without the chain track).
-
-        ``tree=False`` measures the serving track alone (the chain tau at each temperature): what a
-        chain-verifying engine gets of a drafter, such as the DFlash export. Its table has one row per
-        budget and temperature with no tree columns."""
-        log.info("eval %s: %s on %d held-out prompts at T = %s", label,
-                 "tree and chain tracks" if tree else "chain track", len(self.prompts),
+        per prompt and temperature; empty without the chain track)."""
+        log.info("eval %s: tree and chain tracks on %d held-out prompts at T = %s", label, len(self.prompts),
                  ", ".join(f"{t:g}" for t in self.temperatures))
         s = self.settings
         if not self.speed:  # every temperature's answers from one prefill of the prompts
             walk_answers(self.target, self.prompts, self.ar_cache, self.temperatures, live=LIVE,
                          max_new_tokens=s["max_new_tokens"], seed=s["seed"])
-        rows, blocks = [], {}
-        if tree:
-            # without speed columns nothing needs a decode's clock: the rounds are walked, one prompt decoded
-            rows = evaluate_prompts(self.target, drafter, self.prompts, label=label, ar_cache=self.ar_cache,
-                                    auto=self.auto, speed=self.speed, live=None if self.speed else LIVE,
-                                    passes=self.passes, **s)
-            table = summarize(rows)
-            for row in rows:
-                blocks.setdefault(("tree", row["budget"], row["temperature"]), []).append(row["block_lengths"])
-        else:
-            table = [{"label": label, "budget": b, "temperature": t, "prompts": len(self.prompts)}
-                     for t in self.temperatures for b in s["budgets"]]
+        # without speed columns nothing needs a decode's clock: the rounds are walked, one prompt decoded
+        rows = evaluate_prompts(self.target, drafter, self.prompts, label=label, ar_cache=self.ar_cache,
+                                auto=self.auto, speed=self.speed, live=None if self.speed else LIVE,
+                                passes=self.passes, **s)
+        table, blocks = summarize(rows), {}
+        for row in rows:
+            blocks.setdefault(("tree", row["budget"], row["temperature"]), []).append(row["block_lengths"])
         chain = []
         if self.chain:
             log.info("eval %s: chain tau (the greedy chain a serving engine verifies)", label)
