@@ -4,24 +4,22 @@ A serving engine verifies one draft per round, the drafter's greedy K tokens (a 
 :mod:`exittrain.decoding.chain_decoder`), where the tree track decodes DDTree's best-first tree of the
 recipe's budget. For every drafter row of the table this module adds:
 
-- ``chain_tau`` (and ``chain_ci95``, ``chain_lossless``): the mean block length of our
-  :class:`~exittrain.decoding.chain_decoder.ChainDecoder` (K nodes, greedy verifier, T = 0) on the same
-  held-out prompts and token limit as the tree track: what the engine's mean acceptance length
-  should be for this drafter, measured with our own target. A greedy decode's rounds follow from
-  the target's greedy answer, so :func:`chain_rows` walks them along it
-  (:mod:`exittrain.heldout.round_walk`, a target pass per prompt instead of a decode) and decodes
-  only the first prompt for real: its lossless check (``chain_lossless``) and the walk's live check
-  (``chain_walk_exact``);
-- ``analytic_chain``: the expected chain block length at ``eval.analytic_temperatures``, paired
-  against the warm start (:meth:`HeldOutLaw.measure_chain` / :meth:`HeldOutLaw.attach_chain`,
-  called by :func:`exittrain.fit.evaluate_held_out`);
+- ``chain_tau`` (and ``chain_ci95``, ``chain_K``) at each of ``eval.temperatures``: the block length
+  of the chain verified exactly at T, pooled over every round of every held-out prompt (tokens /
+  rounds), on the same prompts and token limit as the tree track: what the engine's mean acceptance
+  length is for this drafter, measured with our own target. The rounds follow from the target's
+  text, so :func:`chain_rows` walks them along its answers (:mod:`exittrain.heldout.round_walk`, a
+  target pass per answer instead of a decode): its greedy answer at T = 0, where it also decodes the
+  first prompt for real with :class:`~exittrain.decoding.chain_decoder.ChainDecoder` (greedy
+  verifier) as the lossless check (``chain_lossless``) and the walk's live check
+  (``chain_walk_exact``); its samples at T > 0;
 - ``vllm`` (the exported drafter's row only, ``eval.vllm``): vLLM's mean acceptance length with
   the DFlash export on the same prompts, and whether vLLM's greedy outputs with speculation equal
   its outputs without (:func:`vllm_track`, through :func:`exittrain.serve.vllm_run.run_vllm`).
 
 ``+serve=dflash`` (conf/serve/dflash.yaml) is checked by :func:`check_serve_config`.
 
-**Limits.** Greedy only (vLLM's comparison is token for token). vLLM emits its first token from
+**Limits.** vLLM is run greedily only (its comparison is token for token), beside the T = 0 chain tau. vLLM emits its first token from
 the prefill without a draft; the chain track does the same (the target's first greedy token, then
 rounds from the prompt plus that token: :func:`exittrain.decoding.chain_decoder.decode_after_prefill`), so
 both count the same rounds. vLLM's target runs its own CPU kernels: a near tie can still resolve
