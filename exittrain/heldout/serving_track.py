@@ -22,8 +22,9 @@ recipe's budget. For every drafter row of the table this module adds:
 **Limits.** vLLM is run greedily only (its comparison is token for token), beside the T = 0 chain
 tau. vLLM emits its first token from the prefill without a draft; the chain track does the same
 (the target's first token, then rounds from the prompt plus that token:
-:func:`exittrain.decoding.chain_decoder.decode_after_prefill`), so both count the same rounds. vLLM's target runs its own CPU kernels: a near tie can still resolve
-differently, and the two acceptance lengths then differ a little.
+:func:`exittrain.decoding.chain_decoder.decode_after_prefill`), so both count the same rounds.
+vLLM's target runs its own CPU kernels: a near tie can still resolve differently, and the two
+acceptance lengths then differ a little.
 """
 
 from __future__ import annotations
