@@ -165,3 +165,42 @@ def test_the_dflash_export_of_a_drafter_without_the_copy_branch_has_its_rows(one
     assert [r["block_lengths"] for r in served_chain] == [r["block_lengths"] for r in chain]
     assert [r["block_lengths"] for r in served_rows] == [r["block_lengths"] for r in rows]
     assert all(row["chain_tau_vs_exittrain"]["delta"] == 0 for row in table)
+
+
+@pytest.mark.real_model
+@pytest.mark.slow  # about 2 min on a 2-core host: 24 TEV decodes of 32 tokens and 48 walks on SmolLM2-135M
+def test_on_the_embedded_target_the_walk_is_exact_at_zero_and_inside_the_decodes_interval_at_temperature(
+        one_thread):
+    """SmolLM2-135M with a drafter of the code recipe's shape and the copy branch (drafter=copy_branch:
+    random otherwise, it accepts where the branch finds the text). At T = 0 the evaluator's pooled tree and
+    chain tau equal the real decodes' exactly; at T = 0.6 the walked pooled tree tau lies inside the 95%
+    interval of real TEV decodes of the same prompts."""
+    from exittrain.data import chat_prompt_ids, load_domain
+    from exittrain.decoding.chain_decoder import ChainDecoder, decode_after_prefill
+    from exittrain.models import load_target, new_drafter
+
+    target = load_target(None)
+    drafter = new_drafter(target, block_size=8, num_layers=2, init_from_layers="auto", copy_ngrams=[3, 2],
+                          copy_gate_init=0.7, seed=0)
+    prompts = [chat_prompt_ids(target.tokenizer, t) for t in load_domain("code").eval[:3]]
+    settings = dict(budgets=[16], temperatures=[0.0], max_new_tokens=32, verifier="tev", baseline=True,
+                    oracle=False, seed=0, decode="fixed")
+    table, _, _ = HeldOutEvaluator(target, prompts, settings, reference=None).measure(drafter, "d")
+    tree, chain = [], []
+    for p in prompts:
+        answer = autoregressive_generate(target, p, 32).tokens
+        tree.append([r.block_length for r in SpeculativeDecoder(target, drafter, budget=16).generate(p, 32).rounds])
+        chain.append([r.block_length for r in decode_after_prefill(ChainDecoder(target, drafter, verifier="greedy"),
+                                                                    p, answer[0], 32, target.eos_token_ids)[1]])
+    assert table[0]["tau"] == pooled(tree) and table[0]["chain_tau"] == pooled(chain)
+    assert pooled(tree) > 1.1  # some drafts accepted: the equality compares something
+    T = 0.6
+    decoded = [[r.block_length for r in SpeculativeDecoder(target, drafter, budget=16).generate(
+        p, 32, temperature=T, seed=s).rounds] for s in range(8) for p in prompts]
+    walked = []
+    for s in range(16):
+        for i, (ids, n, _) in enumerate(answer_sets(target, prompts, [T], 32, seed=50 + s)[T]):
+            walked.append(walked_rounds(target, drafter, prompts[i][:-1], prompts[i][-1:] + ids[n:].tolist(),
+                                        max_new_tokens=33, shape="ddtree", budget=16, temperature=T, seed=s))
+    low, high = bootstrap_ci(decoded)
+    assert low <= pooled(walked) <= high, (pooled(walked), low, high)
