@@ -37,7 +37,6 @@ __all__ = [
     "sample_categorical",
     "verify_greedy",
     "verify_predraw",
-    "verify_predraw_given",
     "verify_sequential",
     "verify_tev",
     "warped_edge_probabilities",
@@ -198,48 +197,30 @@ def verify_predraw(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
     validate: bool = True,
+    given_NL: torch.Tensor | None = None,
 ) -> Verdict:
-    """Predraw-and-follow: one independent draw per row, then follow the matching children."""
-    _check_logits(tree, logits, validate)
-    probs = warp_probs(logits, temperature, top_k, top_p)
-    N, B1, V = probs.shape
-    draws = sample_categorical(probs.reshape(N * B1, V), generator).view(N, B1)
-    return _follow(tree, draws)
+    """Predraw-and-follow: one independent draw per row, then follow the matching children.
 
-
-def verify_predraw_given(
-    tree: DraftTree,
-    logits: torch.Tensor,
-    given_NL: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-    validate: bool = True,
-) -> Verdict:
-    """Predraw-and-follow with the draws of the first L depths given: every row at depth d < L draws
-    ``given_NL[n, d]`` (the target text already known after the root), every deeper row draws from
-    the warped target as :func:`verify_predraw` does.
-
-    This is the round a decode runs when the target's text is known up to L tokens after the root
-    and unknown beyond (the last round of a walk along a sampled answer,
-    :mod:`exittrain.heldout.round_walk`): given a text that the target drew, the round's law is
-    predraw-and-follow's conditioned on it (docs/algorithm.md sections 6.1 and 6.3). Rows off the
-    text's path are never reached through the given draws, so only the path's draws matter.
+    ``given_NL`` (N, L), optional: the draws of the first L depths are given, every row at depth
+    d < L drawing ``given_NL[n, d]`` (the target text already known after the root) and every deeper
+    row drawing from the warped target as usual. This is the round a decode runs when the target's
+    text is known up to L tokens after the root and unknown beyond (the last round of a walk along a
+    sampled answer, :mod:`exittrain.heldout.round_walk`): given a text the target drew, the round's
+    law is predraw-and-follow's conditioned on it (docs/algorithm.md sections 6.1 and 6.3). Rows off
+    the text's path are never reached through the given draws, so only the path's draws matter.
     """
     _check_logits(tree, logits, validate)
     probs = warp_probs(logits, temperature, top_k, top_p)
     N, B1, V = probs.shape
-    if given_NL.dim() != 2 or given_NL.shape[0] != N:
-        raise ValueError(f"given_NL has shape {tuple(given_NL.shape)}: need (N={N}, L) tokens after each root")
     draws = sample_categorical(probs.reshape(N * B1, V), generator).view(N, B1)
-    L = given_NL.shape[1]
-    if L:
-        depth_NB1 = tree.positions.expand(N, B1)
-        known = depth_NB1 < L
-        given = given_NL.to(draws.device).gather(1, depth_NB1.clamp(max=L - 1))
-        draws = torch.where(known, given, draws)
+    if given_NL is not None:
+        if given_NL.dim() != 2 or given_NL.shape[0] != N:
+            raise ValueError(f"given_NL has shape {tuple(given_NL.shape)}: need (N={N}, L) tokens after each root")
+        L = given_NL.shape[1]
+        if L:
+            depth_NB1 = tree.positions.expand(N, B1)
+            given = given_NL.to(draws.device).gather(1, depth_NB1.clamp(max=L - 1))
+            draws = torch.where(depth_NB1 < L, given, draws)
     return _follow(tree, draws)
 
 

@@ -35,7 +35,7 @@ computes the acceptance at every p teacher-forced and walks the rounds:
    y to its end, and then what it accepts beyond is the target's to say: that one tree is scored
    by the target (``score_trees``, exact) and verified greedily at T = 0, or at T > 0 by
    predraw-and-follow with y's tokens as the draws along its path
-   (:func:`~exittrain.core.verify_predraw_given`), as the decoder would.
+   (:func:`~exittrain.core.verify_predraw` with ``given_NL``), as the decoder would.
 
 Where the rounds start: :func:`~exittrain.decoding.chain_decoder.decode_after_prefill` roots the
 first round at the target's first token y[0] (``answer`` is the target's answer); the plain
@@ -174,7 +174,7 @@ def walked_rounds(target, drafter, prompt: Sequence[int], answer: Sequence[int],
     unknown, a tree has no budget, the temperature is negative, or the answer stops short of both an
     EOS and ``max_new_tokens`` tokens.
     """
-    from exittrain.core import VERIFIERS, followed_depth, greedy_walk, verify_predraw_given
+    from exittrain.core import VERIFIERS, followed_depth, greedy_walk
     from exittrain.heldout.sequence_passes import SequencePasses
 
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
@@ -223,9 +223,9 @@ def walked_rounds(target, drafter, prompt: Sequence[int], answer: Sequence[int],
         if temperature == 0:
             verdict = VERIFIERS["greedy"](tree, logits, validate=False)
         else:  # the draws along y are y's own tokens; below its end, the target's at T
-            verdict = verify_predraw_given(tree, logits, ids_T[None, n + last + 1 :], temperature=temperature,
+            verdict = VERIFIERS["predraw"](tree, logits, temperature=temperature, validate=False,
                                            generator=torch.Generator(device=logits.device).manual_seed(seed),
-                                           validate=False)
+                                           given_NL=ids_T[None, n + last + 1 :])
         blocks[-1] = int(verdict.accept_length[0]) + 1
     return blocks
 

@@ -227,3 +227,32 @@ def test_fast_warped_edges_equal_edges_of_warped_probs(warp):
     kwargs = {"temperature": 1.0, **warp}
     expected = edge_probabilities(tree, warp_probs(logits, **kwargs))
     torch.testing.assert_close(warped_edge_probabilities(tree, logits, **kwargs), expected)
+
+
+def test_predraw_with_given_draws_follows_the_known_text_then_draws():
+    """given_NL: the draws of the first L depths are the known text's. L = 0 is plain predraw-and-follow,
+    draw for draw; a text along the chain reaches at least its length and then accepts the next node
+    with the target's probability of it; a text off the chain accepts nothing."""
+    from exittrain.core import chain_tree, verify_predraw
+
+    g = torch.Generator().manual_seed(0)
+    V, K, draws = 6, 3, 4000
+    logq = torch.log_softmax(torch.randn(1, K, V, generator=g), -1)
+    logits = torch.randn(1, K + 1, V, generator=g)
+    tree = chain_tree(logq)
+    plain = verify_predraw(tree, logits, generator=torch.Generator().manual_seed(1))
+    empty = verify_predraw(tree, logits, generator=torch.Generator().manual_seed(1),
+                           given_NL=torch.zeros(1, 0, dtype=torch.long))
+    assert torch.equal(plain.accept_length, empty.accept_length) and torch.equal(plain.bonus, empty.bonus)
+    path = tree.tokens[0, :2][None]  # the chain's first two tokens: the known text
+    p_next = float(torch.softmax(logits[0, 2], -1)[tree.tokens[0, 2]])  # row 2 draws the chain's third token
+    many = chain_tree(logq.expand(draws, K, V))  # one round per tree, independent draws
+    lengths = verify_predraw(many, logits.expand(draws, K + 1, V), given_NL=path.expand(draws, 2),
+                             generator=torch.Generator().manual_seed(2)).accept_length
+    assert int(lengths.min()) >= 2
+    deeper = float((lengths >= 3).float().mean())
+    assert abs(deeper - p_next) < 4 * math.sqrt(p_next * (1 - p_next) / draws) + 1e-9, (deeper, p_next)
+    off = (tree.tokens[0, :1] + 1) % V
+    assert int(verify_predraw(tree, logits, given_NL=off[None]).accept_length[0]) == 0
+    with pytest.raises(ValueError, match="given_NL has shape"):
+        verify_predraw(tree, logits, given_NL=path[0])

@@ -19,6 +19,7 @@ from exittrain.decoding import SpeculativeDecoder, autoregressive_generate
 from exittrain.heldout.answers import answer_sets
 from exittrain.heldout.evaluator import HeldOutEvaluator, format_report
 from exittrain.heldout.round_walk import walked_rounds
+from tests.heldout.helpers import trained_drafter
 
 NEW_TOKENS = 24
 SETTINGS = dict(budgets=[4], temperatures=[0.0, 0.6], max_new_tokens=NEW_TOKENS, verifier="tev", baseline=True,
@@ -26,26 +27,9 @@ SETTINGS = dict(budgets=[4], temperatures=[0.0, 0.6], max_new_tokens=NEW_TOKENS,
 
 
 def _trained_drafter(target, prompts, steps: int = 80, seed: int = 0, layer_ids=None):
-    """A drafter fitted on the target's greedy answers, so its rounds accept several tokens."""
-    from exittrain.core import block_cross_entropy
-    from exittrain.models import new_drafter
-
     answers = [autoregressive_generate(target, p, NEW_TOKENS).tokens for p in prompts]
-    drafter = new_drafter(target, block_size=5, num_layers=1, seed=seed, copy_ngrams=[], layer_ids=layer_ids)
-    K = drafter.config.num_draft_tokens
-    seqs = [p + y for p, y in zip(prompts, answers, strict=True)]
-    T = max(map(len, seqs)) + K
-    ids = torch.tensor([s + [1] * (T - len(s)) for s in seqs])
-    features = target.sequence_features(ids, drafter.config.target_layer_ids).float()
-    anchors = torch.stack([torch.arange(len(p) - 1, len(p) + NEW_TOKENS - 3) for p in prompts])
-    labels = torch.stack([ids.gather(1, anchors + k) for k in range(1, K + 1)], -1).reshape(-1, K)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-    for _ in range(steps):
-        loss = block_cross_entropy(drafter.forward_anchors(features, ids, anchors), labels)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return drafter.eval()
+    return trained_drafter(target, prompts, answers, new_tokens=NEW_TOKENS, steps=steps, seed=seed,
+                           layer_ids=layer_ids)
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +38,18 @@ def drafter(target, prompts):
     return _trained_drafter(target, prompts)
 
 
-def test_walked_rounds_at_temperature_lie_inside_the_real_decodes_interval(one_thread, target, drafter, prompts):
-    """T = 0.6, B = 4: TEV decodes of every prompt under 6 seeds against walks along 24 target samples a
-    prompt. The walk's pooled tau is inside the decodes' 95% interval, and far from T = 0's (a walk that
-    ignored the temperature would show)."""
+@pytest.mark.parametrize("shape", ["ddtree", "chain"])
+def test_walked_rounds_at_temperature_lie_inside_the_real_decodes_interval(one_thread, target, drafter, prompts,
+                                                                          shape):
+    """T = 0.6: real TEV decodes of every prompt under 6 seeds (of the recipe's tree of B = 4 nodes, and of
+    the chain of K nodes a serving engine verifies, exact at T like an engine's rejection sampling) against
+    walks along 24 target samples a prompt. The walk's pooled tau is inside the decodes' 95% interval; the
+    tree's T = 0 walk is outside it (a walk that ignored the temperature would show)."""
+    from exittrain.decoding.chain_decoder import ChainDecoder
+
     T, budget = 0.6, 4
-    decoder = SpeculativeDecoder(target, drafter, budget=budget, verifier="tev")
+    decoder = (SpeculativeDecoder(target, drafter, budget=budget, verifier="tev") if shape == "ddtree"
+               else ChainDecoder(target, drafter, verifier="tev"))
     decoded = [[r.block_length for r in decoder.generate(p, NEW_TOKENS, temperature=T, seed=100 * s + i).rounds]
                for s in range(6) for i, p in enumerate(prompts)]
     walked = []
@@ -67,33 +57,15 @@ def test_walked_rounds_at_temperature_lie_inside_the_real_decodes_interval(one_t
         for i, (ids, n, _) in enumerate(answer_sets(target, prompts, [T], NEW_TOKENS, seed=1000 + s)[T]):
             prompt, answer = prompts[i], ids[n:].tolist()
             walked.append(walked_rounds(target, drafter, prompt[:-1], prompt[-1:] + answer,
-                                        max_new_tokens=NEW_TOKENS + 1, shape="ddtree", budget=budget,
+                                        max_new_tokens=NEW_TOKENS + 1, shape=shape, budget=budget,
                                         temperature=T, seed=s))
     low, high = bootstrap_ci(decoded)
     assert low <= pooled(walked) <= high, (pooled(walked), low, high)
     assert pooled(decoded) > 1.3  # the drafter accepts at T: the comparison has something to compare
-    greedy = [walked_rounds(target, drafter, p[:-1], p[-1:] + autoregressive_generate(target, p, NEW_TOKENS).tokens,
-                            max_new_tokens=NEW_TOKENS + 1, shape="ddtree", budget=budget) for p in prompts]
-    assert not low <= pooled(greedy) <= high  # the negative control: T = 0's rounds are another law
-
-
-def test_the_chain_walk_at_temperature_matches_chain_decodes(one_thread, target, drafter, prompts):
-    """The chain a serving engine verifies, at T = 0.6: walked along target samples against real
-    decodes of the chain (TEV on a chain of K nodes, exact like an engine's rejection sampling)."""
-    from exittrain.decoding.chain_decoder import ChainDecoder
-
-    T = 0.6
-    decoder = ChainDecoder(target, drafter, verifier="tev")
-    decoded = [[r.block_length for r in decoder.generate(p, NEW_TOKENS, temperature=T, seed=100 * s + i).rounds]
-               for s in range(6) for i, p in enumerate(prompts)]
-    walked = []
-    for s in range(24):
-        for i, (ids, n, _) in enumerate(answer_sets(target, prompts, [T], NEW_TOKENS, seed=2000 + s)[T]):
-            prompt, answer = prompts[i], ids[n:].tolist()
-            walked.append(walked_rounds(target, drafter, prompt[:-1], prompt[-1:] + answer,
-                                        max_new_tokens=NEW_TOKENS + 1, temperature=T, seed=s))
-    low, high = bootstrap_ci(decoded)
-    assert low <= pooled(walked) <= high, (pooled(walked), low, high)
+    if shape == "ddtree":
+        greedy = [walked_rounds(target, drafter, p[:-1], p[-1:] + autoregressive_generate(target, p, NEW_TOKENS).tokens,
+                                max_new_tokens=NEW_TOKENS + 1, shape="ddtree", budget=budget) for p in prompts]
+        assert not low <= pooled(greedy) <= high  # the negative control: T = 0's rounds are another law
 
 
 def test_the_evaluator_reports_pooled_tau_not_the_mean_over_positions(one_thread, target, prompts):

@@ -13,6 +13,7 @@ from exittrain.decoding.chain_decoder import ChainDecoder, decode_after_prefill
 from exittrain.heldout.decode_eval import evaluate_prompts, summarize
 from exittrain.heldout.round_walk import walked_rounds
 from exittrain.heldout.serving_track import chain_rows, summarize_chain
+from tests.heldout.helpers import trained_drafter
 
 NEW_TOKENS = 24
 
@@ -23,32 +24,10 @@ def answers(target, prompts):
     return [autoregressive_generate(target, p, NEW_TOKENS).tokens for p in prompts]
 
 
-def _trained_drafter(target, prompts, answers, copy_ngrams, steps: int = 80):
-    """A drafter fitted on the target's own answers, so rounds accept up to the whole chain."""
-    from exittrain.core import block_cross_entropy
-    from exittrain.models import new_drafter
-
-    drafter = new_drafter(target, block_size=5, num_layers=1, seed=0, copy_ngrams=copy_ngrams)
-    K = drafter.config.num_draft_tokens
-    seqs = [p + y for p, y in zip(prompts, answers, strict=True)]
-    T = max(map(len, seqs)) + K
-    ids = torch.tensor([s + [1] * (T - len(s)) for s in seqs])
-    features = target.sequence_features(ids, drafter.config.target_layer_ids).float()
-    anchors = torch.stack([torch.arange(len(p) - 1, len(p) + NEW_TOKENS - 3) for p in prompts])
-    labels = torch.stack([ids.gather(1, anchors + k) for k in range(1, K + 1)], -1).reshape(-1, K)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-    for _ in range(steps):
-        loss = block_cross_entropy(drafter.forward_anchors(features, ids, anchors), labels)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return drafter.eval()
-
-
 @pytest.fixture(scope="module", params=[[], [3, 2]], ids=["plain", "copy_branch"])
 def drafter(request, target, prompts, answers):
     torch.set_num_threads(1)
-    return _trained_drafter(target, prompts, answers, request.param)
+    return trained_drafter(target, prompts, answers, new_tokens=NEW_TOKENS, copy_ngrams=request.param)
 
 
 def test_the_walk_gives_the_decoded_rounds_exactly(one_thread, target, drafter, prompts, answers):
