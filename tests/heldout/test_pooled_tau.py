@@ -140,7 +140,7 @@ def test_the_dflash_export_of_a_drafter_without_the_copy_branch_has_its_rows(one
 
 
 @pytest.mark.real_model
-@pytest.mark.slow  # about 2 min on a 2-core host: 24 TEV decodes of 32 tokens and 48 walks on SmolLM2-135M
+@pytest.mark.slow  # minutes on a 2-core host (9 min when shared): 24 TEV decodes of 32 tokens, 48 walks on SmolLM2
 def test_on_the_embedded_target_the_walk_is_exact_at_zero_and_inside_the_decodes_interval_at_temperature(
         one_thread):
     """SmolLM2-135M with a drafter of the code recipe's shape and the copy branch (drafter=copy_branch:
