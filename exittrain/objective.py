@@ -66,6 +66,7 @@ from exittrain.core import (
     tree_metrics,
     warp_probs,
 )
+from exittrain.core.exit_law import edge_probabilities, exit_law_from_edges
 from exittrain.timing import StageTimer
 
 log = logging.getLogger(__name__)
@@ -331,6 +332,33 @@ def batch_top_logprobs(target, batch: Mapping[str, torch.Tensor], k: int) -> tup
     return ids.to(device, torch.long), logp.to(device)
 
 
+EDGE_CHUNK_ELEMENTS = 1 << 24
+""":func:`tree_edges` takes the softmax of at most this many logits at a time (64 MB in fp32), a whole tree at least."""
+
+
+@torch.no_grad()
+def tree_edges(trees, logits_NBV: torch.Tensor, index: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """(n, B) edge probabilities ``p_{pi(v)}(x_v)`` of the trees ``index`` (n,) of ``trees`` (N trees)
+    under the target's rows ``logits_NBV`` (N, B+1, V): softmax, or :func:`exittrain.core.warp_probs`
+    at ``temperature`` != 1.
+
+    Equal to ``edge_probabilities(select_trees(trees, index), softmax(logits_NBV[index]))`` (the
+    softmax of a row does not depend on the other rows), but the (n, B+1, V) distribution is
+    built a few trees at a time (:data:`EDGE_CHUNK_ELEMENTS`), never whole beside the logits: on a
+    validation batch of SmolLM2-135M (8 rows, 32 anchors, B = 16) that whole tensor and the
+    indexed copy of the logits took 1.7 GB.
+    """
+    B1, V = logits_NBV.shape[1], logits_NBV.shape[2]
+    step = max(1, EDGE_CHUNK_ELEMENTS // (B1 * V))
+    edges = []
+    for n0 in range(0, index.numel(), step):
+        rows = index[n0 : n0 + step]
+        chunk = logits_NBV[rows].float()
+        probs = torch.softmax(chunk, dim=-1) if temperature == 1.0 else warp_probs(chunk, temperature)
+        edges.append(edge_probabilities(select_trees(trees, rows), probs))
+    return torch.cat(edges) if edges else logits_NBV.new_zeros(0, B1 - 1, dtype=torch.float32)
+
+
 def compute_losses(
     drafter,
     target,
@@ -419,7 +447,7 @@ def compute_losses(
     values["anchors"] = torch.tensor(float(n_valid))
     with torch.no_grad():
         if n_valid and logits is not None:
-            hit = (logits[index].argmax(-1) == labels[index]).float().mean(0)  # (K,)
+            hit = (logits.argmax(-1)[index] == labels[index]).float().mean(0)  # (K,)
             values.update({f"acc_d{k + 1}": hit[k] for k in range(K)})
     timer.lap("draft")
 
@@ -428,14 +456,20 @@ def compute_losses(
         with torch.no_grad():
             logq_NKV = torch.log_softmax(logits.detach().float(), dim=-1)
             trees = shaped_tree(logq_NKV, s.budget, s.tree_shape, validate=False)
+            del logq_NKV  # (N, K, V): only the trees read it
             timer.lap("tree")
-            scores = target.score_trees(
+            scores_NBV = target.score_trees(
                 input_ids, anchors_LA, trees, mode=s.scoring, window=s.window, chunk_size=s.score_chunk_size
-            )
-            probs = torch.softmax(scores.logits[index].float(), dim=-1)  # (n, B+1, V)
+            ).logits  # (N, B+1, V)
+            # the node loss's "missing" labels read every row's whole distribution; everything else
+            # reads the tree's edges, taken a few trees at a time (tree_edges)
+            probs = torch.softmax(scores_NBV[index].float(), dim=-1) if exit_loss and s.weight_type == "missing" \
+                else None  # (n, B+1, V)
+            edges = tree_edges(trees, scores_NBV, index) if probs is None else None  # (n, B)
             timer.lap("score")
             trees_v = select_trees(trees, index)
-            law_raw = exit_law(trees_v, probs, 0.0, validate=False)
+            law_raw = exit_law_from_edges(trees_v, edges) if probs is None else exit_law(trees_v, probs, 0.0,
+                                                                                          validate=False)
             values.update(tree_metrics(trees_v, law_raw))
             values["greedy_block_length"] = 1.0 + followed_depth(trees_v, labels[index]).float().mean()
         if exit_loss:
@@ -443,10 +477,14 @@ def compute_losses(
             alpha = s.alpha if s.weight_type != "missing" else 0.0
             warped = s.law_temperature != 1.0
             with torch.no_grad():
-                if warped:
-                    law_probs = warp_probs(scores.logits[index], s.law_temperature)
+                if warped and probs is not None:
+                    law_probs = warp_probs(scores_NBV[index], s.law_temperature)
+                elif warped:
+                    edges = tree_edges(trees, scores_NBV, index, s.law_temperature)
                 if alpha > 0 or warped:
-                    law_w = exit_law(trees_v, law_probs, alpha, validate=False)
+                    law_w = exit_law(trees_v, law_probs, alpha, validate=False) if probs is not None \
+                        else exit_law_from_edges(trees_v, edges, alpha)
+            del scores_NBV
             loss_exit = exit_node_loss(logits[index], trees_v, law_w, s.weight_type, law_probs)
             values["loss_exit"] = loss_exit
             loss = loss + s.lambda_exit * loss_exit

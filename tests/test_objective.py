@@ -12,7 +12,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from exittrain.core import anchor_generator
+from exittrain import objective
+from exittrain.core import anchor_generator, build_tree, select_trees, warp_probs
+from exittrain.core.exit_law import edge_probabilities
 from exittrain.data.collate import Collator
 from exittrain.data.feature_store import FeatureStore
 from exittrain.lit import ExitTrainModule
@@ -167,6 +169,52 @@ def test_a_fit_on_store_batches_never_runs_the_target_over_a_row(target, store_r
     logger = ListLogger()
     trainer(2, logger=logger).fit(plain, train)
     assert logger.values("train/feature_rows_computed") == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 0.0])
+def test_tree_edges_equal_the_edges_of_the_whole_distribution(temperature, monkeypatch):
+    """A few trees at a time, the edges are exactly those of the whole (n, B+1, V) distribution."""
+    torch.manual_seed(0)
+    N, K, V, B = 9, 3, 50, 6
+    trees = build_tree(torch.randn(N, K, V).log_softmax(-1), B)
+    logits = torch.randn(N, B + 1, V) * 3
+    index = torch.tensor([0, 2, 3, 5, 6, 8])
+    probs = torch.softmax(logits[index], -1) if temperature == 1.0 else warp_probs(logits[index], temperature)
+    whole = edge_probabilities(select_trees(trees, index), probs)
+    monkeypatch.setattr(objective, "EDGE_CHUNK_ELEMENTS", 2 * (B + 1) * V)  # 3 chunks of 2 trees
+    assert torch.equal(objective.tree_edges(trees, logits, index, temperature), whole)
+
+
+@pytest.mark.parametrize("exit_loss", [False, True])
+def test_the_tree_law_never_holds_every_trees_distribution(target, exit_loss, monkeypatch):
+    """The tree metrics and the node loss's law take the softmax of one chunk of trees at a time, never of
+    every tree's (B+1, V) rows at once (with the validation's 256 trees of SmolLM2 that tensor and its
+    indexed copy held 1.7 GB), and give exactly the values of one whole chunk."""
+    settings = ObjectiveSettings(anchors_per_seq=6, budget=5, law_temperature=0.7)
+    batch = batch_of(3, seed=4)
+    drafter = drafter_of(target)
+
+    def losses():
+        with torch.no_grad():
+            return compute_losses(drafter, target, batch, settings, anchor_generator(0, 0), exit_loss=exit_loss,
+                                  metrics=True).values
+
+    whole = losses()  # the default chunk holds every tree of this tiny batch
+    rows = []
+    softmax = torch.softmax
+
+    def spy(x, *args, **kwargs):
+        rows.append(tuple(x.shape))
+        return softmax(x, *args, **kwargs)
+
+    monkeypatch.setattr(objective, "EDGE_CHUNK_ELEMENTS", (settings.budget + 1) * target.vocab_size)  # 1 tree
+    monkeypatch.setattr(torch, "softmax", spy)
+    chunked = losses()
+    tree_rows = [shape for shape in rows if shape[1:] == (settings.budget + 1, target.vocab_size)]
+    assert tree_rows and all(shape[0] == 1 for shape in tree_rows), tree_rows
+    assert whole.keys() == chunked.keys()
+    for key, value in whole.items():
+        assert torch.equal(value, chunked[key]), key
 
 
 def test_the_objective_imports_no_lightning():

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from exittrain.data.regen_cache import features_file, load_features, load_top_logprobs, top_logprobs_file
+from exittrain.data.regen_cache import features_file, top_logprobs_file
 from exittrain.safe_io import check_safetensors
 
 __all__ = ["STORE_MODES", "FeatureStore", "RowLayout", "check_store_settings", "open_entry_store", "token_fingerprint"]
@@ -47,6 +47,9 @@ __all__ = ["STORE_MODES", "FeatureStore", "RowLayout", "check_store_settings", "
 logger = logging.getLogger(__name__)
 
 STORE_MODES = ("memory", "disk")
+MAPPED_BYTES = 64 << 20
+"""Memory mode reads at most this many bytes through one mapping of a file before closing it (see
+:meth:`FeatureStore.open`): the mapped pages count as resident memory while the file is open."""
 
 
 @dataclass(frozen=True)
@@ -118,27 +121,33 @@ class FeatureStore:
         if layers is not None and not (path / features_file(layers)).is_file():
             layers = None
         k = int(top_k) if top_k and (path / top_logprobs_file(top_k)).is_file() else 0
-        features = top = None
+        store = cls(path, rows, mode=mode, feature_layers=layers, top_k=k, features=None, top=None)
+        store._check_headers()
         if mode == "memory":
-            stored = load_features(path, layers) if layers is not None else None
-            features = {} if stored is not None else None
-            if stored is not None:
-                for r, layout in rows.items():
-                    got = stored.get(r)
-                    _check_features(path, layers, r, None if got is None else got.shape[0], layout)
-                    features[r] = got[: layout.kept].clone()  # own memory, not a view of the file's mapping
-            stored_top = load_top_logprobs(path, k) if k else None
-            top = {} if stored_top is not None else None
-            if stored_top is not None:
-                for r, layout in rows.items():
-                    got = stored_top.get(r)
-                    _check_top(path, k, r, None if got is None else got[0].shape[0], layout)
-                    kept = max(0, layout.kept - layout.prompt)
-                    top[r] = (got[0][:kept].clone(), got[1][:kept].clone())
-        store = cls(path, rows, mode=mode, feature_layers=layers, top_k=k, features=features, top=top)
-        if mode == "disk":
-            store._check_headers()
+            store._read_into_memory()
         return store
+
+    def _read_into_memory(self) -> None:
+        """Memory mode: copy every row's kept part into its own memory, row by row.
+
+        The rows are the only copy the process holds: reading the whole file first held every row
+        twice while the store filled, and so do the pages of a file mapping, which count as the
+        process's resident memory while mapped. So the files are closed (unmapped) after every
+        :data:`MAPPED_BYTES` read, and for good at the end: training reads no file."""
+        features: dict[int, torch.Tensor] | None = {} if self.has_features else None
+        top: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {} if self.has_top_logprobs else None
+        mapped = 0
+        for r in self.rows:
+            if features is not None:
+                features[r] = self.features(r).clone()
+                mapped += features[r].nbytes
+            if top is not None:
+                top[r] = tuple(t.clone() for t in self.top_logprobs(r)[1:])
+                mapped += sum(t.nbytes for t in top[r])
+            if mapped >= MAPPED_BYTES:
+                self._handles, mapped = {}, 0
+        self._handles = {}
+        self._features, self._top = features, top
 
     def _check_headers(self) -> None:
         """Disk mode: every row's stored lengths, from the files' headers (no tensor data read)."""

@@ -138,3 +138,27 @@ def test_bad_store_settings_raise_naming_the_setting():
         check_store_settings(1.5, "memory")
     with pytest.raises(ValueError, match="feature_store='ram': must be one of"):
         check_store_settings(0, "ram")
+
+
+def test_the_memory_store_holds_each_row_once_in_its_own_memory(entry, monkeypatch):
+    """The rows are read one at a time (never the whole file beside them: it held the features twice), each
+    kept row owns exactly its bytes (no view of an uncut row), and the files are closed once the rows are
+    read: the store is the only copy of the features in the process."""
+    import exittrain.safe_io
+
+    def whole_file(*args, **kwargs):
+        raise AssertionError("the memory store read a whole file at once")
+
+    monkeypatch.setattr(exittrain.safe_io, "load_file", whole_file)
+    path, rows, kept = entry
+    store = FeatureStore.open(path, layouts(rows, MAX_LENGTH), feature_layers=LAYERS, top_k=K, mode="memory")
+    assert store._handles == {}
+    assert any(len(ids) > MAX_LENGTH for ids, _ in rows.values()), "some rows are cut"
+    for r, (ids, n_prompt) in rows.items():
+        n = min(len(ids), MAX_LENGTH)
+        feats = store.features(r)
+        assert torch.equal(feats, kept[r][0][:n])
+        assert feats.untyped_storage().nbytes() == feats.numel() * feats.element_size()
+        _, top_ids, top_logp = store.top_logprobs(r)
+        for t in (top_ids, top_logp):
+            assert t.shape[0] == n - n_prompt and t.untyped_storage().nbytes() == t.numel() * t.element_size()

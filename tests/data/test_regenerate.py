@@ -276,3 +276,28 @@ def test_a_bf16_copy_answers_and_the_target_stays_fp32(tmp_path, smollm2_tokeniz
         agree += int((fp32_next == ids[0, n_p:]).sum())
         total += ids.shape[1] - n_p
     assert agree / total >= 0.9
+
+
+def test_the_bf16_copy_is_released_when_the_data_step_ends(tmp_path, smollm2_tokenizer, monkeypatch):
+    """The copy that answers in another dtype lives only while the answers are made: once regenerate
+    returns, nothing holds it (the training stages run beside the target alone)."""
+    import weakref
+
+    from exittrain.data import answerers
+
+    copies = []
+    make_copy = answerers.answering_model
+
+    def recorded(model, dtype):
+        answering = make_copy(model, dtype)
+        assert answering is not model and next(answering.parameters()).dtype == torch.bfloat16
+        copies.append(weakref.ref(answering))
+        return answering
+
+    monkeypatch.setattr(answerers, "answering_model", recorded)
+    model = tiny_llama(smollm2_tokenizer, seed=0, eos_boost=5.0)
+    gen = GenerationConfig(max_new_tokens=8, batch_size=2, dtype="bfloat16")
+    ds = regenerate(PROMPTS, (model, smollm2_tokenizer), target_name="tiny", cache_dir=tmp_path, gen=gen,
+                    progress=False, feature_layers=[0, 1], top_logprobs=2)
+    assert len(ds) == len(PROMPTS) and len(copies) == 1
+    assert copies[0]() is None, "the bf16 copy outlived the data step (freed without waiting for a gc pass)"
