@@ -1,32 +1,15 @@
-"""Wall-clock laps for the training step's parts and side-by-side timings, in ms, and the switch that
-turns a fast path off for them (torch and the standard library only)."""
+"""Wall-clock laps for the training step's parts and side-by-side timings, in ms (torch and the
+standard library only)."""
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["ReferenceSwitch", "StageTimer", "alternating_medians", "device_now"]
-
-
-class ReferenceSwitch:
-    """A fast path's process-wide off switch, for timing it beside its reference twin: ``on`` is
-    True inside ``with switch.held():`` and what it was before on exit (so blocks nest)."""
-
-    def __init__(self) -> None:
-        self.on = False
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        before, self.on = self.on, True
-        try:
-            yield
-        finally:
-            self.on = before
+__all__ = ["StageTimer", "alternating_medians", "device_now"]
 
 
 def device_now(device: torch.device) -> float:

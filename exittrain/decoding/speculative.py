@@ -279,9 +279,10 @@ class SpeculativeDecoder:
             return self._generate(ids, max_new_tokens, temperature, top_k, top_p, generator, eos)
 
     def products(self, tree_rows: int):
-        """The context the rounds run in, entered before the clock starts: plain ``F.linear`` products
-        here; :class:`exittrain.cpu_decode.fast_products.FastCpuDecoder` enters the CPU's faster
-        ones (made once per process for up to ``tree_rows`` rows)."""
+        """The context the rounds run in, entered before the clock starts: nothing to prepare here;
+        :class:`exittrain.cpu_decode.fast_products.FastCpuDecoder` makes its packs and head layouts
+        for up to ``tree_rows`` rows there (its faster products are options of its own target and
+        drafter, never switched on for this process)."""
         return contextlib.nullcontext()
 
     def _generate(self, ids, max_new_tokens, temperature, top_k, top_p, generator, eos) -> GenerationResult:
