@@ -23,6 +23,7 @@ Which prompts, and which cache entry holds their answers, is :attr:`ExitTrainDat
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -154,7 +155,23 @@ class ExitTrainDataModule(pl.LightningDataModule):
         )
 
     def setup(self, stage: str | None = None) -> None:
-        """Open the cached dataset and split off the validation rows (every process)."""
+        """Open the cached dataset, split off the validation rows and open the store (every process);
+        after :meth:`release_store`, open the store again."""
+        self._split()
+        if self.store is None and (self.feature_layers or self.top_logprobs):
+            self.store = open_entry_store(
+                self.cache_path,
+                split_rows(self.train_set, self.val_set, "prompt_index", "input_ids", "n_prompt_tokens"),
+                max_length=self.max_length,
+                feature_layers=self.feature_layers,
+                top_k=self.top_logprobs,
+                mode=self.feature_store,
+            )
+            if self.store is not None:
+                self.stats["feature_store"] = self.store.summary()
+
+    def _split(self) -> None:
+        """The training and validation rows of the cache entry (once)."""
         if self.train_set is not None:
             return
         path = self.cache_path
@@ -167,23 +184,25 @@ class ExitTrainDataModule(pl.LightningDataModule):
         split = split_entry(path, dp, max_length=self.max_length, val_fraction=self.val_fraction, seed=self.seed)
         self.train_set, self.val_set, self.pad_token_id = split.train_set, split.val_set, split.pad_token_id
         self.stats = split.stats
-        self.store = open_entry_store(
-            path,
-            split.rows("prompt_index", "input_ids", "n_prompt_tokens"),
-            max_length=self.max_length,
-            feature_layers=self.feature_layers,
-            top_k=self.top_logprobs,
-            mode=self.feature_store,
-        )
-        if self.store is not None:
-            self.stats["feature_store"] = self.store.summary()
         n_train, n_val = self.stats["train_rows"], self.stats["val_rows"]
         logger.info("data: %d train rows, %d val rows, %d eval prompts (%s)", n_train, n_val, len(dp.eval), path)
 
+    def release_store(self) -> None:
+        """Drop what only training reads, once no stage trains any more: the :attr:`store` (the rows'
+        target features and soft labels, in host memory with ``feature_store="memory"``) and the last
+        trainer Lightning attached, whose loaders' collators hold the store too. The rows themselves stay
+        (:meth:`answer_token_rows`, :meth:`eval_prompts`); a later :meth:`setup` opens the store again.
+
+        A trainer and its module reference each other: the collection pass here frees them, and the
+        store with them, now rather than whenever the garbage collector next runs a full pass."""
+        self.store = None
+        self.trainer = None
+        gc.collect()
+
     def answer_token_rows(self):
-        """``(input_ids, loss_mask)`` of every training and validation row (after :meth:`setup`):
-        what the draft vocabulary counts (exittrain/cpu_decode/draft_vocab.py)."""
-        self.setup("fit")
+        """``(input_ids, loss_mask)`` of every training and validation row: what the draft vocabulary
+        counts (exittrain/cpu_decode/draft_vocab.py). Opens no store."""
+        self._split()
         return split_rows(self.train_set, self.val_set, "input_ids", "loss_mask")
 
     def _on_gpu(self) -> bool:

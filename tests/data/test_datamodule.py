@@ -226,6 +226,21 @@ def test_kept_features_reach_the_batches_and_the_module_never_computes_them(
     trainer.fit(module, datamodule=dm)
     assert trainer.global_step == 2 and trainer.callback_metrics["train/feature_rows_computed"] == 0
 
+    # once no stage trains any more the store goes, with the trainer whose loaders hold it; the rows stay,
+    # and a later setup opens the store again
+    if mode == "memory":
+        import weakref
+
+        row = weakref.ref(store.features(splits[0]["prompt_index"]))
+        del store, feats, trainer, module  # what fit's stage drops when it returns
+        locals()  # refresh the snapshot of this frame's locals that Lightning's save_hyperparameters took
+        dm.release_store()
+        assert row() is None, "a released store's rows are freed"
+        assert dm.store is None and dm.trainer is None
+        assert len(list(dm.answer_token_rows())) == 10 and dm.store is None, "counting the tokens opens no store"
+        dm.setup("fit")
+        assert torch.equal(dm.store.features(splits[0]["prompt_index"]), stored[splits[0]["prompt_index"]][:max_length])
+
     # a stored row that does not cover its tokens is refused, naming the row and the file to delete
     file = dm.cache_path / features_file([1, 0])
     stored = load_file(str(file))
