@@ -321,7 +321,7 @@ class _Evaluator:
         self.prompts, self.reference, self.chain, self.measured = prompts, reference, chain, []
         _Evaluator.made.append(self)
 
-    def measure(self, drafter, label, *, tree=True):
+    def measure(self, drafter, label):
         self.measured.append(label)
         rows = [{"label": label, "prompt_index": i, "budget": 4, "temperature": 0.0,
                  "block_lengths": [drafter.value] * 3, "rounds": 3, "tau": float(drafter.value)}
@@ -423,6 +423,9 @@ def test_vllm_pairs_each_arm_with_its_control_and_the_warm_start_on_the_same_pro
 @pytest.mark.slow
 def test_the_experiment_runs_end_to_end_on_the_embedded_target(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("EXITTRAIN_CACHE", str(tmp_path / "cache"))
+    # one measuring-code version for both runs, whatever is edited meanwhile (a new version measures again:
+    # tests/bench/test_measure_cache.py)
+    monkeypatch.setattr("exittrain.bench.measure_cache.code_version", lambda: "this test")
     args = bx.parse_args([
         "--steps", "2", "--fresh-prompts", "8", "--prompts", "2", "--max-new-tokens", "12",
         "--budgets", "4", "3", "--temperatures", "0", "1", "--oracle",
