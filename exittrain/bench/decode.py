@@ -59,6 +59,7 @@ import argparse
 import re
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -120,15 +121,26 @@ def restating_request(text: str) -> str:
     return RESTATE_INSTRUCTION.format(prompt=code)
 
 
+def _recipe_prompts(target, domain: str, n: int, skip: int) -> list[list[int]]:
+    """``+recipe=<domain>``'s held-out prompts ``skip .. skip + n`` (the one loader the benches share)."""
+    import tempfile
+
+    from exittrain.bench.recipe import compose_fit_config, heldout_prompts
+
+    with tempfile.TemporaryDirectory() as out:  # the composed config's run folder: nothing is written there
+        return heldout_prompts(compose_fit_config(domain, Path(out)), target, n, skip=skip)
+
+
 def set_prompts(target, name: str, n: int, skip: int) -> list[list[int]]:
     """The prompts ``skip .. skip + n`` of a set (:data:`SETS`), chat-templated as in training.
 
-    ``code``, ``dialogue``, ``math``: the domain's evaluation prompts (:func:`heldout_prompts`).
+    ``code``, ``dialogue``, ``math``: the recipe's evaluation prompts, as ``fit`` and ``eval`` read them
+    (:func:`exittrain.bench.recipe.heldout_prompts`).
     ``restating``: the code domain's evaluation texts (HumanEval), their code wrapped in
     :data:`RESTATE_INSTRUCTION` (:func:`restating_request`).
     """
     if name != "restating":
-        return heldout_prompts(target, name, n, skip)
+        return _recipe_prompts(target, name, n, skip)
     from exittrain.data import ExitTrainDataModule
     from exittrain.data.generation import chat_prompt_ids
 
@@ -138,17 +150,6 @@ def set_prompts(target, name: str, n: int, skip: int) -> list[list[int]]:
         raise ValueError(f"--skip {skip} leaves no HumanEval prompt for the restating set; lower --skip")
     system = data.plan.generation.system_prompt
     return [chat_prompt_ids(target.tokenizer, restating_request(t), system) for t in texts]
-
-
-def heldout_prompts(target, domain: str, n: int, skip: int) -> list[list[int]]:
-    """The domain's evaluation prompts ``skip .. skip + n``, chat-templated as in training."""
-    from exittrain.data import ExitTrainDataModule
-
-    data = ExitTrainDataModule(domain, tokenizer=target.tokenizer, progress=False)
-    prompts = data.eval_prompts(skip + n)[skip:]
-    if not prompts:
-        raise ValueError(f"--skip {skip} leaves no {domain} evaluation prompt; lower --skip")
-    return prompts
 
 
 def interleaved_split(items: list, first: int, second: int) -> tuple[list, list]:
@@ -323,7 +324,7 @@ def run(drafter_path: str | None, budgets: list[int], n_prompts: int, skip: int,
         if choice is not None:
             result["auto"] = choice.to_dict()
         measured.append(result)
-    text = [t for p in heldout_prompts(target, "code", 64, 0) for t in p]
+    text = [t for p in _recipe_prompts(target, "code", 64, 0) for t in p]
     micro = drafter_round_ms(target, drafter, text, contexts or [100, 600], round_positions)
     return {"host": host(), "skip": skip, "new_tokens": new_tokens, "drafter": drafter_path or "fresh",
             "context_window": drafter.config.context_window, "lookup_tokens": lookup_tokens, "sets": measured,

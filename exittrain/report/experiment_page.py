@@ -1,7 +1,7 @@
 """The ``experiment`` kind of result JSON: ``bench exittrain``'s verdict on RESULTS.md.
 
 A result of kind ``experiment`` (schema ``exittrain.result/1``, see :mod:`exittrain.report.results_page`)
-adds ``summary``: ``domain``, ``steps``, ``warm_start``, ``prompts``, ``analytic_anchors``, ``rows``
+adds ``summary``: ``domain``, ``steps``, ``warm_start``, ``prompts``, ``rows``
 (``bench exittrain``'s rows: ``drafter``, ``budget``, ``temperature``, ``tau``, ``ci95``,
 ``vs_control`` and ``vs_warm_start`` (``{"delta", "ci95"}`` or null), ``tau_oracle`` at T > 0,
 and ``shape``: ``chain`` for a row of the drafter's greedy chain of K = ``budget`` nodes, else the
@@ -12,7 +12,9 @@ optionally ``budget_anchors`` (anchors per answer by budget), ``oracle_prompts``
 ``lossless``). A run with training seeds adds ``train_seeds``, ``noise_floor``, ``replicates`` (each
 ExitTrain arm's per-seed differences, the pre-registered rule's word and the reading under the
 protocol's fixed sequence, :func:`exittrain.bench.exittrain_report.replicate_verdicts`) and
-``per_prompt`` (every drafter's per-prompt mean and anchor count at every key).
+``per_prompt`` (every drafter's per-prompt rows). A result measured through the one evaluator adds
+``statistic`` (how its tau is counted: pooled, total tokens / total rounds); a result without it is
+from before (``analytic_anchors`` and its per-position and per-anchor means), and the page labels it so.
 
 The page shows the replicates' readings first. Then come the intervals that exclude 0, each pair read
 alone and labelled as uncorrected (:func:`uncorrected`, computed from the rows when the page is drawn;
@@ -26,9 +28,10 @@ from typing import Any
 
 from exittrain.tables import paired_cell
 
-_SUMMARY_KEYS = ("domain", "steps", "warm_start", "prompts", "analytic_anchors", "rows")
+_SUMMARY_KEYS = ("domain", "steps", "warm_start", "prompts", "rows")
 NEGLIGIBLE = 0.005  # tokens per round (~0.2% of tau here): an interval can exclude 0 and still mean nothing
-_OPTIONAL_KEYS = ("budget_anchors", "oracle_prompts", "vllm", "train_seeds", "noise_floor", "replicates", "per_prompt")
+_OPTIONAL_KEYS = ("statistic", "analytic_anchors", "budget_anchors", "oracle_prompts", "vllm", "train_seeds",
+                  "noise_floor", "replicates", "per_prompt")
 _ROW_KEYS = ("drafter", "budget", "temperature", "tau", "ci95", "vs_control", "vs_warm_start")
 
 
@@ -90,19 +93,26 @@ def experiment_lines(res: dict, json_link: str, cmd_link: str) -> list[str]:
     temps = sorted({r["temperature"] for r in sm["rows"]})
     # the trees by budget, then the chain (what a serving engine verifies)
     groups = sorted({(r.get("shape", "ddtree") == "chain", r["budget"]) for r in sm["rows"]})
-    per_budget = sm.get("budget_anchors")
-    anchors = (", ".join(f"{n} at B = {b}" for b, n in per_budget.items()) if per_budget
-               else str(sm["analytic_anchors"]))
     pairs = sum(r.get("vs_control") is not None for r in sm["rows"])
     found = uncorrected(sm["rows"]) or ["none: no ExitTrain setting's paired interval against its matched control "
                                         "excludes 0."]
+    if "statistic" in sm:  # measured through the one evaluator: every tau pooled as a decode counts it
+        measured = (f"every tau pooled as a decode counts it ({sm['statistic']}); paired against the arm's matched "
+                    "block-CE control and against the warm start on the same answers (95% intervals, "
+                    "resampling prompts).")
+    else:  # from before the pooled evaluator
+        per_budget = sm.get("budget_anchors")
+        anchors = (", ".join(f"{n} at B = {b}" for b, n in per_budget.items()) if per_budget
+                   else str(sm.get("analytic_anchors", "-")))
+        measured = ("per-position and per-anchor means, on drafters with the n-gram copy branch (not a decode's "
+                    "pooled tau): T = 0: greedy block length at every answer position; T > 0: the analytic (expected "
+                    f"TEV) block length at seeded positions of the target's samples at T ({anchors} per answer), the "
+                    f"oracle bound on the first {sm.get('oracle_prompts', sm['prompts'])} prompts; paired against "
+                    "the arm's matched block-CE control and against the warm start (95% intervals, bootstrapping "
+                    "prompts).")
     lines = [
         f"{res['date']}, {json_link} ({cmd_link}): {sm['domain']}, {sm['steps']} steps per arm from one warm start, "
-        f"measured on {sm['prompts']} held-out prompts. T = 0: greedy block length at every answer position; "
-        f"T > 0: the analytic (expected TEV) block length at seeded positions of the target's samples at T "
-        f"({anchors} per answer), "
-        f"the oracle bound on the first {sm.get('oracle_prompts', sm['prompts'])} prompts; paired against the "
-        "arm's matched block-CE control and against the warm start (95% intervals, bootstrapping prompts).",
+        f"measured on {sm['prompts']} held-out prompts: {measured}",
         "",
         *(f"- {note}" for note in res.get("notes", [])),
         *([""] if res.get("notes") else []),

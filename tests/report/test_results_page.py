@@ -239,6 +239,16 @@ def test_an_experiment_result_shows_its_verdict_and_paired_table(tmp_path):
     assert "no correction for the 1 comparisons made" in text  # one seed, one pair: labelled exploratory
     assert "| exittrain-soft-flow-l1-fresh | - | 3.520; +0.012 (-0.004 to +0.031); +0.020 (+0.010 to +0.030) |" in text
     assert "| oracle bound (same budget and law) | - | 4.250 |" in text
+    assert "per-position and per-anchor means, on drafters with the n-gram copy branch" in text  # labelled
+    # a result of the pooled evaluator: no anchors, its statistic named instead
+    pooled = json.loads(_experiment_json(tmp_path, []).read_text())
+    del pooled["analytic_anchors"]
+    write_json(tmp_path / "pooled.json", {**pooled, "statistic": "total tokens / total rounds"})
+    now = results_page.summarize_experiment_json(tmp_path / "pooled.json", name="e", command="c", commit="a",
+                                                 host=HOST, date="2026-12-08")
+    drawn = results_markdown.render_page([now], PAGE)
+    assert "every tau pooled as a decode counts it (total tokens / total rounds)" in drawn
+    assert "per-anchor" not in drawn.split("## Does exit-guided training help?")[1]
     # the list is drawn from the rows: lines an older result stored under 'verdict' are not shown
     stale = results_page.summarize_experiment_json(
         _experiment_json(tmp_path, ["exittrain-x beats control-x"]), name="e", command="c", commit="a", host=HOST,
