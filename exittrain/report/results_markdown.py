@@ -43,8 +43,8 @@ _EARLIER_LEGEND = (
 _EXPERIMENT_LEGEND = (
     "The experiments below without a named statistic were measured before the pooled evaluator: greedy tau was a "
     "mean over every answer position and the tau at T > 0 an expected block length per anchor, both on drafters "
-    "with the n-gram copy branch. A decode pools tokens over rounds, which weights a position by about one over its block, so these means overstate a "
-    "decode's tau, the more the sharper the drafter (docs/metrics.md)."
+    "with the n-gram copy branch. A decode pools tokens over rounds, which weights a position by about one over "
+    "its block, so these means overstate a decode's tau, the more the sharper the drafter (docs/metrics.md)."
 )
 _SERVING_LEGEND = (
     "Chain tau (K): the same prompts decoded with the drafter's greedy chain of K tokens, the draft vLLM and "
