@@ -51,13 +51,14 @@ def items(plan, stage: str, kind: str, phase: str) -> dict[str, int]:
 TARGET_PARAMS = V * H + LAYERS * (H * HEADS * HD + 2 * H * KV * HD + HEADS * HD * H + 3 * H * I + 2 * H) + H + V * H
 # the default drafter (conf/drafter/block.yaml) on it: 2 layers shaped like the target's (a copy of
 # its last layer), feature layers default_layer_ids(4) = [2] (F = H), a learned mask row, the copy gate
-# (2 n-gram lengths, with bias); per layer also the per-head Q/K norms
+# (2 n-gram lengths, with bias: the hand count takes drafter=copy_branch, the larger path); per layer also the
+# per-head Q/K norms
 LAYER = H * HEADS * HD + 2 * H * KV * HD + HEADS * HD * H + 2 * HD + 2 * H + 3 * H * I
 DRAFTER_PARAMS = H * H + H + H + 2 * LAYER + H + (H * 2 + 2)
 
 
 def test_bytes_match_the_hand_count(tiny_dir, tmp_path):
-    plan = make_plan(overrides(tiny_dir, tmp_path))
+    plan = make_plan([*overrides(tiny_dir, tmp_path), "drafter=copy_branch"])
     assert plan.target["params"] == TARGET_PARAMS and plan.drafter["params"] == DRAFTER_PARAMS
     rotary = 2 * (HD // 2) * 4  # the rotary embedding's buffers inv_freq and original_inv_freq, fp32
     assert plan.target["bytes"] == TARGET_PARAMS * 4 + rotary
