@@ -188,6 +188,9 @@ def train_stage(run: FitRun, stage: str) -> None:
         run.full = full_drafter(run.drafter, run.target)
         run.timings[f"{stage}_s"] = time.perf_counter() - t0
         run.summary[f"{stage}_metrics"] = scalar_metrics(trainer)
+        del trainer, module  # training is over: the trainer, its loaders and the module go before the evaluation
+        if stage == run.stages[-1]:  # the rows' features and soft labels: only training reads them
+            run.datamodule.release_store()
         if global_rank() == 0:
             log_table(logger, f"final/{label}", evaluate_held_out(run, label))
     finally:

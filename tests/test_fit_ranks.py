@@ -200,9 +200,26 @@ def test_fit_on_rank_zero_regenerates_evaluates_and_writes(rank, tmp_path, monke
         return real_ar(target, prompt, *args, **kwargs)
 
     monkeypatch.setattr(decoding, "autoregressive_generate", counting_ar)  # the evaluator's baselines read it here
+    from exittrain.data import ExitTrainDataModule
+    from exittrain.heldout.evaluator import HeldOutEvaluator
+
+    released, real_release, real_measure = [], ExitTrainDataModule.release_store, HeldOutEvaluator.measure
+
+    def release(self):
+        released.append("release")
+        real_release(self)
+
+    def measure(self, drafter, label):
+        released.append(label)
+        return real_measure(self, drafter, label)
+
+    monkeypatch.setattr(ExitTrainDataModule, "release_store", release)
+    monkeypatch.setattr(HeldOutEvaluator, "measure", measure)
     rank(0)
     summary = fit(cfg, target=target)
     assert set(summary["tables"]) == {"warm_start", "exittrain"}
+    # the training rows' store goes once the last stage has trained, before its evaluation
+    assert released == ["warm_start", "release", "exittrain"], released
     for name in RANK_ZERO_FILES:
         assert (tmp_path / "run" / name).exists(), name
     # the answer tokens a CPU decoder's draft vocabulary reads: written only when eval.decode=auto asks for that lab
