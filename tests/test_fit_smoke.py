@@ -155,6 +155,6 @@ def test_the_installed_wheel_runs_the_smoke_fit_without_a_checkout(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["stages"] == ["pretrain", "exittrain"]
-    assert set(metrics["tables"]) == {"warm_start", "exittrain", "served"}
+    assert set(metrics["tables"]) == {"warm_start", "exittrain"} and metrics["served"]["label"] == "exittrain"
     assert (run_dir / "drafter" / "config.json").is_file() and (run_dir / ".hydra" / "config.yaml").is_file()
     assert not list(away.iterdir()), "the run wrote into the working folder instead of its run directory"
