@@ -103,10 +103,10 @@ def test_fit_smoke_on_the_embedded_target(tmp_path):
 
     assert (run_dir / "drafter" / "config.json").is_file()
     # the served format beside it: at the default nothing is dropped (no copy branch), so the drafter's own
-    # rows are what an engine serves, and metrics.json leads with them
+    # rows are what an engine serves, and metrics.json's `served` block names them
     served = json.loads((run_dir / "drafter_dflash" / "config.json").read_text())
     assert served["architectures"] == ["DFlashDraftModel"] and metrics["drafter_dflash"]["dropped"] == []
-    assert next(iter(metrics)) == "served" and metrics["served"]["label"] == "exittrain"
+    assert metrics["served"]["label"] == "exittrain" and metrics["served"]["dropped"] == []
     assert "served" not in metrics["tables"]
     lead = metrics["served"]["by_temperature"]["0.6"]
     assert lead["chain_tau"] == metrics["tables"]["exittrain"][1]["chain_tau"] and "8" in lead["tree"]
