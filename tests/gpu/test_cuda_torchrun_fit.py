@@ -56,7 +56,7 @@ def fit_command(trainer: str, workdir: Path, run_dir: Path, probe: Path, device:
         "eval.num_prompts=1",
         "eval.max_new_tokens=4",
         "eval.oracle=false",
-        "eval.analytic_anchors=2",
+        "eval.temperatures=[0.0,0.6]",
         "logger=csv",
         "+trainer.enable_progress_bar=false",
         "+callbacks.probe._target_=tests.gpu.fit_probe.FitProbe",
