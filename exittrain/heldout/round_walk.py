@@ -73,7 +73,8 @@ from collections.abc import Sequence
 import torch
 
 __all__ = [
-    "WALK_SHAPES", "anchor_logprobs", "anchor_trees", "chain_accept_lengths", "check_live", "walk_checks",
+    "WALK_SHAPES", "anchor_logprobs", "anchor_trees", "chain_accept_lengths", "chain_block_lengths", "check_live",
+    "walk_checks",
     "walked_rounds",
 ]
 
@@ -142,6 +143,18 @@ def chain_accept_lengths(drafter, features_1TF: torch.Tensor, ids_1T: torch.Tens
         alive = alive[token_A == labels_PK[alive, j]]
         accepted_P[alive] += 1
     return accepted_P
+
+
+def chain_block_lengths(logits_NKV: torch.Tensor, labels_NK: torch.Tensor) -> torch.Tensor:
+    """(N,) float: 1 + the length of the run of positions where the drafter's argmax equals the label,
+    from the first: the block a T = 0 verifier accepts on the greedy chain (bonus included), one per
+    anchor. A per-anchor value, not a decode's pooled tau: :func:`walked_rounds` walks such
+    acceptances into rounds; the training curve (``heldout/chain_block_length``) averages them.
+
+    Fast path of ``1 + followed_depth(chain_tree(logq), labels)`` (:func:`~exittrain.core.chain_tree`),
+    the twin the tests compare it with."""
+    hits_NK = (logits_NKV.argmax(-1) == labels_NK).long()
+    return 1.0 + hits_NK.cumprod(dim=1).sum(dim=1).float()
 
 
 def _rows(copy, rows: torch.Tensor, depth: int):

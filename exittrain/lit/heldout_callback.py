@@ -3,7 +3,8 @@
 :class:`HeldOutBlockLengthCallback` logs ``heldout/chain_block_length`` and
 ``heldout/tree_block_length`` every few optimizer steps: one drafter pass over a fixed few
 validation rows, no decoding, no target forward when the batches carry the target features.
-:func:`chain_block_lengths` is its fast path of the chain's greedy block length.
+The chain's per-anchor block lengths come from the held-out layer
+(:func:`~exittrain.heldout.round_walk.chain_block_lengths`), where the walks' acceptance lives.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from exittrain.core import anchor_generator, build_tree, followed_depth, sample_anchors
+from exittrain.heldout.round_walk import chain_block_lengths
 from exittrain.lit.sharding import drafter_and_target
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HeldOutBlockLengthCallback", "chain_block_lengths"]
+__all__ = ["HeldOutBlockLengthCallback"]
 
 
 class HeldOutBlockLengthCallback(Callback):
@@ -34,9 +36,9 @@ class HeldOutBlockLengthCallback(Callback):
 
     - ``heldout/chain_block_length``: 1 + how many of them the drafter's greedy chain matches in a
       row, the block a T = 0 verifier accepts on the chain a serving engine verifies, averaged over
-      the anchors (:func:`chain_block_lengths`). A training curve: a mean over anchors is not a
-      decode's pooled tau, which counts only where rounds start and is lower where blocks are long
-      (docs/metrics.md); the final table's chain tau is the pooled one;
+      the anchors (:func:`~exittrain.heldout.round_walk.chain_block_lengths`). A training curve: a
+      mean over anchors is not a decode's pooled tau, which counts only where rounds start and is
+      lower where blocks are long (docs/metrics.md); the final table's chain tau is the pooled one;
     - ``heldout/tree_block_length``: 1 + how deep DDTree's tree of ``budget`` nodes holds them
       (:func:`~exittrain.core.followed_depth`); ``budget=None`` leaves it out.
 
@@ -160,13 +162,3 @@ class HeldOutBlockLengthCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = [dict(h) for h in state_dict.get("history", [])]
         self._last_step = int(self.history[-1]["step"]) if self.history else -1
-
-
-def chain_block_lengths(logits_NKV: torch.Tensor, labels_NK: torch.Tensor) -> torch.Tensor:
-    """(N,) float: 1 + the length of the run of positions where the drafter's argmax equals the label,
-    from the first: the block a T = 0 verifier accepts on the greedy chain (bonus included).
-
-    Fast path of ``1 + followed_depth(chain_tree(logq), labels)`` (:func:`~exittrain.core.chain_tree`),
-    the twin the tests compare it with."""
-    hits_NK = (logits_NKV.argmax(-1) == labels_NK).long()
-    return 1.0 + hits_NK.cumprod(dim=1).sum(dim=1).float()

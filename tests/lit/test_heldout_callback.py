@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from exittrain.core import chain_tree, followed_depth
-from exittrain.lit.heldout_callback import HeldOutBlockLengthCallback, chain_block_lengths
+from exittrain.heldout.round_walk import chain_block_lengths
+from exittrain.lit.heldout_callback import HeldOutBlockLengthCallback
 from tests.lit.helpers import BLOCK, ListLogger, loader, make_module
 from tests.lit.helpers import trainer as make_trainer
 
