@@ -226,7 +226,7 @@ def primary_drafter(run: FitRun, exported: dict, drafter_dir, served_label: str)
 
 
 def served_summary(tables: dict[str, list[dict]], label: str, exported: dict) -> dict:
-    """``metrics.json``'s lead: what an engine runs of the run's drafter (``label``'s rows: the DFlash export,
+    """``metrics.json``'s ``served`` block: what an engine runs of the run's drafter (``label``'s rows: the DFlash export,
     or at the default, where nothing is dropped, the drafter itself), per temperature its chain tau at K
     and its tree tau at each budget, pooled, with their 95% intervals."""
     by_temperature: dict[str, dict] = {}
@@ -266,7 +266,7 @@ def finish_run(run: FitRun) -> dict:
             print(f"\nWARNING: vLLM could not measure the DFlash export ({vllm_error.splitlines()[0]}); "
                   f"its logs are in {out.path / 'vllm'}")
     run.summary["primary_drafter"] = primary_drafter(run, exported, drafter_dir, served_label)
-    run.summary = {"served": served_summary(run.summary["tables"], served_label, exported), **run.summary}
+    run.summary["served"] = served_summary(run.summary["tables"], served_label, exported)
     budget = max(run.settings["budgets"])
     out.write_tree_example(tree_example(run.target, run.full, run.eval_prompts[0], budget=budget,
                                         shape=run.cfg.tree.shape))  # what the run trained on
