@@ -226,9 +226,9 @@ def primary_drafter(run: FitRun, exported: dict, drafter_dir, served_label: str)
 
 
 def served_summary(tables: dict[str, list[dict]], label: str, exported: dict) -> dict:
-    """``metrics.json``'s ``served`` block: what an engine runs of the run's drafter (``label``'s rows: the DFlash export,
-    or at the default, where nothing is dropped, the drafter itself), per temperature its chain tau at K
-    and its tree tau at each budget, pooled, with their 95% intervals."""
+    """``metrics.json``'s ``served`` block: what an engine runs of the run's drafter (``label``'s rows:
+    the DFlash export, or at the default, where nothing is dropped, the drafter itself), per
+    temperature its chain tau at K and its tree tau at each budget, pooled, with their 95% intervals."""
     by_temperature: dict[str, dict] = {}
     for row in tables.get(label, []):
         cell = by_temperature.setdefault(f"{row['temperature']:g}", {})
