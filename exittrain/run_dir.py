@@ -53,6 +53,8 @@ STAGE_LABELS = {"pretrain": "warm_start", "exittrain": "exittrain"}
 DRAFTER_DIRS = {"pretrain": "warmstart_drafter", "exittrain": "drafter"}
 FIT_SUMMARY_KEYS = ("recipe", "stages", "tables")
 TREE_EXAMPLE_KEYS = ("tokens", "parents", "depths", "reach", "exit_mass")
+# the files of a run go where hydra.run.dir points (fit, eval); a file that could not be written stays as it was
+RUN_FILE_FIX = "point hydra.run.dir at a disk with room and write permission, then run again"
 EXPECTED_FILES = (
     "metrics.json (fit run), results.json (eval run), eval_<label>.json, metrics_<stage>.json or tree_example.json"
 )
@@ -61,10 +63,11 @@ EXPECTED_FILES = (
 def write_json_atomic(path: str | os.PathLike, data: Any) -> Path:
     """Write ``data`` as JSON to ``path`` via a temporary sibling file, fsync and ``os.replace``.
 
-    A failure (or a kill) while writing leaves the previous ``path`` untouched (:func:`exittrain.atomic.atomic_open`).
+    A failure (or a kill) while writing leaves the previous ``path`` untouched (:func:`exittrain.atomic.atomic_open`);
+    a failure of the file system raises :class:`exittrain.atomic.WriteError` naming ``path`` and the fix.
     """
     path = Path(path)
-    with atomic_open(path, "w") as f:
+    with atomic_open(path, "w", what="run file", fix=RUN_FILE_FIX) as f:
         json.dump(data, f, indent=2, sort_keys=True, ensure_ascii=False)
         f.write("\n")
     return path
@@ -173,7 +176,7 @@ class RunDir:
         json_path = write_json_atomic(self.results_path, {"rows": rows, "summary": summary, "drafter": str(drafter)})
         flat = [{k: v for k, v in r.items() if not isinstance(v, list)} for r in rows]
         csv_path = self.path / RESULTS_CSV
-        with atomic_open(csv_path, "w") as f:
+        with atomic_open(csv_path, "w", what="run file", fix=RUN_FILE_FIX) as f:
             writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in flat for k in r)))
             writer.writeheader()
             writer.writerows(flat)

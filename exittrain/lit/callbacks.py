@@ -35,7 +35,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from exittrain.atomic import fsync_dir, fsync_tree, remove_stale_temps, temp_sibling
+from exittrain.atomic import fsync_dir, fsync_tree, remove_stale_temps, temp_sibling, write_errors_named
 from exittrain.core import TREE_SHAPES, VERIFIERS
 from exittrain.heldout.decode_eval import decode_check
 from exittrain.lit.heldout_callback import HeldOutBlockLengthCallback
@@ -69,11 +69,29 @@ def save_drafter(drafter, path: str | os.PathLike) -> Path:
     The new files are fsynced before the renames (durable across a power loss, not only a kill),
     and hidden ``.<name>.*.tmp`` / ``.old`` folders that killed exports left are removed after a
     successful one. Only one process may export to a given ``path`` at a time (rank 0 does).
+    A failure of the file system (a full disk) raises :class:`exittrain.atomic.WriteError` naming
+    ``path``, the bytes the weights need, the free space and the fix.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_sibling(path, "tmp")
-    tmp.mkdir()
+    needed = sum(t.nbytes for t in drafter.state_dict().values())
+    with write_errors_named(path, what="drafter export", fix=DRAFTER_WRITE_FIX, needed=needed):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temp_sibling(path, "tmp")
+        tmp.mkdir()
+        _save_into(drafter, path, tmp)
+    remove_stale_temps(path)
+    return path
+
+
+# a failed export leaves the previous one in place; the run's checkpoints still hold the drafter
+DRAFTER_WRITE_FIX = (
+    "point hydra.run.dir at a disk with room; the stage's checkpoints hold the trained drafter "
+    "(exittrain.lit.ExitTrainModule.drafter_from_checkpoint, or fit ckpt_path=RUN_DIR/checkpoints/<stage>/last.ckpt)"
+)
+
+
+def _save_into(drafter, path: Path, tmp: Path) -> None:
+    """:func:`save_drafter`'s write into ``tmp`` and the renames that put it at ``path``."""
     old = None
     try:
         drafter.save_pretrained(tmp)
@@ -92,8 +110,6 @@ def save_drafter(drafter, path: str | os.PathLike) -> Path:
             os.replace(old, path)  # the new folder never arrived: put the previous export back
         elif old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    remove_stale_temps(path)
-    return path
 
 
 def scalar_float(value: Any) -> float | None:

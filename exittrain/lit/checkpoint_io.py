@@ -15,10 +15,16 @@ renames it into place (:func:`exittrain.atomic.atomic_open`). The hidden name (`
 never matches ModelCheckpoint's ``last*.ckpt`` pattern, so ``ckpt_path="last"`` cannot pick a torn
 temporary file; after a successful save, such leftovers of earlier killed saves are removed.
 Remote paths (``s3://`` and the like) keep Lightning's behaviour.
+
+A save that fails on the file system (a full disk) raises :class:`exittrain.atomic.WriteError`
+naming the checkpoint, the bytes its tensors need, the free space and the fix, from the first
+failed write: torch's archive writer then fails on its own state (``unexpected pos``), and that
+error is not what the user reads. The previous checkpoint under the name stays whole.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import fsspec
@@ -28,7 +34,23 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from exittrain.atomic import atomic_open, remove_stale_temps
 
-__all__ = ["AtomicCheckpointIO"]
+__all__ = ["AtomicCheckpointIO", "CHECKPOINT_WRITE_FIX", "tensor_bytes"]
+
+CHECKPOINT_WRITE_FIX = (
+    "point hydra.run.dir (the run directory) at a disk with room; the checkpoints written before this one are "
+    "whole, and fit resumes from one with ckpt_path=RUN_DIR/checkpoints/<stage>/last.ckpt"
+)
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor in a nested checkpoint (dicts, lists, tuples): what its file needs, less the pickle."""
+    if isinstance(obj, torch.Tensor):
+        return obj.nbytes
+    if isinstance(obj, Mapping):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -46,6 +68,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if not isinstance(fs, LocalFileSystem):
             super().save_checkpoint(checkpoint, path)
             return
-        with atomic_open(local_path, "wb") as f:
+        needed = tensor_bytes(checkpoint)
+        with atomic_open(local_path, "wb", what="checkpoint", fix=CHECKPOINT_WRITE_FIX, needed=needed) as f:
             torch.save(checkpoint, f)
         remove_stale_temps(local_path)  # temporaries of writes killed earlier; only global rank 0 saves
