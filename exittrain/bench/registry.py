@@ -17,6 +17,7 @@ BENCHES = {
     "memory": "exittrain.bench.scoring_memory",
     "regen": "exittrain.bench.regen",
     "exittrain": "exittrain.bench.exittrain_arms",
+    "curve": "exittrain.bench.curve",
     "vllm": "exittrain.bench.vllm_acceptance",
     "gpu": "exittrain.bench.gpu_check",
 }

@@ -13,6 +13,8 @@ display, no global backend switch), so they are safe in headless jobs and thread
 - :func:`plot_training_curves`: a validation metric (e.g. ``val/block_length``) over steps.
 - :func:`plot_grouped_bars`: one value per (group, series), e.g. tau relative to the control arm
   per domain, or the verifier's time per round per budget; an optional reference line.
+- :func:`plot_learning_curve`: ``bench curve``'s served tau against training CPU-seconds and against
+  training tokens, one line per recipe, the 95% intervals as bands.
 
 Bad input (nothing to plot, missing keys) raises ValueError naming what is missing; a series
 that is empty is skipped with a warning (:mod:`warnings`), never silently.
@@ -38,6 +40,7 @@ __all__ = [
     "plot_draft_tree",
     "plot_training_curves",
     "plot_grouped_bars",
+    "plot_learning_curve",
     "tree_layout",
     "display_token",
     "series_name",
@@ -327,6 +330,45 @@ def plot_training_curves(
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+_CURVE_KEYS = ("recipe", "cpu_s", "train_tokens", "chain_tau", "chain_ci95", "tree_tau", "tree_ci95")
+
+
+def plot_learning_curve(result: Mapping, path: PathLike) -> Path:
+    """``bench curve``'s result (:func:`exittrain.bench.curve.result_of`): two panels, the served tau
+    against training CPU-seconds (the data step included) and against training tokens. Per recipe one
+    colour: the chain tau at K as a solid line, the tree tau at the budget dashed, each with its 95%
+    interval as a band. ValueError for no points or a point without one of the keys it plots."""
+    points = list(result.get("points") or [])
+    if not points:
+        raise ValueError("plot_learning_curve: the result has no points")
+    by_recipe: dict[str, list[Mapping]] = {}
+    for i, p in enumerate(points):
+        missing = [k for k in _CURVE_KEYS if k not in p]
+        if missing:
+            raise ValueError(f"plot_learning_curve: point {i} lacks {', '.join(missing)}")
+        by_recipe.setdefault(p["recipe"], []).append(p)
+    K, budget = points[0].get("chain_K", "K"), result.get("budget", points[0].get("budget", "B"))
+    fig = _new_figure(11.0, 4.5)
+    axes = fig.subplots(1, 2, sharey=True)
+    for ax, x_key, x_label in ((axes[0], "cpu_s", "training CPU-seconds (data step included)"),
+                               (axes[1], "train_tokens", "training tokens")):
+        for i, (recipe, pts) in enumerate(by_recipe.items()):
+            color = _COLORS[i % len(_COLORS)]
+            x = [float(p[x_key]) for p in pts]
+            for key, style, name in (("chain", "-", f"chain K={K}"), ("tree", "--", f"tree B={budget}")):
+                ax.plot(x, [p[f"{key}_tau"] for p in pts], style, color=color, marker="o", markersize=3,
+                        label=f"{recipe}, {name}")
+                ax.fill_between(x, [p[f"{key}_ci95"][0] for p in pts], [p[f"{key}_ci95"][1] for p in pts],
+                                color=color, alpha=0.12, linewidth=0)
+        ax.set_xlabel(x_label)
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("served tau (tokens per round, pooled)")
+    axes[1].legend(fontsize=7, loc="best")
+    fig.suptitle(f"Served tau against training cost, T = {float(points[0].get('temperature', 0.0)):g} "
+                 "(bands: 95% intervals over prompts)")
     return _save(fig, path)
 
 
