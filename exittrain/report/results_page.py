@@ -36,6 +36,8 @@ Files read, in ``ROOT/results/`` (``--root``, default the current folder, a chec
   ``default_recipe``: the recipe whose served tau the findings block quotes).
   Free text carrying a digit (dates and link targets aside) is refused: every figure on the page
   must come from a result JSON, linked to it and to its command.
+- ``curve/curve.json``, when it exists: ``bench curve``'s learning curve (:func:`load_curve`), shown with
+  its ``curve/curve.png`` and table; without it the page says the curve is not measured yet.
 
 Writing a result: ``python -m exittrain report --results --add RUN_DIR --name NAME --command CMD``
 summarises a ``fit`` run directory (its ``metrics.json``, and ``cli.log`` for the date and the CPU
@@ -171,8 +173,32 @@ def _no_figures(text: str, where: str) -> str:
     return text
 
 
+_CURVE_POINT_KEYS = ("recipe", "step", "stage", "cpu_s", "wall_s", "train_tokens", "chain_tau", "chain_ci95",
+                     "chain_K", "tree_tau", "tree_ci95")
+
+
+def load_curve(results_dir: str | Path) -> dict | None:
+    """``results/curve/curve.json`` (``bench curve``'s result, :func:`exittrain.bench.curve.result_of`),
+    checked for what the page shows; None when there is none."""
+    path = Path(results_dir) / "curve" / "curve.json"
+    if not path.is_file():
+        return None
+    curve = _read(path)
+    for key in ("domain", "command", "prompts", "temperature", "budget", "host", "recipes", "points"):
+        _need(curve, key, str(path))
+    for key in ("cpu_model", "cpu_capability"):
+        _need(curve["host"], key, f"{path} host")
+    for i, recipe in enumerate(curve["recipes"]):
+        _need(_need(recipe, "data", f"{path} recipes[{i}]", dict), "cpu_s", f"{path} recipes[{i}].data")
+    for i, point in enumerate(curve["points"]):
+        for key in _CURVE_POINT_KEYS:
+            _need(point, key, f"{path} points[{i}]")
+    return curve
+
+
 def load_page(results_dir: str | Path) -> dict:
-    """``results/page.json``, checked: its free text holds no figure."""
+    """``results/page.json``, checked: its free text holds no figure; with ``curve``, the learning curve
+    :func:`load_curve` reads (None without one), which the page shows beside the text."""
     where = str(Path(results_dir) / "page.json")
     page = _read(Path(results_dir) / "page.json")
     for key in ("recipes", "not_measured", "ablation", "negatives", "notebook", "findings"):
@@ -188,7 +214,7 @@ def load_page(results_dir: str | Path) -> dict:
     for i, entry in enumerate(page["notebook"]):
         _need(entry, "path", f"{where} notebook[{i}]", str)
         _no_figures(_need(entry, "title", f"{where} notebook[{i}]", str), f"{where} notebook[{i}].title")
-    return page
+    return {**page, "curve": load_curve(results_dir)}
 
 
 # ----------------------------------------------------------------------------------------------
