@@ -16,7 +16,17 @@ Cache layout under ``cache_dir`` (a ``datasets`` Arrow dataset written with ``sa
 
 ``key`` hashes the target name, the prompt-set description, the prompt list and the generation
 settings (:func:`cache_key`). Each shard and the final dataset are written to a temporary folder
-and renamed into place (:func:`save_atomic`), so a folder with the final name is always complete.
+and renamed into place (:func:`save_atomic`), so a folder with the final name is always complete,
+and each carries the checksums of its files (:mod:`exittrain.data.cache_integrity`).
+
+**Several runs, one cache.** Runs that share ``cache_dir`` (on one machine, or the ranks and shard
+jobs of one entry) coordinate through claims, exclusive ``flock`` locks on hidden files:
+``<entry>.partial/.shard_NNNNN.claim`` for a batch (:func:`claimed_batches`: a process answers a
+batch only while it holds its claim, and uses the shard another process finished) and
+``.<entry>.merge.lock`` beside the entry for the merge (:func:`merge_lock`). The kernel drops a
+lock when its process exits, so a claim nobody holds belongs to a run that is gone: its temporary
+folders are removed by the next holder, and a ``.partial`` folder left beside a complete entry
+is removed once no claim in it is held (:func:`remove_stale_partial`).
 
 Beside a dataset (an entry or a shard) may lie ``features-<layers>.safetensors`` (``prompt_index ->
 (n, F)`` bf16, n the row's length; :func:`load_features`) and ``top-logprobs-<S>.safetensors``
@@ -33,15 +43,17 @@ import logging
 import os
 import re
 import shutil
+import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import datasets
 import torch
 
-from exittrain.atomic import fsync_dir, fsync_tree
+from exittrain.atomic import FileLock, fsync_dir, fsync_tree, write_errors_named
+from exittrain.data.cache_integrity import verify_checksums, write_checksums
 from exittrain.data.generation import GenerationConfig
 from exittrain.precision import AUTO
 
@@ -218,23 +230,19 @@ def save_atomic(
 
     A folder named ``final`` is therefore always complete: readers test ``final.is_dir()``, and a
     write that fails or is killed leaves only ``<final>.tmp-*``, which no reader opens (a failed
-    write removes it; a killed one leaves it to the next regeneration of the key, which deletes it). The
+    write removes it; a killed one leaves it to the next holder of its claim, which deletes it). The
     files are fsynced before the rename, so a power loss cannot leave a complete-looking folder of
-    unwritten data either.
+    unwritten data either. The folder's checksums are written last (:func:`write_checksums`).
+
+    A failure of the file system (a full disk) raises :class:`exittrain.atomic.WriteError` naming
+    ``final``, the bytes the folder needs, the free space and the fix.
     """
     tmp = final.with_name(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    needed = ds.data.nbytes + sum(t.nbytes for tensors, _ in (tensor_files or {}).values() for t in tensors.values())
+    what = "cache shard" if final.parent.name.endswith(".partial") else "cache entry"
     try:
-        with _quiet_datasets_bars():
-            ds.save_to_disk(str(tmp))
-        if meta is not None:
-            with open(tmp / META_FILE, "w") as f:
-                json.dump(meta, f, indent=2, sort_keys=True)
-        if tensor_files:
-            from safetensors.torch import save_file
-
-            for name, (tensors, metadata) in tensor_files.items():
-                save_file(tensors, str(tmp / name), metadata=metadata)
-        fsync_tree(tmp)
+        with write_errors_named(final, what=what, fix=_write_fix(final), needed=needed):
+            _write_folder(ds, tmp, meta, tensor_files)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -245,6 +253,36 @@ def save_atomic(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_folder(
+    ds: datasets.Dataset,
+    tmp: Path,
+    meta: dict[str, Any] | None,
+    tensor_files: Mapping[str, tuple[dict[str, torch.Tensor], dict[str, str]]] | None,
+) -> None:
+    """Every file of a cache folder into ``tmp``, its checksums last, all fsynced (:func:`save_atomic`)."""
+    with _quiet_datasets_bars():
+        ds.save_to_disk(str(tmp))
+    if meta is not None:
+        with open(tmp / META_FILE, "w") as f:
+            json.dump(meta, f, indent=2, sort_keys=True)
+    if tensor_files:
+        from safetensors.torch import save_file
+
+        for name, (tensors, metadata) in tensor_files.items():
+            save_file(tensors, str(tmp / name), metadata=metadata)
+    write_checksums(tmp)
+    fsync_tree(tmp)
+
+
+def _write_fix(final: Path) -> str:
+    """What to do when a cache folder could not be written (the prefix "free space on that disk" comes first)."""
+    partial = final.parent if final.parent.name.endswith(".partial") else final.with_name(final.name + ".partial")
+    return (
+        f"point data.cache_dir at a disk with room (the entry is answered afresh there). The batches already "
+        f"finished in {partial} are kept: a run on the same cache answers only the missing ones"
+    )
 
 
 def batch_dir(partial: Path, batch: int) -> Path:
@@ -269,7 +307,11 @@ def batch_record(
 
 def read_batch_record(folder: Path) -> dict[str, Any]:
     """The record of a finished batch's folder (:func:`batch_record`); an empty record (no rejections,
-    writer unknown) for a folder written before batches kept one."""
+    writer unknown) for a folder written before batches kept one. The folder's checksums are checked
+    first (:func:`~exittrain.data.cache_integrity.verify_checksums`): the merge reads only whole shards."""
+    verify_checksums(
+        folder, what="batch shard", fix=f"delete {folder}; the next run on this cache answers that batch again"
+    )
     file = folder / META_FILE
     if not file.is_file():
         return {"writer": "unknown", "rejected_by_engine": [], "answers": 0, "new_tokens": 0, "seconds": 0.0}
@@ -307,3 +349,114 @@ def merge_shards(shards: Sequence[Path], load: Callable[[Path], dict | None], wh
             return None
         rows.update(part)
     return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# several runs on one cache: claims (see the module docstring)
+
+CLAIM_POLL_S = 2.0
+"""Seconds between two looks at a batch another process holds (:func:`claimed_batches`)."""
+
+
+def entry_of(partial: Path) -> Path:
+    """The entry folder whose unfinished batches ``partial`` (``<entry>.partial``) holds."""
+    return partial.with_name(partial.name.removesuffix(".partial"))
+
+
+def claim_file(partial: Path, batch: int) -> Path:
+    """The lock file of batch ``batch``'s claim, inside ``partial``."""
+    return partial / f".{batch_dir(partial, batch).name}.claim"
+
+
+def claimed_batches(partial: Path, todo: Sequence[int]) -> Iterator[int]:
+    """Yield the batches of ``todo`` for this process to answer, each while it holds the batch's claim.
+
+    The caller writes the batch's shard in its loop body; the claim is released when it asks for
+    the next batch. A batch whose shard exists (another run finished it) is skipped, with a log
+    line; a batch another process holds is left for later, and once this process has answered
+    the others it waits for it (every :data:`CLAIM_POLL_S` seconds): its holder finishes it, or
+    exits and this process claims it. Under a claim, the temporary folders of the batch's killed
+    writes are removed (no one else can be writing them). The generator stops early when the
+    entry is complete (another run merged it), after removing ``partial`` if nothing holds it.
+    """
+    final = entry_of(partial)
+    waiting, announced = list(todo), set()
+    while waiting:
+        claimed = False
+        for b in list(waiting):
+            if final.is_dir():
+                logger.info("the cache entry %s was completed by another run; this run uses it", final)
+                remove_stale_partial(final)
+                return
+            if batch_dir(partial, b).is_dir():
+                logger.info("batch %d of %s was answered by another run; this run uses it", b, final)
+                waiting.remove(b)
+                continue
+            claim = FileLock(claim_file(partial, b))
+            try:
+                got = claim.acquire()
+            except FileNotFoundError:  # partial was removed: its entry merged (seen at the next look), or by hand
+                if not final.is_dir():
+                    partial.mkdir(parents=True, exist_ok=True)
+                continue
+            if not got:
+                if b not in announced:
+                    announced.add(b)
+                    logger.info("batch %d of %s is being answered by %s; this run answers the others first",
+                                b, final, claim.holder())
+                continue
+            try:
+                if final.is_dir() or batch_dir(partial, b).is_dir():
+                    continue  # finished while this process waited for the lock; seen at the next look
+                for stale in partial.glob(f"{batch_dir(partial, b).name}.tmp-*"):
+                    logger.info("removing %s: a write of batch %d whose process is gone", stale, b)
+                    shutil.rmtree(stale, ignore_errors=True)
+                waiting.remove(b)
+                claimed = True
+                yield b
+            finally:
+                # the file goes with the claim (a waiter holding the old file's lock sees it gone and looks
+                # again), so only a claim of a killed process stays behind, and nobody holds it
+                claim.path.unlink(missing_ok=True)
+                claim.release()
+        if waiting and not claimed:
+            time.sleep(CLAIM_POLL_S)
+
+
+@contextlib.contextmanager
+def merge_lock(final: Path) -> Iterator[None]:
+    """Hold the entry's merge lock (``.<entry>.merge.lock`` beside it), waiting for another merger.
+
+    The caller merges only when ``final`` is still absent once it holds the lock. Under the lock,
+    the temporary entry folders of killed merges (``<entry>.tmp-*``) are removed; the lock file
+    goes with the lock."""
+    lock = FileLock(final.with_name(f".{final.name}.merge.lock"))
+    while not lock.acquire():
+        time.sleep(CLAIM_POLL_S)
+    try:
+        for stale in final.parent.glob(f"{final.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        yield
+    finally:
+        lock.path.unlink(missing_ok=True)  # as a claim's: a waiter on the old file looks again
+        lock.release()
+
+
+def remove_stale_partial(final: Path) -> bool:
+    """Remove ``<final>.partial`` beside the complete entry ``final`` when no process holds a claim in it.
+
+    Returns True when it was removed. A claim still held (a run that has not yet seen the complete
+    entry) leaves the folder; that run finds the entry at its next look and writes nothing."""
+    partial = final.with_name(final.name + ".partial")
+    if not final.is_dir() or not partial.is_dir():
+        return False
+    claims = [FileLock(f) for f in partial.glob(".*.claim")]
+    try:
+        if not all(claim.acquire() for claim in claims):
+            return False
+        shutil.rmtree(partial, ignore_errors=True)
+        logger.info("removed %s: its entry is complete and no run holds a claim in it", partial)
+        return True
+    finally:
+        for claim in claims:
+            claim.release()

@@ -20,10 +20,11 @@ key generates only the missing batches.
 launcher's rank and world size, else 0/1) answers the batches b with ``b % N == I``. After them it
 looks at the whole entry: when every batch is present it merges them into the entry (one atomic
 rename; two mergers racing is harmless), else it returns None and logs how many batches are
-present: the process that completes the last batch merges. Each process deletes only the
-temporary folders of its own batches (and of the entry only when N = 1): a stale folder of another
-shard may be that shard's write in progress. Sampling (``do_sample=True``) is reproducible across
-shards and resumes because each batch reseeds torch with ``seed + batch index``.
+present: the process that completes the last batch merges. A process answers a batch only while it
+holds the batch's claim, and merges under the entry's lock, so runs sharing the cache never write one
+batch twice nor delete each other's writes (:func:`~exittrain.data.regen_cache.claimed_batches`).
+Sampling (``do_sample=True``) is reproducible across shards and resumes because each batch reseeds
+torch with ``seed + batch index``.
 
 **Answerers** (:mod:`exittrain.data.answerers`). ``gen.backend="hf"`` answers with
 :func:`generate_batch` in this process; ``"vllm"`` with :mod:`exittrain.data.vllm_backend`, imported
@@ -61,17 +62,22 @@ from exittrain.data.regen_cache import (
     batch_dir,
     batch_record,
     cache_path,
+    claimed_batches,
     load_features,
     load_top_logprobs,
     make_row,
     merge_batch_records,
+    merge_lock,
     merge_shards,
     prompts_digest,
     read_batch_record,
     read_meta,
+    remove_stale_partial,
     safetensors_files,
     save_atomic,
 )
+from exittrain.host_choices import HostChoice
+from exittrain.precision import device_identity
 
 __all__ = ["RegenReport", "TargetProvider", "regenerate"]
 
@@ -152,6 +158,7 @@ def regenerate(
     top_logprobs: int = 0,
     device: str | torch.device = "cpu",
     report_to: Callable[[RegenReport], Any] | None = None,
+    dtype_choice: HostChoice | None = None,
 ) -> datasets.Dataset | None:
     """The target's own answers to ``prompts``, from the cache or generated now (this process's shard).
 
@@ -176,13 +183,19 @@ def regenerate(
         device: the device the target answers on; it decides ``gen.dtype="auto"`` before the cache
             is looked up (the model is not loaded for that).
         report_to: called once with the call's :class:`RegenReport` (counts, throughput, status).
+        dtype_choice: how ``gen.dtype`` was chosen, from a caller that resolved ``auto`` itself;
+            None: :meth:`GenerationConfig.dtype_choice` here (``auto``: this host type's recorded
+            choice; else the value as given). Kept in the entry's metadata (``dtype_choice``), with
+            the host identity and torch's thread count (``host``; neither is part of the key).
 
     Returns:
         The complete entry: a ``datasets.Dataset`` with :data:`FEATURES`, rows sorted by
         ``prompt_index`` (prompts rejected as too long or by the engine have no row). None when
         this process's shard is done but other shards' batches are missing (the entry is pending).
     """
-    gen = resolve_backend(GenerationConfig.coerce(gen).resolved(device, remember_in=cache_dir))
+    asked = GenerationConfig.coerce(gen)
+    dtype_choice = dtype_choice or asked.dtype_choice(device, remember_in=cache_dir)
+    gen = resolve_backend(dataclasses.replace(asked, dtype=dtype_choice.value))
     if not prompts:
         raise ValueError("regenerate got no prompts; check the prompt sources")
     layers = [int(x) for x in feature_layers or []]
@@ -194,6 +207,7 @@ def regenerate(
     final = cache_path(cache_dir, target_name, prompt_set, prompts, gen)
     if final.is_dir():
         logger.info("regenerated data found in cache: %s", final)
+        remove_stale_partial(final)
         return _finish(final, RegenReport(final, complete=True, cache_hit=True, shard=shard, meta=read_meta(final)),
                        report_to)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -228,7 +242,6 @@ def regenerate(
         )
     batches = [order[s : s + gen.batch_size] for s in range(0, len(order), gen.batch_size)]
     mine = [b for b in range(len(batches)) if shard.owns(b)]
-    _remove_stale_writes(final, partial, mine, shard)
 
     report = RegenReport(final, complete=False, cache_hit=False, shard=shard, batches=len(batches),
                          rejected_too_long=len(too_long))
@@ -268,24 +281,20 @@ def regenerate(
         "pad_token_id": int(pad_token_id),
         "eos_token_ids": eos_ids,
         "versions": {"datasets": datasets.__version__, "torch": torch.__version__},
+        # how the dtype was chosen, and what else of the host shapes the answers' last bits
+        "dtype_choice": dtype_choice.as_dict(),
+        "host": {"identity": device_identity(device), "threads": torch.get_num_threads()},
     }
     try:
-        _merge(final, partial, batches, layers, top_logprobs, meta)
+        with merge_lock(final):  # one merger; the others find the entry
+            if not final.is_dir():
+                _merge(final, partial, batches, layers, top_logprobs, meta)
+        remove_stale_partial(final)
     except Exception:
         if not final.is_dir():
             raise
         # a racing merger finished first and removed the shards this one was reading: its entry is the same
     return _complete(final, report, report_to)
-
-
-def _remove_stale_writes(final: Path, partial: Path, mine: Sequence[int], shard: ProcessShard) -> None:
-    """Delete the temporary folders a killed write left: of this shard's batches, and of the entry
-    only for a single process (another shard's folder may be a write in progress)."""
-    stale = [p for b in mine for p in partial.glob(f"{batch_dir(partial, b).name}.tmp-*")]
-    if shard.count == 1:
-        stale += list(final.parent.glob(f"{final.name}.tmp-*"))
-    for folder in stale:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _answer_batches(
@@ -321,7 +330,7 @@ def _answer_batches(
         f"regenerate ({target_name})", n_mine, unit="batch", every=max(1, n_mine // 50), start=done_before
     )
     try:
-        for b in todo:
+        for b in claimed_batches(partial, todo):  # a batch another run answers is used, not answered twice
             idx = batches[b]
             t0 = time.perf_counter()
             # a batch can take a minute on a small CPU: off a terminal, a line every 20 s while it runs
