@@ -1,7 +1,7 @@
 """bench curve: recipes side by side, the served tau against training CPU-seconds and tokens, the data step on the axis.
 
 The end-to-end tests train real drafters on the tiny word-level target of tests/test_fit_ranks.py, from
-jsonl prompts written here, and measure them with the real evaluator."""
+its jsonl prompts (8 training, 2 held out), and measure them with the real evaluator."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from exittrain.bench import curve
-from tests.test_fit_ranks import WORDS, _word_target
+from tests.test_fit_ranks import _sources, _word_target
 
 
 @pytest.fixture(autouse=True)
@@ -24,23 +24,7 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def _sources(tmp_path: Path, train: int = 16, evals: int = 2) -> list[str]:
-    g = torch.Generator().manual_seed(0)
-
-    def prompts(n: int, offset: int) -> str:
-        rows = []
-        for i in range(n):
-            ids = torch.randint(0, len(WORDS), (6,), generator=g).tolist()
-            rows.append(json.dumps({"text": " ".join([WORDS[(offset + i) % len(WORDS)], *(WORDS[j] for j in ids)])}))
-        return "\n".join(rows) + "\n"
-
-    train_file, eval_file = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
-    train_file.write_text(prompts(train, 0))
-    eval_file.write_text(prompts(evals, 40))
-    return [f"data.train_sources=[jsonl:{train_file}:text]", f"data.eval_sources=[jsonl:{eval_file}:text]"]
-
-
-TINY = ["data.generation.max_new_tokens=8", "data.max_length=32", "data.batch_size=2", "data.max_train_prompts=6",
+TINY = ["data.generation.max_new_tokens=8", "data.max_length=32", "data.batch_size=2", "data.max_train_prompts=4",
         "stages.pretrain.max_steps=3", "stages.exittrain.max_steps=1", "tree.budget_train=4", "drafter.block_size=3",
         "data_wait_s=0"]
 
@@ -94,8 +78,8 @@ def test_a_curve_of_three_recipes_is_monotone_plotted_and_charges_every_data_ste
 
     real_prepare = ExitTrainDataModule.prepare_data
 
-    def prepare_data(self):  # the 2x-prompts recipe's data step costs a known extra CPU time (its 12 prompts)
-        if self.plan.max_train_prompts == 12 and not self.cache_path.is_dir():
+    def prepare_data(self):  # the 2x-prompts recipe's data step costs a known extra CPU time (its 8 prompts)
+        if self.plan.max_train_prompts == 8 and not self.cache_path.is_dir():
             _spin(EXTRA_DATA_CPU_S)
         real_prepare(self)
 
