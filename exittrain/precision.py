@@ -7,41 +7,44 @@ bf16 default that is right on one host makes a run 100 times slower on another.
 
 Every config key that takes a compute dtype accepts ``auto``:
 
-- ``trainer.precision`` (:func:`trainer_precision`): ``bf16-mixed`` on a CUDA device with bf16 or a
-  CPU with fast bf16; on a CUDA device without bf16 (a V100, a T4) ``16-mixed``, or ``32-true``
+- ``trainer.precision`` (:func:`trainer_precision_choice`): ``bf16-mixed`` on a CUDA device with bf16
+  or a CPU with fast bf16; on a CUDA device without bf16 (a V100, a T4) ``16-mixed``, or ``32-true``
   under a sharded strategy (``trainer=fsdp``: Lightning's ``ModelParallelStrategy`` refuses
   ``16-mixed``, :data:`SHARDED_PRECISIONS`); ``32-true`` otherwise;
-- ``data.generation.dtype`` (:func:`generation_dtype`): ``bfloat16`` where bf16 is fast, else
+- ``data.generation.dtype`` (:func:`generation_dtype_choice`): ``bfloat16`` where bf16 is fast, else
   ``None`` (answer with the target as loaded);
 - ``target.dtype`` (:func:`target_dtype`): fp32 on a CPU (the target's batch-1 decode is faster
   in fp32 even with AMX), bf16 or fp16 on a CUDA device.
 
 On a CPU the decision is measured, not guessed from a model name: :func:`cpu_bf16_check` times
-one bf16 and one fp32 matrix product (a few milliseconds where bf16 is fast, longer where it is not) once
-per process, and calls bf16 fast when it is at least :data:`FAST_RATIO` times faster than fp32.
-The CPU flags that explain the answer (``amx_bf16``, ``avx512_bf16``) and torch's
-``get_cpu_capability()`` are reported beside it. Each ``auto`` is logged once, with what was
-chosen and why. An explicit value is returned unchanged (no measurement runs).
+one bf16 and one fp32 matrix product (a few milliseconds where bf16 is fast, longer where it is not)
+and calls bf16 fast when it is at least :data:`FAST_RATIO` times faster than fp32. The CPU flags
+that explain the answer (``amx_bf16``, ``avx512_bf16``) and torch's ``get_cpu_capability()`` are
+reported beside it. A timing follows the host's load (one AVX512-BF16 host type timed bf16 "2x
+slower" one day and "3x faster" another), so the two settings it decides, the answers' dtype and
+the trainer's precision, are measured once per host type and recorded
+(:mod:`exittrain.host_choices`): every later run on that host type reads the record, logs it with
+the file it came from, and reports it (a regenerated entry's metadata, ``metrics.json``'s
+``choices``). A CUDA device's choice needs no timing and no record. An explicit value is returned
+unchanged (nothing is measured, read or recorded).
 
-Limits: MPS and other accelerators get fp32. The measurement uses the threads torch has at the
-time; a host whose load changes a lot between the two products can misjudge a ratio near
-:data:`FAST_RATIO`, never one of 100.
+Limits: MPS and other accelerators get fp32. The first measurement uses the threads torch has at the
+time, on a host that may be busy: delete its record (the log names it) to measure again.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
 import os
 import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
+
+from exittrain.host_choices import HostChoice, host_folder, recorded_choice
 
 log = logging.getLogger("exittrain")
 
@@ -113,14 +116,16 @@ def _matmul_seconds(dtype: torch.dtype, repeats: int = 3) -> float:
 
 @functools.lru_cache(maxsize=1)
 def cpu_bf16_check() -> Bf16Check:
-    """Measure bf16 against fp32 on this CPU, once per process."""
+    """Measure bf16 against fp32 on this CPU, once per process (the settings it decides are recorded:
+    :func:`generation_dtype_choice`, :func:`trainer_precision_choice`)."""
     capability = torch.backends.cpu.get_cpu_capability()
     flags = _cpu_flags()
     units = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
     with torch.inference_mode():
         ratio = _matmul_seconds(torch.bfloat16) / _matmul_seconds(torch.float32)
     fast = ratio * FAST_RATIO <= 1.0
-    speed = f"{1 / ratio:.1f}x faster than fp32" if ratio < 1 else f"{ratio:.0f}x slower than fp32"
+    speed = (f"{1 / ratio:.1f}x faster than fp32" if ratio < 1
+             else f"{ratio:.{1 if ratio < 10 else 0}f}x slower than fp32")
     units_text = f", {'+'.join(units)}" if units else ", no bf16 units in the CPU flags" if flags else ""
     return Bf16Check(fast, f"CPU capability {capability}{units_text}: bf16 matmul {speed}")
 
@@ -143,8 +148,14 @@ def bf16_check(device: str | torch.device) -> Bf16Check:
 
 
 @functools.cache
-def _log_once(key: str, message: str) -> None:
-    log.info("%s auto -> %s", key, message)
+def _log_once(message: str) -> None:
+    log.info("%s", message)
+
+
+def _announced(choice: HostChoice) -> HostChoice:
+    """``choice``, its line logged once per process."""
+    _log_once(choice.line())
+    return choice
 
 
 def _accelerator_device(accelerator: str | None) -> torch.device:
@@ -183,22 +194,30 @@ def check_sharded_precision(value: str | int, *, key: str = "trainer.precision")
         )
 
 
-def trainer_precision(
+def trainer_precision_choice(
     value: str | int | None, accelerator: str | None = "cpu", *, sharded: bool = False, key: str = "trainer.precision",
-):
-    """Lightning's ``precision`` for ``value``; ``auto`` is decided from ``accelerator``'s device.
+) -> HostChoice:
+    """Lightning's ``precision`` for ``value`` and how it was chosen; ``auto`` is decided from
+    ``accelerator``'s device.
 
     ``bf16-mixed`` where bf16 is fast. On a CUDA device without it: ``16-mixed`` (fp16 autocast with
     loss scaling), or ``32-true`` when ``sharded`` (the trainer's strategy is Lightning's
     ``ModelParallelStrategy``, which refuses ``16-mixed``; its ``16-true`` would keep the AdamW
-    states in fp16 with no loss scaling). ``32-true`` otherwise. Any other value is returned
-    unchanged, after :func:`check_sharded_precision` when ``sharded`` (ValueError naming ``key``).
+    states in fp16 with no loss scaling). ``32-true`` otherwise. On a CPU the choice is the host's
+    recorded one (:mod:`exittrain.host_choices`). Any other value is returned unchanged, after
+    :func:`check_sharded_precision` when ``sharded`` (ValueError naming ``key``).
     """
     if value != AUTO:
         if sharded:
             check_sharded_precision(value, key=key)
-        return value
+        return HostChoice(key, value, value, "set in the config")
     device = _accelerator_device(accelerator)
+    if device.type == "cpu":
+        def decide():
+            check = cpu_bf16_check()
+            return ("bf16-mixed" if check.fast else "32-true"), check.reason
+
+        return _announced(recorded_choice(key, device_identity(device), decide, [host_folder()]))
     check = bf16_check(device)
     reason = check.reason
     if check.fast:
@@ -210,8 +229,14 @@ def trainer_precision(
         choice = "16-mixed"
     else:
         choice = "32-true"
-    _log_once(key, f"{choice} ({reason})")
-    return choice
+    return _announced(HostChoice(key, AUTO, choice, reason))
+
+
+def trainer_precision(
+    value: str | int | None, accelerator: str | None = "cpu", *, sharded: bool = False, key: str = "trainer.precision",
+):
+    """The value of :func:`trainer_precision_choice`: what the Trainer gets."""
+    return trainer_precision_choice(value, accelerator, sharded=sharded, key=key).value
 
 
 def bf16_units() -> str:
@@ -232,52 +257,38 @@ def device_identity(device: str | torch.device) -> str:
             f"torch {torch.__version__}")
 
 
-def remembered_choice(folder: str | Path, key: str, device: str | torch.device, decide) -> Any:
-    """``decide()`` once per ``folder``, ``key`` and :func:`device_identity`: the first process writes
-    its choice to ``folder/.auto-<key>-<hash>.json`` and every later one (another shard, the ``fit``
-    after a ``prepare``) reads it, so a timing that a busy host flips cannot give two processes two
-    answers. ``decide`` returns a JSON value. The file stays: delete it to decide again (after
-    the first decision ran on a host busy enough to time it wrongly, say)."""
-    identity = device_identity(device)
-    name = hashlib.sha256(f"{key}\n{identity}".encode()).hexdigest()[:12]
-    path = Path(folder) / f".auto-{key}-{name}.json"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, "device": identity, "choice": decide()}))
-        try:
-            os.link(tmp, path)  # atomic, and never over another process's choice
-        except FileExistsError:
-            pass
-        finally:
-            tmp.unlink(missing_ok=True)
-    return json.loads(path.read_text())["choice"]
+def generation_dtype_choice(
+    value: str | None, device: str | torch.device = "cpu", *, key: str = "data.generation.dtype",
+    remember_in: str | os.PathLike | None = None,
+) -> HostChoice:
+    """The dtype the regeneration answers in, and how it was chosen: ``auto`` gives ``"bfloat16"``
+    where bf16 is fast on ``device`` and None (the target as loaded) elsewhere; any other value is
+    returned unchanged.
+
+    On a CPU ``auto`` is the recorded choice of this host type (:mod:`exittrain.host_choices`), read
+    from ``remember_in`` (the answers' cache folder: the choice keys its entries, so every shard and
+    a later ``fit`` must agree), else from the host's folder, else measured now and recorded in both."""
+    if value != AUTO:
+        return HostChoice(key, value, value, "set in the config")
+    device = torch.device(device)
+    if device.type != "cpu":
+        check = bf16_check(device)
+        return _announced(HostChoice(key, AUTO, "bfloat16" if check.fast else None, check.reason))
+
+    def decide():
+        check = cpu_bf16_check()
+        return ("bfloat16" if check.fast else None), check.reason
+
+    folders = [*([remember_in] if remember_in is not None else []), host_folder()]
+    return _announced(recorded_choice(key, device_identity(device), decide, folders))
 
 
 def generation_dtype(
     value: str | None, device: str | torch.device = "cpu", *, key: str = "data.generation.dtype",
-    remember_in: str | Path | None = None,
+    remember_in: str | os.PathLike | None = None,
 ):
-    """The dtype the regeneration answers in: ``auto`` gives ``"bfloat16"`` where bf16 is fast on
-    ``device`` and None (the target as loaded) elsewhere; any other value is returned unchanged.
-
-    The choice keys the regeneration cache, so with ``remember_in`` (the cache folder) it is made
-    once per host type there (:func:`remembered_choice`): shards and later runs read it back."""
-    if value != AUTO:
-        return value
-
-    def decide():
-        check = bf16_check(device)
-        choice = "bfloat16" if check.fast else None
-        _log_once(key, f"{choice or 'null (the target as loaded)'} ({check.reason})")
-        return choice
-
-    if remember_in is None:
-        return decide()
-    choice = remembered_choice(remember_in, key, device, decide)
-    _log_once(f"{key} (remembered)", f"{choice or 'null (the target as loaded)'} (decided once on this host type, "
-              f"kept in {remember_in})")
-    return choice
+    """The value of :func:`generation_dtype_choice`: the dtype the answers are generated in."""
+    return generation_dtype_choice(value, device, key=key, remember_in=remember_in).value
 
 
 def target_dtype(value: torch.dtype | str, device: str | torch.device = "cpu", *, key: str = "target.dtype"):
@@ -291,5 +302,5 @@ def target_dtype(value: torch.dtype | str, device: str | torch.device = "cpu", *
         choice, why = ("bfloat16" if check.fast else "float16"), check.reason
     else:
         choice, why = "float32", f"device {device.type}: a batch-1 decode runs fastest in fp32"
-    _log_once(key, f"{choice} ({why})")
+    _announced(HostChoice(key, AUTO, choice, why))
     return choice

@@ -388,10 +388,11 @@ def test_the_cycle_scan_reads_package_inits_by_its_rule(tmp_path):
 # modules of its own layer or of a layer below it. Each layer is the files it holds, relative to the
 # package: a subpackage ("core/") or a top-level module ("fit.py"). Every file has exactly one layer.
 LAYERS = (
-    # small utilities every layer may use: files, timing, progress lines, tables, dtypes, host memory,
-    # the run folder, where vLLM's interpreter is (data's vLLM backend and the serving check both ask)
+    # small utilities every layer may use: files, timing, progress lines, tables, dtypes and the host's
+    # recorded choices of them, host memory, the run folder, where vLLM's interpreter is (data's vLLM
+    # backend and the serving check both ask)
     ("foundation", ("__init__.py", "atomic.py", "safe_io.py", "timing.py", "progress.py", "tables.py",
-                    "precision.py", "host_memory.py", "run_dir.py", "vllm_interpreter.py")),
+                    "precision.py", "host_choices.py", "host_memory.py", "run_dir.py", "vllm_interpreter.py")),
     ("core", ("core/",)),  # pure math on tensors
     ("models", ("models/",)),  # nn.Modules: the frozen target and the drafter (models/drafter/)
     ("data", ("data/",)),  # prompt choice (data/prompts/), the data step, the feature store, collate

@@ -1,9 +1,11 @@
 """``auto`` precision: each branch forced (fast and slow bf16 CPUs, CUDA with and without bf16, other
-devices), explicit values untouched, the log line, the configs and objects that read ``auto``, and the
-precisions ``trainer=fsdp``'s strategy takes (pinned against Lightning's own Trainer)."""
+devices), explicit values untouched, the log line, the configs and objects that read ``auto``, the
+precisions ``trainer=fsdp``'s strategy takes (pinned against Lightning's own Trainer), and the CPU's
+timed choices recorded once per host type and reused (:mod:`exittrain.host_choices`)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import get_args
 
@@ -13,7 +15,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from exittrain import precision
+from exittrain import host_choices, precision
 from exittrain.configs import CONF_DIR, register_recipes
 from exittrain.data.generation import GenerationConfig
 from exittrain.data.regen_cache import cache_key
@@ -22,8 +24,10 @@ from exittrain.lit.trainer import build_trainer
 
 
 @pytest.fixture(autouse=True)
-def fresh_checks():
-    """Each test measures and logs anew (both are cached per process)."""
+def fresh_checks(monkeypatch, tmp_path):
+    """Each test measures and logs anew (both are cached per process), with a host folder of its own
+    for the recorded choices."""
+    monkeypatch.setenv("EXITTRAIN_CACHE", str(tmp_path / "host"))
     precision.cpu_bf16_check.cache_clear()
     precision._log_once.cache_clear()
     yield
@@ -44,6 +48,19 @@ def fake_cpu(monkeypatch, bf16_s: float, fp32_s: float = 1.0, flags=("avx2",)):
     return calls
 
 
+def new_process():
+    """What a later process starts with: no measurement and no log line of this one."""
+    precision.cpu_bf16_check.cache_clear()
+    precision._log_once.cache_clear()
+
+
+def forget_host_choices():
+    """Delete this host's records (the documented way to measure again), then start a new process."""
+    for record in host_choices.host_folder().glob(".auto-*.json"):
+        record.unlink()
+    new_process()
+
+
 def fake_cuda(monkeypatch, bf16: bool):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16)
@@ -58,10 +75,9 @@ def test_an_avx2_cpu_trains_and_answers_in_fp32_and_says_why(monkeypatch, caplog
         assert precision.generation_dtype("auto", "cpu") is None
         assert precision.target_dtype("auto", "cpu") == "float32"
     lines = [r.getMessage() for r in caplog.records]
-    assert (
-        f"trainer.precision auto -> 32-true (CPU capability {capability}, no bf16 units in the CPU flags: "
-        "bf16 matmul 140x slower than fp32)" in lines
-    )
+    said = (f"trainer.precision auto -> 32-true (CPU capability {capability}, no bf16 units in the CPU flags: "
+            "bf16 matmul 140x slower than fp32; measured 20")
+    assert any(line.startswith(said) and line.endswith(": delete it to measure again)") for line in lines), lines
     assert any(line.startswith("data.generation.dtype auto -> null (the target as loaded)") for line in lines)
 
 
@@ -77,7 +93,7 @@ def test_a_cpu_with_fast_bf16_trains_under_bf16_autocast_and_answers_in_bf16(mon
 def test_bf16_must_be_clearly_faster_not_merely_as_fast(monkeypatch):
     fake_cpu(monkeypatch, bf16_s=0.9)  # 1.1x faster: under FAST_RATIO, the fp32 numerics win
     assert precision.trainer_precision("auto", "cpu") == "32-true"
-    precision.cpu_bf16_check.cache_clear()
+    forget_host_choices()
     fake_cpu(monkeypatch, bf16_s=1.0 / precision.FAST_RATIO)
     assert precision.trainer_precision("auto", "cpu") == "bf16-mixed"
 
@@ -145,7 +161,7 @@ def test_generation_auto_resolves_before_it_keys_the_cache(monkeypatch):
     assert slow.dtype is None
     # an AVX2 host's auto entry is the entry of an explicit null: a cached fp32 run is reused
     assert cache_key("tiny", "set", ["a"], slow) == cache_key("tiny", "set", ["a"], GenerationConfig(8, 2))
-    precision.cpu_bf16_check.cache_clear()
+    forget_host_choices()
     fake_cpu(monkeypatch, bf16_s=0.1)
     assert gen.resolved("cpu").dtype == "bfloat16"
     with pytest.raises(ValueError, match="auto"):
@@ -166,18 +182,77 @@ def test_the_datamodule_resolves_generation_auto_for_its_device(monkeypatch, tmp
 def test_a_cache_folder_keeps_the_first_auto_decision_of_a_host_type(monkeypatch, tmp_path):
     """Shards of one entry, and the fit after a prepare, key the same entry even when a busy host
     would time bf16 the other way: the first process's choice is kept in the cache folder."""
+    cache = tmp_path / "regen"
     fake_cpu(monkeypatch, bf16_s=0.1, flags=("avx512_bf16",))
-    first = GenerationConfig(dtype="auto").resolved("cpu", remember_in=tmp_path)
-    precision.cpu_bf16_check.cache_clear()
+    first = GenerationConfig(dtype="auto").resolved("cpu", remember_in=cache)
+    new_process()
     fake_cpu(monkeypatch, bf16_s=3.0, flags=("avx512_bf16",))  # the same host type, timed while busy
-    assert GenerationConfig(dtype="auto").resolved("cpu", remember_in=tmp_path).dtype == first.dtype == "bfloat16"
-    assert GenerationConfig(dtype="auto").resolved("cpu").dtype is None  # without the folder: decided anew
+    assert GenerationConfig(dtype="auto").resolved("cpu", remember_in=cache).dtype == first.dtype == "bfloat16"
+    # the cache folder's record wins over the host's: shards on machines of one identity agree with it
+    (host_record,) = host_choices.host_folder().glob(".auto-data.generation.dtype-*.json")
+    host_record.unlink()
+    new_process()
+    assert GenerationConfig(dtype="auto").resolved("cpu", remember_in=cache).dtype == "bfloat16"
+    assert host_record.is_file()  # copied back from the cache folder's
     # another host type (no bf16 units) decides for itself
-    precision.cpu_bf16_check.cache_clear()
+    new_process()
     fake_cpu(monkeypatch, bf16_s=140.0, flags=("avx2",))
-    assert GenerationConfig(dtype="auto").resolved("cpu", remember_in=tmp_path).dtype is None
-    assert len(list(tmp_path.glob(".auto-data.generation.dtype-*.json"))) == 2
-    assert not list(tmp_path.glob("*.tmp-*"))
+    assert GenerationConfig(dtype="auto").resolved("cpu", remember_in=cache).dtype is None
+    assert len(list(cache.glob(".auto-data.generation.dtype-*.json"))) == 2
+    assert not list(cache.glob("*.tmp-*"))
+
+
+def test_a_recorded_choice_outlives_the_process_and_the_load_of_the_host(monkeypatch, caplog):
+    """One AVX512-BF16 host type timed bf16 faster one day and slower under load another: the first
+    measurement is recorded, and a later process on that host type reads it and times nothing."""
+    fake_cpu(monkeypatch, bf16_s=0.5, flags=("avx512_bf16",))
+    first = precision.generation_dtype_choice("auto", "cpu")
+    trainer = precision.trainer_precision_choice("auto", "cpu")
+    assert (first.value, trainer.value) == ("bfloat16", "bf16-mixed") and first.measured_now and trainer.measured_now
+    new_process()
+    calls = fake_cpu(monkeypatch, bf16_s=2.0, flags=("avx512_bf16",))  # the same host type, busy
+    with caplog.at_level(logging.INFO, logger="exittrain"):
+        again = precision.generation_dtype_choice("auto", "cpu")
+        assert precision.trainer_precision("auto", "cpu") == "bf16-mixed"
+    assert calls == [] and again.value == "bfloat16" and not again.measured_now
+    assert (again.records, again.decided, again.reason) == (first.records, first.decided, first.reason)
+    assert "bf16 matmul 2.0x faster than fp32" in again.reason
+    (record,) = again.records
+    assert any(record in line and "delete it to measure again" in line for line in caplog.messages)
+    saved = json.loads(open(record).read())
+    assert saved["choice"] == "bfloat16" and saved["device"] == precision.device_identity("cpu") == again.host
+    assert again.as_dict()["records"] == [record] and again.as_dict()["setting"] == "auto"
+    # the documented way to measure again: delete the record
+    forget_host_choices()
+    assert precision.generation_dtype("auto", "cpu") is None and calls == [torch.bfloat16, torch.float32]
+
+
+def test_another_torch_or_cpu_identity_measures_for_itself(monkeypatch):
+    fake_cpu(monkeypatch, bf16_s=0.5, flags=("avx512_bf16",))
+    assert precision.trainer_precision("auto", "cpu") == "bf16-mixed"
+    new_process()
+    monkeypatch.setattr(torch, "__version__", "99.0")  # a torch upgrade on the same CPU
+    calls = fake_cpu(monkeypatch, bf16_s=2.0, flags=("avx512_bf16",))
+    assert precision.trainer_precision("auto", "cpu") == "32-true" and calls == [torch.bfloat16, torch.float32]
+    assert len(list(host_choices.host_folder().glob(".auto-trainer.precision-*.json"))) == 2
+
+
+def test_an_explicit_setting_is_reported_as_set_and_records_nothing(monkeypatch):
+    calls = fake_cpu(monkeypatch, bf16_s=0.5)
+    for choice in (precision.generation_dtype_choice("float32", "cpu"),
+                   precision.trainer_precision_choice("32-true", "cpu"),
+                   GenerationConfig(dtype="bfloat16").dtype_choice("cpu")):
+        assert choice.setting == choice.value and choice.reason == "set in the config" and choice.records == ()
+    assert calls == [] and not host_choices.host_folder().exists()
+
+
+def test_a_broken_record_names_its_file_and_the_fix(monkeypatch):
+    fake_cpu(monkeypatch, bf16_s=0.5)
+    (record,) = precision.trainer_precision_choice("auto", "cpu").records
+    open(record, "w").write("{not json")
+    new_process()
+    with pytest.raises(ValueError, match=r"\.auto-trainer\.precision-.*\.json: not a recorded choice.*delete the file"):
+        precision.trainer_precision("auto", "cpu")
 
 
 def test_build_trainer_turns_auto_into_a_lightning_precision(monkeypatch, tmp_path):

@@ -28,9 +28,10 @@ from typing import Any, NamedTuple
 
 import torch
 
+from exittrain.host_choices import HostChoice
 from exittrain.models.hf_cache import cache_kwargs, output_cache
 from exittrain.models.target_model import layer_output_hooks
-from exittrain.precision import AUTO, generation_dtype
+from exittrain.precision import AUTO, generation_dtype_choice
 
 # Shapes: N = prompts in a batch, P = padded prompt length, G = generated length.
 
@@ -74,10 +75,12 @@ class GenerationConfig:
         dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``: answer with a copy of the target in
             that dtype (kept only while generating); None answers with the target as loaded;
             ``"auto"`` is bf16 where bf16 is fast on the answering device and None elsewhere
-            (:func:`exittrain.precision.generation_dtype`), resolved by :meth:`resolved` before
-            it keys the cache. bf16 answers are an approximation of the fp32 target's (``bench
-            regen`` measures how close). A copy doubles the target's memory while it lives: for a
-            large target, load it in the wanted dtype (``target.dtype``) and leave this None.
+            (:func:`exittrain.precision.generation_dtype_choice`: on a CPU, measured once per host
+            type and recorded), resolved by :meth:`resolved` before it keys the cache; how it was
+            chosen is :meth:`dtype_choice`, kept in the entry's metadata. bf16 answers are an
+            approximation of the fp32 target's (``bench regen`` measures how close). A copy
+            doubles the target's memory while it lives: for a large target, load it in the
+            wanted dtype (``target.dtype``) and leave this None.
         share_prefix: run the target once over the tokens every prompt of a batch starts with
             (the chat template's system turn, a shared instruction) and start each row from a
             copy of that cache (:func:`generate_batch`). The same answers up to float rounding,
@@ -159,12 +162,19 @@ class GenerationConfig:
     def resolved(
         self, device: str | torch.device = "cpu", remember_in: str | os.PathLike | None = None
     ) -> GenerationConfig:
-        """This config with ``dtype="auto"`` decided for the device the target answers on; with
-        ``remember_in`` (the cache folder) decided once per host type there, so every shard and a
-        later ``fit`` key the same entry (:func:`exittrain.precision.generation_dtype`)."""
+        """This config with ``dtype="auto"`` decided for the device the target answers on
+        (:meth:`dtype_choice`)."""
         if self.dtype != AUTO:
             return self
-        return dataclasses.replace(self, dtype=generation_dtype(self.dtype, device, remember_in=remember_in))
+        return dataclasses.replace(self, dtype=self.dtype_choice(device, remember_in).value)
+
+    def dtype_choice(
+        self, device: str | torch.device = "cpu", remember_in: str | os.PathLike | None = None
+    ) -> HostChoice:
+        """How ``dtype`` is chosen on ``device``: as set, or for ``auto`` the recorded choice of this
+        host type, read from ``remember_in`` (the cache folder, so every shard and a later ``fit``
+        key the same entry) else from the host's folder (:func:`exittrain.precision.generation_dtype_choice`)."""
+        return generation_dtype_choice(self.dtype, device, remember_in=remember_in)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
