@@ -319,9 +319,11 @@ def train_recipe(recipe: Recipe, cfg, target, evaluator, costs: DataCosts, args,
             drafter.eval()
             label = f"{recipe.name}@{step}"
             t0 = time.perf_counter()
-            with tempfile.TemporaryDirectory(dir=work) as folder, Heartbeat(label, every_s=60):
-                table, _, _ = evaluator.measure(served_drafter(drafter, target, Path(folder)), label)
-            drafter.train(was_training)
+            try:
+                with tempfile.TemporaryDirectory(dir=work) as folder, Heartbeat(label, every_s=60):
+                    table, _, _ = evaluator.measure(served_drafter(drafter, target, Path(folder)), label)
+            finally:
+                drafter.train(was_training)
             row = point_row(table, args.budget, args.temperature)
             points.append({"recipe": recipe.name, "step": step, "stage": stage, "cpu_s": cpu_s, "wall_s": wall_s,
                            "train_tokens": tokens, **row, "cpu_model": host["cpu_model"],
