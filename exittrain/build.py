@@ -77,6 +77,7 @@ def build_datamodule(cfg: DictConfig, target, drafter_layers: list[int], stages:
         top_logprobs=top_k,
         feature_store="memory" if cfg.objective.feature_cache else "disk",
         device=str(target.device),
+        vocab_size=target.vocab_size,
     )
 
 

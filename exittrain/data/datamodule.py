@@ -35,6 +35,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
+from exittrain.data.cache_integrity import verify_entry
 from exittrain.data.collate import Collator
 from exittrain.data.feature_store import FeatureStore, check_store_settings, open_entry_store
 from exittrain.data.generation import GenerationConfig
@@ -77,6 +78,9 @@ class ExitTrainDataModule(pl.LightningDataModule):
         feature_store: ``"memory"`` reads every row's features and soft labels into host memory at
             setup (each process holds all of them); ``"disk"`` reads each batch's rows from the cache
             entry's files (:mod:`exittrain.data.feature_store`), for data sets larger than host memory.
+        vocab_size: the target's vocabulary (rows of its embedding): ``setup`` refuses an entry holding a
+            token id outside it (:func:`~exittrain.data.cache_integrity.verify_entry`, which also checks
+            the entry's checksums); None checks the checksums alone.
     """
 
     def __init__(
@@ -104,6 +108,7 @@ class ExitTrainDataModule(pl.LightningDataModule):
         top_logprobs: int = 0,
         feature_store: str = "memory",
         device: str | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         super().__init__()
         check_loader_settings(max_length, batch_size, val_fraction)
@@ -117,6 +122,7 @@ class ExitTrainDataModule(pl.LightningDataModule):
         self.domain, self.target_name, self.cache_dir = self.plan.domain, self.plan.target_name, self.plan.cache_dir
         self.device, self.generation = self.plan.device, self.plan.generation
         self._target = LazyTarget(target_name, target, tokenizer)
+        self.vocab_size = vocab_size
         self.max_length, self.batch_size, self.num_workers = max_length, batch_size, num_workers
         self.val_fraction, self.seed, self.progress = val_fraction, seed, progress
         # the training order's seed, when a replicate run shuffles the same rows in its own order (bench
@@ -181,6 +187,7 @@ class ExitTrainDataModule(pl.LightningDataModule):
                 "sources, target_name, generation settings, max_train_prompts and seed"
             )
         dp = self.prompts()
+        verify_entry(path, vocab_size=self.vocab_size)  # checksums and token range, before any row is read
         split = split_entry(path, dp, max_length=self.max_length, val_fraction=self.val_fraction, seed=self.seed)
         self.train_set, self.val_set, self.pad_token_id = split.train_set, split.val_set, split.pad_token_id
         self.stats = split.stats

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from exittrain.data import chat_prompt_ids
+from exittrain.data.cache_integrity import write_checksums
 from exittrain.data.collate import Collator, truncation_stats
 from exittrain.data.datamodule import ExitTrainDataModule
 from exittrain.data.prompts.prompt_sets import normalize_prompt
@@ -247,6 +248,10 @@ def test_kept_features_reach_the_batches_and_the_module_never_computes_them(
     first = sorted(stored, key=int)[0]
     stored[first] = stored[first][:-1].contiguous()
     save_file(stored, str(file))
+    with pytest.raises(ValueError, match="features-1_0.safetensors holds .* bytes, .* when written"):
+        _datamodule(tmp_path, sources, CountingTarget(model, tok), max_length=max_length, feature_layers=[1, 0],
+                    feature_store=mode).setup("fit")  # the entry's checksums see the change first
+    write_checksums(dm.cache_path)  # sealed as if written so: the row-length check still holds on its own
     fresh = _datamodule(
         tmp_path, sources, CountingTarget(model, tok), max_length=max_length, feature_layers=[1, 0], feature_store=mode
     )
@@ -311,6 +316,7 @@ def test_kept_top_logprobs_are_aligned_with_the_rows_and_are_the_modules_soft_la
     tensors[first] = tensors[first][:-1].contiguous()
     tensors[first.replace(".ids", ".logp")] = tensors[first.replace(".ids", ".logp")][:-1].contiguous()
     save_file(tensors, str(file))
+    write_checksums(dm.cache_path)  # sealed as if written so (the checksums alone refuse the change): the row check
     fresh = _datamodule(
         tmp_path, sources, CountingTarget(model, tok), max_length=max_length, top_logprobs=3, feature_store=mode
     )
