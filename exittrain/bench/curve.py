@@ -43,8 +43,12 @@ its overrides, the evaluator's settings, the prompts, the schedule and the measu
 ``results/curve/`` in RESULTS.md.
 
 Limits: one domain per run; every recipe runs in this process, one after the other (a recipe's CPU
-seconds are its own, but a busy host slows its wall seconds); a data path that makes its rows outside
-the datamodule's cache entry would be charged only where its own ``prepare_data`` runs.
+seconds are its own, but a busy host slows its wall seconds, and contention inflates CPU seconds too);
+the first recipe's data step also pays the process's one-time costs (first imports and kernels: seconds,
+against minutes of answers at the full size; at ``--smoke``'s size they can outweigh the answers); the
+answers are generated in batches (``data.generation.batch_size``), so twice the prompts costs less than
+twice the time while they fit one batch; a data path that makes its rows outside the datamodule's cache
+entry would be charged only where its own ``prepare_data`` runs.
 """
 
 from __future__ import annotations
