@@ -34,6 +34,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from exittrain.core import VERIFIERS
+from exittrain.data.corpus import check_corpus_settings
 from exittrain.data.prompts.prompt_plan import PromptPlan
 from exittrain.data.split import check_loader_settings
 from exittrain.heldout.evaluator import DECODE_MODES
@@ -333,7 +334,8 @@ def check_callbacks(cfg: DictConfig) -> None:
 
 def check_data(cfg: DictConfig) -> None:
     """``data.*`` checked as the DataModule will read it (no tokenizer, no target, no prompts read):
-    unknown keys, the prompt sample, the generation settings and the loader's sizes."""
+    unknown keys, the prompt sample, the generation settings, the corpus rows' sources and count, and the
+    loader's sizes."""
     # cache_dir is left out: a path, nothing to check, and it may name Hydra's run-time folders,
     # which a config composed outside a Hydra run cannot resolve
     data = {}
@@ -347,6 +349,7 @@ def check_data(cfg: DictConfig) -> None:
         data["generation"] = {**generation, "dtype": None}
     try:
         PromptPlan.from_data_args(data)
+        check_corpus_settings(data.get("corpus_sources"), data.get("max_corpus_rows"))
         check_loader_settings(**{k: data[k] for k in ("max_length", "batch_size", "val_fraction") if k in data})
     except (ValueError, TypeError) as e:
         raise ValueError(f"data: {e}") from e

@@ -116,6 +116,36 @@ def test_feature_cache_false_removes_the_features_from_host_memory(tiny_dir, tmp
     assert "target features" in off_step.phases  # the target computes them every step instead
 
 
+def test_corpus_rows_add_their_storage_and_one_prefill_per_batch(tiny_dir, tmp_path):
+    """data.corpus_sources: the corpus rows' tokens, soft labels and features (every row max_length long), their
+    labelling pass's memory, and its forwards and FLOPs beside the answering's; none of it without them."""
+    rows, top = 20, 16
+    plain = make_plan(overrides(tiny_dir, tmp_path))
+    corpus = ["data.corpus_sources=[corpus:codeio]", f"data.max_corpus_rows={rows}"]
+    plan = make_plan(overrides(tiny_dir, tmp_path, *corpus))
+    data, before = {i.name: i.bytes for i in plan.data}, {i.name: i.bytes for i in plain.data}
+    answers, tokens = PROMPTS * NEW, PROMPTS * min(T, 512 + NEW)
+    assert data["corpus row tokens (<=)"] == rows * T and "corpus row tokens (<=)" not in before
+    assert data["soft labels (top-k ids int32 + log-probs fp32)"] == (answers + rows * (T - 1)) * top * 8
+    assert before["soft labels (top-k ids int32 + log-probs fp32)"] == answers * top * 8
+    assert data["target features (bf16)"] == (tokens + rows * T) * H * 2
+    host = data["soft labels (top-k ids int32 + log-probs fp32)"] + data["target features (bf16)"]
+    assert plan.data[-1].bytes == host  # the feature store holds both entries
+    label = next(st for st in plan.steps if st.kind.startswith("corpus labelling"))
+    assert not any(st.kind.startswith("corpus labelling") for st in plain.steps)
+    held = {i.name: i.bytes for i in label.phases["labelling"]}
+    assert held["kept logits, their fp32 copy and log-softmax"] == 8 * T * V * (4 + 8)  # 8 rows a forward, fp32
+    assert held["captured feature layers (bf16)"] == 8 * T * H * 2
+    sch = plan.schedule
+    forwards = sch["data step: corpus labelling, target forwards (<=)"]
+    assert forwards.startswith(f"ceil(max_corpus_rows/8) = {-(-rows // 8)},")
+    assert sch["data step: corpus labelling, FLOPs (<=)"].endswith(f"= {2 * TARGET_PARAMS * rows * T:.3g}")
+    assert sch["data step: answering, target forwards in sequence (<=)"].endswith(f"= {PROMPTS * (1 + NEW)}")
+    assert not any("corpus" in key for key in plain.schedule)
+    every = make_plan(overrides(tiny_dir, tmp_path, "data.corpus_sources=[corpus:codeio]"))
+    assert {i.name: i.bytes for i in every.data}["corpus rows"] == 0  # every row: not counted, and said so
+
+
 def test_a_small_device_does_not_fit_and_gets_ranked_changes(tiny_dir, tmp_path):
     plan = make_plan(overrides(tiny_dir, tmp_path), device_memory="1MiB")
     assert plan.verdict == "does not fit" and (plan.peak_step.stage, plan.peak_step.kind) == ("exittrain", "train")

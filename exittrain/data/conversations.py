@@ -8,7 +8,9 @@ conversations (``chat-json:`` or ``chat-hf:``, :mod:`exittrain.data.prompts.sour
 conversation per row: a list of turns under the source's column, else under ``messages``, else
 under ``conversations``. A turn is OpenAI's ``{"role", "content"}`` or ShareGPT's ``{"from",
 "value"}``; the roles are ``system``, ``user`` (ShareGPT ``human``) and ``assistant`` (ShareGPT
-``gpt``). The last assistant turn is the answer; turns after it are dropped.
+``gpt``). The last assistant turn is the answer; turns after it are dropped. A corpus source
+(``corpus:NAME``) is read as one-turn conversations: the prompt its builtin prompt set gives a row,
+then the row's reference answer (:func:`load_conversations`).
 
 Like prompt sources, a row that cannot be read is counted, under the reasons of
 :class:`~exittrain.data.prompts.prompt_sets.LoadStats`: ``blank_line``, ``non_utf8``, ``malformed`` (not JSON,
@@ -44,13 +46,13 @@ import hashlib
 import json
 import logging
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from exittrain.data.prompts.prompt_sets import LoadStats
-from exittrain.data.prompts.source_reading import source_rows
-from exittrain.data.prompts.source_spec import CHAT_COLUMNS, PromptSource
+from exittrain.data.prompts.prompt_sets import LoadStats, normalize_prompt
+from exittrain.data.prompts.source_reading import MissingField, extract, source_rows
+from exittrain.data.prompts.source_spec import BUILTIN_SOURCES, CHAT_COLUMNS, CORPUS_SOURCES, PromptSource
 from exittrain.data.regen_cache import make_row
 
 __all__ = [
@@ -93,6 +95,11 @@ class Conversation:
     def key(self) -> str:
         """The identity of the turns: duplicates share it, and the cache key hashes it."""
         return json.dumps(self.turns, ensure_ascii=False)
+
+    def asks_any(self, normalized: Collection[str]) -> bool:
+        """Whether a user turn's normalized text (:func:`~exittrain.data.prompts.prompt_sets.normalize_prompt`)
+        is one of ``normalized`` (the evaluation prompts' a row must not ask)."""
+        return any(role == "user" and normalize_prompt(text) in normalized for role, text in self.turns)
 
     def messages(self, end: int | None = None) -> list[dict[str, str]]:
         """Turns ``[0, end)`` as chat-template messages."""
@@ -159,24 +166,8 @@ def parse_turns(turns: Any, where: str) -> tuple[tuple[str, str], ...]:
     return tuple(parsed[: last + 1])
 
 
-def _chain(first: list[Any], rest: Iterator[Any]) -> Iterator[Any]:
-    yield from first
-    yield from rest
-
-
-def load_conversations(source: str | PromptSource | Mapping[str, Any]) -> tuple[list[Conversation], LoadStats]:
-    """Read one source of answered conversations (module docstring), then keep ``limit`` of them (a
-    seeded sample, in file order).
-
-    Returns ``(conversations, stats)``. Raises ValueError for a prompt source, a missing file or
-    column, a row that is not a conversation (naming it), or a source that yields none."""
-    src = PromptSource.parse(source)
-    if not src.answered:
-        raise ValueError(
-            f"{src} is a prompt source, not one of answered conversations; use chat-json:PATH[:COLUMN] or "
-            "chat-hf:REPO:SPLIT[:COLUMN] (exittrain.data.prompts.source_spec)"
-        )
-    stats = LoadStats(source=str(src))
+def _chat_conversations(src: PromptSource, stats: LoadStats) -> list[Conversation]:
+    """The conversations of a ``chat-json:`` / ``chat-hf:`` source (module docstring), rejections counted."""
     rows, column = source_rows(src)
     columns = (column,) if column else CHAT_COLUMNS
     conversations: list[Conversation] = []
@@ -195,17 +186,76 @@ def load_conversations(source: str | PromptSource | Mapping[str, Any]) -> tuple[
             continue
         seen.add(conv.key)
         conversations.append(conv)
+    if not conversations and stats.rows and stats.rejected["missing_field"] == stats.rows:
+        raise ValueError(
+            f"{src}: no row has a conversation column {list(columns)} (first row's keys: {first_keys}); name "
+            "the column that holds the turns, e.g. chat-json:PATH:COLUMN"
+        )
+    return conversations
+
+
+def _corpus_conversations(src: PromptSource, stats: LoadStats) -> list[Conversation]:
+    """The rows of a ``corpus:`` source as one-turn conversations: the prompt its builtin prompt set gives a
+    row, then the row's reference answer (:data:`~exittrain.data.prompts.source_spec.CORPUS_SOURCES`).
+
+    Rows are cleaned as :func:`~exittrain.data.prompts.prompt_sets.load_prompts` cleans that prompt set
+    (``missing_field``, ``not_string``, ``non_utf8``, ``empty`` for a prompt or an answer; ``duplicate``
+    for a prompt whose normalized text an earlier row had), so a corpus keeps the rows its prompt set
+    keeps, and each row of a task set is keyed ``"<task set>:<row>"`` in ``stats.task_keys``, as the
+    prompt set keys it."""
+    corpus = CORPUS_SOURCES[src.path]
+    task_set = BUILTIN_SOURCES[corpus.prompt_set].task_set
+    rows, fld = source_rows(src)
+    conversations: list[Conversation] = []
+    seen: set[str] = set()
+    for row_no, row in stats.mapping_rows(rows):
+        try:
+            prompt, answer = extract(row, fld).strip(), extract(row, corpus.answer).strip()
+        except MissingField:
+            stats.reject("missing_field", row_no)
+            continue
+        except TypeError:
+            stats.reject("not_string", row_no)
+            continue
+        except UnicodeDecodeError:
+            stats.reject("non_utf8", row_no)
+            continue
+        if not prompt or not answer:
+            stats.reject("empty", row_no)
+            continue
+        key = normalize_prompt(prompt)
+        if key in seen:
+            stats.reject("duplicate", row_no)
+            continue
+        seen.add(key)
+        conversations.append(Conversation((("user", prompt), ("assistant", answer)), str(src), row_no))
+        if task_set is not None:
+            stats.task_keys[prompt] = f"{task_set}:{row_no}"
+    return conversations
+
+
+def load_conversations(source: str | PromptSource | Mapping[str, Any]) -> tuple[list[Conversation], LoadStats]:
+    """Read one source of answered conversations or corpus rows (module docstring), then keep ``limit`` of
+    them (a seeded sample, in file order; for ``corpus:gsm_symbolic`` the limit is the problems generated).
+
+    Returns ``(conversations, stats)``. Raises ValueError for a prompt source, a missing file or
+    column, a row that is not a conversation (naming it), or a source that yields none."""
+    src = PromptSource.parse(source)
+    if not src.answered:
+        raise ValueError(
+            f"{src} is a prompt source, not one of answered conversations; use chat-json:PATH[:COLUMN], "
+            "chat-hf:REPO:SPLIT[:COLUMN] or corpus:NAME (exittrain.data.prompts.source_spec)"
+        )
+    stats = LoadStats(source=str(src))
+    conversations = _corpus_conversations(src, stats) if src.kind == "corpus" else _chat_conversations(src, stats)
     if not conversations:
-        if stats.rows and stats.rejected["missing_field"] == stats.rows:
-            raise ValueError(
-                f"{src}: no row has a conversation column {list(columns)} (first row's keys: {first_keys}); name "
-                "the column that holds the turns, e.g. chat-json:PATH:COLUMN"
-            )
         raise ValueError(f"{src} yielded no conversation: {stats.summary()}; fix the file")
-    if src.limit is not None and len(conversations) > src.limit:
+    generated = src.kind == "corpus" and CORPUS_SOURCES[src.path].prompt_set == "gsm_symbolic"
+    if src.limit is not None and len(conversations) > src.limit and not generated:
         keep = sorted(random.Random(src.seed).sample(range(len(conversations)), src.limit))
         stats.dropped_by_limit = len(conversations) - src.limit
         conversations = [conversations[i] for i in keep]
+        stats.task_keys = {c.prompt: stats.task_keys[c.prompt] for c in conversations if c.prompt in stats.task_keys}
     stats.kept = len(conversations)
     log = logger.warning if stats.n_rejected - stats.rejected["duplicate"] else logger.info
     log("conversation source %s", stats.summary())

@@ -8,7 +8,9 @@ Which prompts, and which cache entry holds their answers, is :attr:`ExitTrainDat
   (:meth:`PromptPlan.regenerate`); the ``target`` callable builds the target only for a missing entry.
 - ``setup`` (every process): opens the entry, drops rows whose prompt alone fills ``max_length`` and
   holds out ``val_fraction`` of the rows for a validation loss, whole tasks at a time
-  (:func:`~exittrain.data.split.split_entry`), counted in :attr:`ExitTrainDataModule.stats`; opens
+  (:func:`~exittrain.data.split.split_entry`), counted in :attr:`ExitTrainDataModule.stats`; with
+  ``corpus_sources``, adds the corpus rows to the training rows (:mod:`exittrain.data.corpus`: their own
+  entry, labelled by one target pass in ``prepare_data``; ``stats["rows"]`` counts each kind); opens
   the :attr:`~ExitTrainDataModule.store` of what the regeneration kept beside the answers (target
   features, top-k log-probabilities: :func:`~exittrain.data.feature_store.open_entry_store`).
 - ``train_dataloader`` / ``val_dataloader``: right-padded batches from :class:`~exittrain.data.collate.Collator`
@@ -37,13 +39,14 @@ from torch.utils.data import DataLoader
 
 from exittrain.data.cache_integrity import verify_entry
 from exittrain.data.collate import Collator
+from exittrain.data.corpus import CorpusPlan, JoinedStore, check_corpus_settings, shift_row_ids
 from exittrain.data.feature_store import FeatureStore, check_store_settings, open_entry_store
 from exittrain.data.generation import GenerationConfig
 from exittrain.data.prompts.prompt_plan import PromptPlan, SourceSpecs
 from exittrain.data.prompts.prompt_sets import DEFAULT_MAX_CHARS, DomainPrompts
 from exittrain.data.regenerate import TargetProvider
 from exittrain.data.sampler import ResumableSampler, resume_point
-from exittrain.data.split import check_loader_settings, split_entry, split_rows
+from exittrain.data.split import check_loader_settings, corpus_train_rows, split_entry, split_rows
 from exittrain.data.target_provider import LazyTarget
 
 logger = logging.getLogger(__name__)
@@ -78,6 +81,11 @@ class ExitTrainDataModule(pl.LightningDataModule):
         feature_store: ``"memory"`` reads every row's features and soft labels into host memory at
             setup (each process holds all of them); ``"disk"`` reads each batch's rows from the cache
             entry's files (:mod:`exittrain.data.feature_store`), for data sets larger than host memory.
+        corpus_sources: answered sources (``corpus:NAME``, ``chat-json:``, ``chat-hf:``) whose rows train
+            beside the target's answers, labelled by one teacher-forced target pass into an entry of their
+            own (:class:`~exittrain.data.corpus.CorpusPlan`: without the evaluation prompts and the held-out
+            tasks); None or empty: the answers alone.
+        max_corpus_rows: a seeded sample of at most this many corpus rows (None: all of them).
         vocab_size: the target's vocabulary (rows of its embedding): ``setup`` refuses an entry holding a
             token id outside it (:func:`~exittrain.data.cache_integrity.verify_entry`, which also checks
             the entry's checksums); None checks the checksums alone.
@@ -108,6 +116,8 @@ class ExitTrainDataModule(pl.LightningDataModule):
         top_logprobs: int = 0,
         feature_store: str = "memory",
         device: str | None = None,
+        corpus_sources: SourceSpecs | None = None,
+        max_corpus_rows: int | None = None,
         vocab_size: int | None = None,
     ) -> None:
         super().__init__()
@@ -118,6 +128,9 @@ class ExitTrainDataModule(pl.LightningDataModule):
             exclude_seed=exclude_seed, exclude_size=exclude_size, max_prompt_chars=max_prompt_chars, device=device,
         )
         check_store_settings(top_logprobs, feature_store)
+        check_corpus_settings(corpus_sources, max_corpus_rows)
+        # the rows trained beside the answers, from an entry of their own (None: the answers alone)
+        self.corpus = CorpusPlan(self.plan, corpus_sources, max_corpus_rows) if corpus_sources else None
         # the plan's settings the hooks read, under their argument names
         self.domain, self.target_name, self.cache_dir = self.plan.domain, self.plan.target_name, self.plan.cache_dir
         self.device, self.generation = self.plan.device, self.plan.generation
@@ -130,7 +143,10 @@ class ExitTrainDataModule(pl.LightningDataModule):
         self.order_seed: int | None = None
         self.feature_layers = list(feature_layers) if feature_layers is not None else None
         self.top_logprobs, self.feature_store = top_logprobs, feature_store
-        self.store: FeatureStore | None = None  # after setup, when feature_layers or top_logprobs ask for one
+        # after setup, when feature_layers or top_logprobs ask for one (both entries' with corpus rows)
+        self.store: FeatureStore | JoinedStore | None = None
+        self._answers_train: datasets.Dataset | None = None  # the answers' training rows, before corpus rows join
+        self._corpus_train: datasets.Dataset | None = None  # the corpus rows that train, row ids shifted
 
         self.train_set: datasets.Dataset | None = None
         self.val_set: datasets.Dataset | None = None
@@ -151,30 +167,37 @@ class ExitTrainDataModule(pl.LightningDataModule):
 
     # -- Lightning hooks -------------------------------------------------------------------------
 
+    @property
+    def corpus_cache_path(self) -> Path | None:
+        """Folder of the corpus rows' entry (None without ``corpus_sources``)."""
+        return self.corpus.cache_path if self.corpus is not None else None
+
     def prepare_data(self) -> None:
-        """Regenerate the target's answers unless they are cached; loads the target only then."""
-        self.plan.regenerate(
-            self._target.provide,
-            progress=self.progress,
-            feature_layers=self.feature_layers,
-            top_logprobs=self.top_logprobs,
-        )
+        """Regenerate the target's answers unless they are cached, and label the corpus rows unless their entry
+        is cached; loads the target only then."""
+        kept = {"progress": self.progress, "feature_layers": self.feature_layers, "top_logprobs": self.top_logprobs}
+        self.plan.regenerate(self._target.provide, **kept)
+        if self.corpus is not None:
+            self.corpus.write(self._target.provide, **kept)
 
     def setup(self, stage: str | None = None) -> None:
         """Open the cached dataset, split off the validation rows and open the store (every process);
         after :meth:`release_store`, open the store again."""
         self._split()
         if self.store is None and (self.feature_layers or self.top_logprobs):
-            self.store = open_entry_store(
-                self.cache_path,
-                split_rows(self.train_set, self.val_set, "prompt_index", "input_ids", "n_prompt_tokens"),
-                max_length=self.max_length,
-                feature_layers=self.feature_layers,
-                top_k=self.top_logprobs,
-                mode=self.feature_store,
-            )
-            if self.store is not None:
-                self.stats["feature_store"] = self.store.summary()
+            columns = ("prompt_index", "input_ids", "n_prompt_tokens")
+            self.store = self._open_store(self.cache_path, split_rows(self._answers_train, self.val_set, *columns))
+            if self._corpus_train is not None:
+                shift = self.stats["rows"]["row_id_shift"]
+                rows = ((r - shift, ids, p) for r, ids, p in split_rows(self._corpus_train, None, *columns))
+                self.store = JoinedStore(self.store, self._open_store(self.corpus_cache_path, rows), shift)
+            self.stats["feature_store"] = self.store.summary()
+
+    def _open_store(self, path: Path, rows) -> FeatureStore:
+        store = open_entry_store(path, rows, max_length=self.max_length, feature_layers=self.feature_layers,
+                                 top_k=self.top_logprobs, mode=self.feature_store)
+        assert store is not None  # feature_layers or top_logprobs asked for one
+        return store
 
     def _split(self) -> None:
         """The training and validation rows of the cache entry (once)."""
@@ -190,9 +213,33 @@ class ExitTrainDataModule(pl.LightningDataModule):
         verify_entry(path, vocab_size=self.vocab_size)  # checksums and token range, before any row is read
         split = split_entry(path, dp, max_length=self.max_length, val_fraction=self.val_fraction, seed=self.seed)
         self.train_set, self.val_set, self.pad_token_id = split.train_set, split.val_set, split.pad_token_id
+        self._answers_train = split.train_set
         self.stats = split.stats
         n_train, n_val = self.stats["train_rows"], self.stats["val_rows"]
-        logger.info("data: %d train rows, %d val rows, %d eval prompts (%s)", n_train, n_val, len(dp.eval), path)
+        self.stats["rows"] = {"answers": n_train, "corpus": 0}
+        if self.corpus is not None:
+            self._join_corpus(dp)
+        logger.info("data: %d train rows (%d answers of the target, %d corpus rows), %d val rows, %d eval prompts (%s)",
+                    len(self.train_set), n_train, self.stats["rows"]["corpus"], n_val, len(dp.eval), path)
+
+    def _join_corpus(self, dp: DomainPrompts) -> None:
+        """Add the corpus rows that train (without the validation tasks) to :attr:`train_set`, row ids shifted
+        past the answers' (:mod:`exittrain.data.corpus`)."""
+        assert self.corpus is not None
+        path = self.corpus.cache_path
+        if not path.is_dir():
+            raise ValueError(f"no corpus entry at {path}; call prepare_data() first (Trainer.fit does), with the same "
+                             "corpus_sources, max_corpus_rows and data settings")
+        verify_entry(path, vocab_size=self.vocab_size)  # as the answers' entry: checksums and token range
+        tasks = dp.train_tasks()
+        held = {tasks[i] for i in self.val_set["prompt_index"]} if self.val_set is not None else set()
+        rows, stats = corpus_train_rows(path, self.corpus.tasks(), max_length=self.max_length, held_out=held)
+        shift = len(dp.train)  # past every answer's prompt_index
+        self._corpus_train = shift_row_ids(rows, shift)
+        self.train_set = datasets.concatenate_datasets([self.train_set, self._corpus_train])
+        self.stats["corpus"] = stats
+        self.stats["rows"] = {"answers": self.stats["train_rows"], "corpus": len(rows), "row_id_shift": shift}
+        self.stats["train_rows"] = len(self.train_set)
 
     def release_store(self) -> None:
         """Drop what only training reads, once no stage trains any more: the :attr:`store` (the rows'

@@ -4,6 +4,8 @@
 shuffles the rest under ``seed`` and holds out ``val_fraction`` of them for a validation loss, whole
 tasks at a time (:func:`~exittrain.data.prompts.selection.split_by_task`: both prompt forms of one
 CodeI/O task land on the same side). Everything is counted in :attr:`EntrySplit.stats`.
+:func:`corpus_train_rows` gives the training rows of a corpus entry trained beside them, without the
+validation tasks.
 Lightning-free; the DataModule's ``setup`` calls it.
 """
 
@@ -11,19 +13,19 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import datasets
 
-from exittrain.data.collate import truncation_stats
+from exittrain.data.collate import TruncationStats, truncation_stats
 from exittrain.data.prompts.prompt_sets import DomainPrompts
 from exittrain.data.prompts.selection import split_by_task
 from exittrain.data.regen_cache import read_meta
 
-__all__ = ["COLUMNS", "EntrySplit", "check_loader_settings", "split_entry", "split_rows"]
+__all__ = ["COLUMNS", "EntrySplit", "check_loader_settings", "corpus_train_rows", "split_entry", "split_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,55 @@ class EntrySplit:
         return split_rows(self.train_set, self.val_set, *columns)
 
 
+def _usable_rows(ds: datasets.Dataset, path: Path, max_length: int) -> tuple[list[int], TruncationStats]:
+    """The rows of ``ds`` whose prompt leaves a response token under ``max_length``, and the truncation counts
+    (logged); ValueError when no row is left."""
+    n_prompt = ds["n_prompt_tokens"]
+    n_total = [p + r for p, r in zip(n_prompt, ds["n_response_tokens"])]
+    trunc = truncation_stats(n_prompt, n_total, max_length)
+    usable = [i for i, p in enumerate(n_prompt) if p < max_length]
+    if not usable:
+        raise ValueError(f"every prompt in {path} is at least max_length={max_length} tokens; raise max_length")
+    if trunc.truncated or trunc.no_response:
+        logger.warning(
+            "max_length=%d truncates %d of %d rows of %s; %d of them keep no response token and are dropped",
+            max_length,
+            trunc.truncated,
+            trunc.rows,
+            path.name,
+            trunc.no_response,
+        )
+    return usable, trunc
+
+
+def corpus_train_rows(
+    path: Path, tasks: Sequence[str], *, max_length: int, held_out: Collection[str]
+) -> tuple[datasets.Dataset, dict[str, Any]]:
+    """The training rows of the corpus entry at ``path`` (:mod:`exittrain.data.corpus`) and their counts.
+
+    ``tasks[i]`` is the task key of the row with ``prompt_index`` i; a row whose task is in ``held_out``
+    (the validation tasks of the answers it trains beside) is dropped, as is a row whose prompt alone
+    fills ``max_length``. Every other row trains: the corpus entry holds out no validation rows of its
+    own. ValueError when no row is left."""
+    ds = datasets.load_from_disk(str(path))
+    usable, trunc = _usable_rows(ds, path, max_length)
+    index = ds["prompt_index"]
+    rows = [i for i in usable if tasks[index[i]] not in held_out]
+    if not rows:
+        raise ValueError(
+            f"every usable row of the corpus entry {path} poses a validation task of the answers it trains beside; "
+            "add corpus rows, or lower data.val_fraction"
+        )
+    stats = {
+        "rows": len(ds),
+        "train_rows": len(rows),
+        "validation_tasks_removed": len(usable) - len(rows),
+        "truncation": {"rows": trunc.rows, "truncated": trunc.truncated, "dropped_no_response": trunc.no_response},
+        "cache_path": str(path),
+    }
+    return ds.select_columns(list(COLUMNS)).select(rows, keep_in_memory=True), stats
+
+
 def split_entry(path: Path, prompts: DomainPrompts, *, max_length: int, val_fraction: float, seed: int) -> EntrySplit:
     """The training and validation rows of the complete cache entry at ``path`` (see the module docstring).
 
@@ -72,20 +123,7 @@ def split_entry(path: Path, prompts: DomainPrompts, *, max_length: int, val_frac
     """
     ds = datasets.load_from_disk(str(path))
     meta = read_meta(path)
-    n_prompt = ds["n_prompt_tokens"]
-    n_total = [p + r for p, r in zip(n_prompt, ds["n_response_tokens"])]
-    trunc = truncation_stats(n_prompt, n_total, max_length)
-    usable = [i for i, p in enumerate(n_prompt) if p < max_length]
-    if not usable:
-        raise ValueError(f"every prompt in {path} is at least max_length={max_length} tokens; raise max_length")
-    if trunc.truncated or trunc.no_response:
-        logger.warning(
-            "max_length=%d truncates %d of %d rows; %d of them keep no response token and are dropped",
-            max_length,
-            trunc.truncated,
-            trunc.rows,
-            trunc.no_response,
-        )
+    usable, trunc = _usable_rows(ds, path, max_length)
     order = list(usable)
     random.Random(seed).shuffle(order)
     val_rows, train_rows = [], order

@@ -275,29 +275,85 @@ def persistent(s: Shapes, target_bytes: int, Pd: int, world: int, strategy: str,
     return items
 
 
+def corpus_rows(cfg) -> int | None:
+    """The corpus rows a run labels (``data.max_corpus_rows``): 0 without ``data.corpus_sources``, None when
+    every row of the sources is taken (not counted from the config alone)."""
+    if not cfg.data.get("corpus_sources"):
+        return 0
+    rows = cfg.data.get("max_corpus_rows")
+    return None if rows is None else int(rows)
+
+
 def data_items(s: Shapes, cfg, prompts: int | None, feature_cache: bool, top_k: int) -> list[Item]:
-    """Host and disk bytes of the regenerated data (upper bounds: every answer max_new_tokens long)."""
+    """Host and disk bytes of the regenerated data (upper bounds: every answer max_new_tokens long) and of
+    the corpus rows (upper bounds: every row max_length long, all of it answer but one token)."""
     if prompts is None:
-        return [Item("data", "data.max_train_prompts=null: every prompt of the sources, not counted here", 0)]
-    gen = cfg.data.generation
-    new, prompt_max = int(gen.max_new_tokens), int(gen.get("max_prompt_tokens", 512))
-    row = min(int(cfg.data.max_length), prompt_max + new)
-    answers, tokens = prompts * new, prompts * row
-    labels = answers * top_k * 8
-    features = tokens * s.F * 2 if feature_cache else 0
-    items = [
-        Item("answer tokens (<=)", f"prompts*max_new_tokens = {prompts}*{new}", answers),
-        Item("row tokens (<=)", f"prompts*min(max_length, max_prompt_tokens+max_new_tokens) = {prompts}*{row}", tokens),
-        Item("token columns on disk (<=)", "row tokens*(8+1)", tokens * 9),
+        items = [Item("data", "data.max_train_prompts=null: every prompt of the sources, not counted here", 0)]
+        answers = tokens = 0
+    else:
+        gen = cfg.data.generation
+        new, prompt_max = int(gen.max_new_tokens), int(gen.get("max_prompt_tokens", 512))
+        row = min(int(cfg.data.max_length), prompt_max + new)
+        answers, tokens = prompts * new, prompts * row
+        items = [
+            Item("answer tokens (<=)", f"prompts*max_new_tokens = {prompts}*{new}", answers),
+            Item("row tokens (<=)", f"prompts*min(max_length, max_prompt_tokens+max_new_tokens) = {prompts}*{row}",
+                 tokens),
+            Item("token columns on disk (<=)", "row tokens*(8+1)", tokens * 9),
+        ]  # fmt: skip
+    corpus, T = corpus_rows(cfg), int(cfg.data.max_length)
+    c_tokens = c_answers = 0
+    if corpus is None:
+        items.append(Item("corpus rows", "data.max_corpus_rows=null: every row of data.corpus_sources, not counted", 0))
+    elif corpus:
+        c_tokens, c_answers = corpus * T, corpus * (T - 1)
+        items += [
+            Item("corpus row tokens (<=)", f"max_corpus_rows*max_length = {corpus}*{T}", c_tokens),
+            Item("corpus token columns on disk (<=)", "corpus row tokens*(8+1)", c_tokens * 9),
+        ]
+    labels = (answers + c_answers) * top_k * 8
+    features = (tokens + c_tokens) * s.F * 2 if feature_cache else 0
+    what = "(answer tokens + corpus answer tokens)" if corpus else "answer tokens"
+    rows = "(row tokens + corpus row tokens)" if corpus else "row tokens"
+    items += [
         Item("soft labels (top-k ids int32 + log-probs fp32)",
-             f"answer tokens*k*8, k = {top_k}" if top_k else "not kept (soft_label_weight=0)", labels),
-        Item("target features (bf16)", f"row tokens*F*2, F = {s.F}" if feature_cache else
-             f"not kept (feature_cache=false; they would be row tokens*F*2 = {human(tokens * s.F * 2)})", features),
-    ]
+             f"{what}*k*8, k = {top_k}" if top_k else "not kept (soft_label_weight=0)", labels),
+        Item("target features (bf16)", f"{rows}*F*2, F = {s.F}" if feature_cache else
+             f"not kept (feature_cache=false; they would be {rows}*F*2 = {human((tokens + c_tokens) * s.F * 2)})",
+             features),
+    ]  # fmt: skip
     host = labels + features if feature_cache else 0  # disk mode: each batch reads its rows
     how = "features + soft labels (feature_cache=true)" if feature_cache else "0: read per batch (feature_cache=false)"
     items.append(Item("host memory per process (feature store)", how, host))
     return items
+
+
+def data_compute(cfg, target_params: int) -> dict[str, Any]:
+    """What the data step asks of the target: its forwards, in sequence, and their FLOPs (2 x parameters x
+    tokens, upper bounds as in :func:`data_items`). Answering prompts runs one forward per generated token of
+    every batch; labelling corpus rows one forward per batch of rows (``TEACHER_FORCED_BATCH``), the whole
+    row at once: a prefill, as parallel as the device allows."""
+    from exittrain.data.brought import TEACHER_FORCED_BATCH
+
+    gen, T = cfg.data.generation, int(cfg.data.max_length)
+    prompts, corpus = cfg.data.get("max_train_prompts"), corpus_rows(cfg)
+    out: dict[str, Any] = {}
+    if prompts is not None:
+        new, prompt_max = int(gen.max_new_tokens), int(gen.get("max_prompt_tokens", 512))
+        batches = math.ceil(int(prompts) / int(gen.batch_size))
+        out["data step: answering, target forwards in sequence (<=)"] = (
+            f"batches*(1 + max_new_tokens) = {batches}*{1 + new} = {batches * (1 + new)}")
+        flops = 2 * target_params * int(prompts) * (prompt_max + new)
+        out["data step: answering, FLOPs (<=)"] = f"2*P_t*prompts*(max_prompt_tokens+max_new_tokens) = {flops:.3g}"
+    if corpus:
+        batches = math.ceil(corpus / TEACHER_FORCED_BATCH)
+        out["data step: corpus labelling, target forwards (<=)"] = (
+            f"ceil(max_corpus_rows/{TEACHER_FORCED_BATCH}) = {batches}, one prefill each")
+        out["data step: corpus labelling, FLOPs (<=)"] = (
+            f"2*P_t*max_corpus_rows*max_length = {2 * target_params * corpus * T:.3g}")
+    elif corpus is None:
+        out["data step: corpus labelling"] = "data.max_corpus_rows=null: every row, not counted here"
+    return out
 
 
 def schedule(cfg, stages: list[str], args: dict, world: int) -> dict:

@@ -9,7 +9,18 @@ import re
 from dataclasses import asdict
 from pathlib import Path
 
-from exittrain.plan.memory import Item, Shapes, Step, data_items, parse_size, persistent, schedule, step
+from exittrain.plan.memory import (
+    Item,
+    Shapes,
+    Step,
+    corpus_rows,
+    data_compute,
+    data_items,
+    parse_size,
+    persistent,
+    schedule,
+    step,
+)
 from exittrain.plan.models import (
     PRECISIONS,
     compose_fit,
@@ -87,6 +98,8 @@ def _plan(cfg, overrides: list[str], models: dict, dtype_override=None, device_g
         if float(cfg.data.val_fraction) > 0:
             steps.append(step(s, base, args[stage], L, T, stage=stage, kind="val"))
     steps.append(_regeneration(s, cfg, t_bytes // gpus, Pd))
+    if corpus_rows(cfg) != 0:
+        steps.append(_corpus_labelling(s, cfg, t_bytes // gpus, Pd))
     return Plan(
         overrides=list(overrides),
         target={"name": target.name, "source": source, "params": t_params, "dtype": str(dtype), "bytes": t_bytes,
@@ -95,24 +108,31 @@ def _plan(cfg, overrides: list[str], models: dict, dtype_override=None, device_g
                  "layer_ids": list(dc.target_layer_ids)},
         precision={"trainer": str(precision), "param_bytes": pb, "autocast": autocast, "target_dtype": str(dtype)},
         world={"devices": devices, "nodes": nodes, "world_size": world, "strategy": strategy},
-        steps=steps, data=data, schedule=schedule(cfg, stages, args, world), notes=notes,
+        steps=steps, data=data, schedule={**schedule(cfg, stages, args, world), **data_compute(cfg, t_params)},
+        notes=notes,
     )  # fmt: skip
 
 
-def _regeneration(s: Shapes, cfg, t_bytes: int, Pd: int) -> Step:
-    """Rank 0's regeneration (skipped when the cache holds the entry): the target, a copy of it in the
-    generation dtype, and the answering batch's K/V."""
+def _generation_dtype(s: Shapes, cfg) -> tuple[str | None, int]:
+    """The dtype the data step runs the target in (``data.generation.dtype``; ``auto`` resolved for the run's
+    device) and its bytes per element (the target's own for None)."""
     import torch
 
     from exittrain.models.target_loading import as_dtype
     from exittrain.precision import generation_dtype
 
-    gen = cfg.data.generation
     device = target_device(cfg)
-    wanted = gen.get("dtype")
+    wanted = cfg.data.generation.get("dtype")
     if wanted == "auto":
         wanted = "bfloat16" if device == "cuda" else generation_dtype("auto", device)
-    sg = s.st if wanted is None else torch.tensor([], dtype=as_dtype(wanted)).element_size()
+    return wanted, s.st if wanted is None else torch.tensor([], dtype=as_dtype(wanted)).element_size()
+
+
+def _regeneration(s: Shapes, cfg, t_bytes: int, Pd: int) -> Step:
+    """Rank 0's regeneration (skipped when the cache holds the entry): the target, a copy of it in the
+    generation dtype, and the answering batch's K/V."""
+    gen = cfg.data.generation
+    wanted, sg = _generation_dtype(s, cfg)
     drafter = Item("drafter parameters (built before the data)", f"P_d*{s.pb}", Pd * s.pb)
     weights = [Item("target weights", "", t_bytes), drafter]
     phases = {}
@@ -130,6 +150,27 @@ def _regeneration(s: Shapes, cfg, t_bytes: int, Pd: int) -> Step:
              s.target_layer_rows(rows * prompt, sg)),
     ]  # fmt: skip
     return Step("data", "regeneration (rank 0, uncached)", phases)
+
+
+def _corpus_labelling(s: Shapes, cfg, t_bytes: int, Pd: int) -> Step:
+    """Rank 0's teacher-forced pass over the corpus rows (skipped when the cache holds their entry): the
+    target in the generation dtype, one batch of rows at once (:mod:`exittrain.data.teacher_forced`): its
+    kept logits, their fp32 log-softmax, the captured features and one layer's activations over the batch."""
+    from exittrain.data.brought import TEACHER_FORCED_BATCH
+
+    wanted, sg = _generation_dtype(s, cfg)
+    n, T, V = TEACHER_FORCED_BATCH, int(cfg.data.max_length), s.V
+    weights = [Item("target weights", "", t_bytes),
+               Item("drafter parameters (built before the data)", f"P_d*{s.pb}", Pd * s.pb)]
+    if sg != s.st:
+        weights.append(Item(f"the target's copy in {wanted}", f"P_t*{sg}", t_bytes * sg // s.st))
+    phases = {"labelling": weights + [
+        Item("one target layer over the batch", f"~ {n}*max_length = {n * T} rows", s.target_layer_rows(n * T, sg)),
+        Item("captured feature layers (bf16)", f"{n}*max_length*F*2", n * T * s.F * 2),
+        Item("kept logits, their fp32 copy and log-softmax", f"{n}*max_length*V*({sg}+4+4) (every row all answer)",
+             n * T * V * (sg + 8)),
+    ]}  # fmt: skip
+    return Step("data", f"corpus labelling (rank 0, uncached, {n} rows a forward)", phases)
 
 
 # ----------------------------------------------------------------------------------------------

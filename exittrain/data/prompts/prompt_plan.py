@@ -14,6 +14,9 @@ prompt equal to an evaluation prompt (:func:`exittrain.data.prompts.prompt_sets.
 ``exclude_seed``, without every task of the sample of ``exclude_size`` (default
 ``max_train_prompts``) prompts that seed draws (:func:`~exittrain.data.prompts.selection.unseen_tasks`);
 then a ``max_train_prompts`` sample under ``seed`` (:func:`~exittrain.data.prompts.selection.seeded_sample`).
+:meth:`PromptPlan.held_out_tasks` names every task the plan holds out (``exclude_seed``'s and the
+evaluation prompts'): the corpus rows a run trains beside the answers leave them out too
+(:mod:`exittrain.data.corpus`).
 
 The cache key hashes the target name, the prompt-set description (:func:`prompt_set_description`),
 the training prompts and the generation settings (:func:`exittrain.data.regen_cache.cache_key`):
@@ -53,14 +56,16 @@ from exittrain.data.prompts.prompt_sets import (
     load_domain,
     load_prompt_set,
     normalize_prompt,
+    poses_eval_task,
 )
-from exittrain.data.prompts.selection import seeded_sample
+from exittrain.data.prompts.selection import sampled_tasks, seeded_sample
 from exittrain.data.prompts.source_spec import PromptSource
 from exittrain.data.regen_cache import cache_key, cache_path
 from exittrain.data.regenerate import TargetProvider, regenerate
 from exittrain.models.target_loading import EMBEDDED_TARGET_NAME
 
 __all__ = [
+    "CORPUS_ARGS",
     "LOADER_ARGS",
     "PromptPlan",
     "SourceSpecs",
@@ -90,6 +95,10 @@ LOADER_ARGS = frozenset(
     }
 )
 """The DataModule's arguments that choose neither the prompts nor the cache entry (its loaders', split's, store's)."""
+
+CORPUS_ARGS = frozenset({"corpus_sources", "max_corpus_rows"})
+"""The DataModule's arguments that choose the corpus rows trained beside the answers: their own entry
+(:class:`exittrain.data.corpus.CorpusPlan`), not this plan's."""
 
 _HYDRA_KEYS = frozenset({"_target_", "_partial_", "_recursive_", "_convert_", "_args_"})
 
@@ -140,7 +149,7 @@ def choose_train_indices(
     if exclude_seed is not None:
         tasks = dp.train_tasks()
         size = max_train_prompts if exclude_size is None else exclude_size
-        seen = {tasks[i] for i in seeded_sample(len(keep), size, exclude_seed)}
+        seen = sampled_tasks(tasks, size, exclude_seed)
         unseen = [i for i in keep if tasks[i] not in seen]
         logger.info(
             "left out %d training prompts: the tasks of seed %d's sample of %d (exclude_seed)",
@@ -253,6 +262,7 @@ class PromptPlan:
         self._prompts: DomainPrompts | None = None
         self._conversations: list[Conversation] | None = None  # the chosen ones, when answered
         self._left_out_by_sample = 0
+        self._excluded_tasks: frozenset[str] = frozenset()  # the tasks exclude_seed leaves out, once prompts() ran
         self._keyed_generation: GenerationConfig | None = None
 
     @classmethod
@@ -260,11 +270,12 @@ class PromptPlan:
         """The plan of the DataModule arguments ``data`` (a fit config's ``cfg.data``, as a mapping), with
         ``overrides`` on top (``target_name``, ``device``). Hydra's keys (``_target_``...) and the
         loader-only arguments (:data:`LOADER_ARGS`) are ignored; an unknown name raises ValueError naming it."""
-        args = {k: v for k, v in {**dict(data), **overrides}.items() if k not in _HYDRA_KEYS and k not in LOADER_ARGS}
+        skip = _HYDRA_KEYS | LOADER_ARGS | CORPUS_ARGS
+        args = {k: v for k, v in {**dict(data), **overrides}.items() if k not in skip}
         known = set(inspect.signature(cls).parameters)
         unknown = sorted(set(args) - known)
         if unknown:
-            raise ValueError(f"unknown data settings {unknown}; known: {sorted(known | LOADER_ARGS)}")
+            raise ValueError(f"unknown data settings {unknown}; known: {sorted(known | LOADER_ARGS | CORPUS_ARGS)}")
         return cls(**args)
 
     def prompts(self) -> DomainPrompts:
@@ -275,6 +286,7 @@ class PromptPlan:
             dp = load_domain(
                 self.domain, train=self.train_sources, eval=self.eval_sources, max_chars=self.max_prompt_chars
             )
+            self._excluded_tasks = self._sampled_by_exclude_seed(dp)
             dp.train = choose_train_prompts(
                 dp, max_train_prompts=self.max_train_prompts, seed=self.seed, exclude_seed=self.exclude_seed,
                 exclude_size=self.exclude_size,
@@ -295,12 +307,11 @@ class PromptPlan:
         eval_prompts, eval_stats, eval_rep = load_prompt_set(eval_specs, max_chars=self.max_prompt_chars)
         conversations, train_stats, train_rep = load_conversation_set(self.train_sources)
         held_out = {normalize_prompt(p) for p in eval_prompts}
-        kept = [
-            c for c in conversations if not any(r == "user" and normalize_prompt(t) in held_out for r, t in c.turns)
-        ]
+        poses = poses_eval_task(train_stats, eval_stats)
+        kept = [c for c in conversations if not c.asks_any(held_out) and not poses(c.prompt)]
         if len(kept) < len(conversations):
             logger.warning(
-                "%s: dropped %d conversations with a user turn equal to an evaluation prompt",
+                "%s: dropped %d conversations with a user turn equal to an evaluation prompt or of its task",
                 self.domain,
                 len(conversations) - len(kept),
             )
@@ -315,6 +326,7 @@ class PromptPlan:
             overlap_removed=len(conversations) - len(kept),
             cross_source_duplicates={"train": train_rep, "eval": eval_rep},
         )
+        self._excluded_tasks = self._sampled_by_exclude_seed(dp)
         chosen = choose_train_indices(
             dp, max_train_prompts=self.max_train_prompts, seed=self.seed, exclude_seed=self.exclude_seed,
             exclude_size=self.exclude_size,
@@ -322,6 +334,21 @@ class PromptPlan:
         dp.train = [dp.train[i] for i in chosen]
         self._left_out_by_sample = len(kept) - len(chosen)  # exclude_seed and max_train_prompts, for the metadata
         return dp, [kept[i] for i in chosen]
+
+    def _sampled_by_exclude_seed(self, dp: DomainPrompts) -> frozenset[str]:
+        """The tasks ``exclude_seed`` leaves out of ``dp.train`` (before the sample): none without it."""
+        if self.exclude_seed is None:
+            return frozenset()
+        size = self.max_train_prompts if self.exclude_size is None else self.exclude_size
+        return frozenset(sampled_tasks(dp.train_tasks(), size, self.exclude_seed))
+
+    def held_out_tasks(self) -> frozenset[str]:
+        """Every task no training row of this plan may pose, in any form: those ``exclude_seed`` leaves out
+        and those of the evaluation prompts (:meth:`DomainPrompts.eval_tasks`); a task is a task set's key
+        (``"codeio:<row>"``) or, for any other prompt, its text. Corpus rows trained beside this plan's
+        answers leave them out too (:mod:`exittrain.data.corpus`)."""
+        dp = self.prompts()
+        return self._excluded_tasks | frozenset(dp.eval_tasks())
 
     def conversations(self) -> list[Conversation]:
         """The chosen answered conversations (row ``prompt_index`` i is the i-th); ValueError for a plan of prompts."""

@@ -14,12 +14,14 @@ object), ``missing_field``, ``not_string``, ``empty`` (blank text), ``too_long``
 ``max_chars`` characters or ``max_tokens`` tokens), ``duplicate`` (same normalized text as an earlier
 row). A source that yields no prompt at all is an error, not an empty set.
 
-Sources of answered conversations (``chat-json:``, ``chat-hf:``) are read by
-:mod:`exittrain.data.conversations`; :func:`load_prompts` refuses them.
+Sources of answered conversations (``chat-json:``, ``chat-hf:``) and corpus rows (``corpus:``) are read
+by :mod:`exittrain.data.conversations`; :func:`load_prompts` refuses them.
 
 Training prompts never overlap evaluation prompts: :func:`remove_overlap` drops every training
 prompt whose normalized text (:func:`normalize_prompt`) equals an evaluation prompt's, and
-:func:`load_domain` applies it and reports the count.
+:func:`load_domain` applies it, drops every training prompt of a task an evaluation prompt poses in
+another form (the task keys of :attr:`LoadStats.task_keys`: CodeI/O's description and stub), and
+reports the count.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import logging
 import random
 import re
 import unicodedata
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +49,7 @@ __all__ = [
     "load_prompt_set",
     "load_prompts",
     "normalize_prompt",
+    "poses_eval_task",
     "remove_overlap",
 ]
 
@@ -157,6 +160,11 @@ class DomainPrompts:
                 keys.setdefault(prompt, key)
         return [keys.get(p, p) for p in self.train]
 
+    def eval_tasks(self) -> set[str]:
+        """The task keys of the evaluation prompts that pose a task of a task set (``"codeio:<row>"``): no
+        training prompt or corpus row of one of these tasks is trained on, in any form."""
+        return {key for stats in self.eval_stats for key in stats.task_keys.values()}
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "domain": self.domain,
@@ -189,6 +197,16 @@ def remove_overlap(train: Sequence[str], eval_prompts: Sequence[str]) -> tuple[l
     held_out = {normalize_prompt(p) for p in eval_prompts}
     kept = [p for p in train if normalize_prompt(p) not in held_out]
     return kept, len(train) - len(kept)
+
+
+def poses_eval_task(train_stats: Sequence[LoadStats], eval_stats: Sequence[LoadStats]) -> Callable[[str], bool]:
+    """A test of a training prompt (or a conversation's first user turn) read with ``train_stats``: True when it
+    poses a task an evaluation prompt read with ``eval_stats`` poses, in any form (their
+    :attr:`LoadStats.task_keys` agree: a CodeI/O stub against its description). Text overlap is
+    :func:`remove_overlap`'s."""
+    eval_tasks = {key for stats in eval_stats for key in stats.task_keys.values()}
+    keys = {prompt: key for stats in train_stats for prompt, key in stats.task_keys.items()}
+    return lambda prompt: bool(eval_tasks) and keys.get(prompt) in eval_tasks
 
 
 def find_overlap(train: Iterable[str], eval_prompts: Iterable[str]) -> set[str]:
@@ -227,9 +245,9 @@ def load_prompts(
     src = PromptSource.parse(source)
     if src.answered:
         raise ValueError(
-            f"{src} is a source of answered conversations, not of prompts: it can only be one of data.train_sources, "
-            "all of which must then be answered conversations (exittrain.data.conversations); evaluation prompts "
-            "come from prompt sources (json:, hf:, parquet:, pkg:)"
+            f"{src} is a source of answered rows, not of prompts: it can only be one of data.train_sources, "
+            "all of which must then be answered (exittrain.data.conversations), or of data.corpus_sources "
+            "(exittrain.data.corpus); evaluation prompts come from prompt sources (json:, hf:, parquet:, pkg:)"
         )
     stats = LoadStats(source=str(src))
     if max_tokens is not None and tokenizer is None:
@@ -370,6 +388,10 @@ def load_domain(
     eval_prompts, eval_stats, eval_rep = load_prompt_set(eval_specs, **kwargs)
     train_prompts, train_stats, train_rep = load_prompt_set(train_specs, **kwargs)
     train_prompts, removed = remove_overlap(train_prompts, eval_prompts)
+    poses = poses_eval_task(train_stats, eval_stats)
+    kept = [p for p in train_prompts if not poses(p)]
+    removed += len(train_prompts) - len(kept)
+    train_prompts = kept
     if removed:
         logger.warning("%s: dropped %d training prompts that equal evaluation prompts", domain, removed)
     if not train_prompts:

@@ -11,7 +11,7 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 
-__all__ = ["seeded_sample", "split_by_task", "unseen_tasks"]
+__all__ = ["sampled_tasks", "seeded_sample", "split_by_task", "unseen_tasks"]
 
 
 def seeded_sample(n: int, k: int | None, seed: int) -> list[int]:
@@ -21,10 +21,16 @@ def seeded_sample(n: int, k: int | None, seed: int) -> list[int]:
     return sorted(random.Random(seed).sample(range(n), k))
 
 
+def sampled_tasks(tasks: Sequence[str], k: int | None, seed: int) -> set[str]:
+    """The task keys of the :func:`seeded_sample` of ``k`` of the prompts whose keys are ``tasks``: every task
+    a run that sampled ``k`` prompts with ``seed`` saw (in some form)."""
+    return {tasks[i] for i in seeded_sample(len(tasks), k, seed)}
+
+
 def unseen_tasks(prompts: Sequence[str], tasks: Sequence[str], k: int | None, seed: int) -> list[str]:
     """``prompts`` without every task of the :func:`seeded_sample` of ``k`` that ``seed`` draws from them:
     the prompts a run that sampled with ``seed`` never saw, in any of a task's forms."""
-    seen = {tasks[i] for i in seeded_sample(len(prompts), k, seed)}
+    seen = sampled_tasks(tasks, k, seed)
     return [p for p, t in zip(prompts, tasks, strict=True) if t not in seen]
 
 

@@ -35,7 +35,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from exittrain.data.prompts.source_spec import BUILTIN_SOURCES, CHAT_COLUMNS, PromptSource
+from exittrain.data.prompts.source_spec import BUILTIN_SOURCES, CHAT_COLUMNS, CORPUS_SOURCES, PromptSource
 
 __all__ = [
     "GSM_SYMBOLIC_DEFAULT_SIZE",
@@ -260,8 +260,12 @@ def read_gsm_symbolic(size: int, seed: int) -> Iterator[tuple[int, Any]]:
 
 
 def source_rows(src: PromptSource) -> tuple[Iterator[tuple[int, Any]], str | None]:
-    """The row iterator of a source and the field that gives its prompt (of an answered source: the
-    column of its conversations, None for :data:`~exittrain.data.prompts.source_spec.CHAT_COLUMNS`)."""
+    """The row iterator of a source and the field that gives its prompt (of a conversation source: the
+    column of its conversations, None for :data:`~exittrain.data.prompts.source_spec.CHAT_COLUMNS`; of a
+    corpus: the rows and prompt field of its builtin prompt set, its ``limit`` and ``seed`` passed on)."""
+    if src.kind == "corpus":
+        prompt_set = CORPUS_SOURCES[src.path].prompt_set
+        return source_rows(PromptSource(kind="pkg", path=prompt_set, limit=src.limit, seed=src.seed))
     if src.kind in ("hf", "chat-hf"):
         return read_hub(src), src.field
     if src.kind == "parquet":

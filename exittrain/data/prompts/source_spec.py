@@ -1,5 +1,6 @@
-"""Naming a prompt source: the spec grammar (:class:`PromptSource`) and the prompt sets that
-installed packages ship (:data:`BUILTIN_SOURCES`).
+"""Naming a prompt source: the spec grammar (:class:`PromptSource`), the prompt sets that
+installed packages ship (:data:`BUILTIN_SOURCES`) and the corpora of reference answers they hold
+(:data:`CORPUS_SOURCES`).
 
 Spec strings (``?limit=N&seed=S&optional=1`` may follow any of them):
 
@@ -25,9 +26,26 @@ Answered conversations (:data:`CHAT_KINDS`; :attr:`PromptSource.answered`), brou
 ``COLUMN`` is the top-level key that holds a row's list of turns; without it a row's ``messages``
 is read, else its ``conversations``. A turn is OpenAI's ``{"role": "system"|"user"|"assistant",
 "content": ...}`` or ShareGPT's ``{"from": "system"|"human"|"gpt", "value": ...}``
-(:mod:`exittrain.data.conversations`). These sources are training data only: every source of
-``data.train_sources`` is then one, and ``data.eval_sources`` stay prompt sources. ``limit`` and
-``seed`` sample conversations as they sample prompts.
+(:mod:`exittrain.data.conversations`). These sources are training data only: either every source of
+``data.train_sources`` is one (or a corpus, below), or they are ``data.corpus_sources``, trained beside
+the target's answers to ``data.train_sources``' prompts (:mod:`exittrain.data.corpus`);
+``data.eval_sources`` stay prompt sources. ``limit`` and ``seed`` sample conversations as they sample
+prompts.
+
+Corpus rows (``corpus:NAME``, :data:`CORPUS_SOURCES`): text an installed package ships with its
+reference answer, read as one-turn answered conversations (the prompt, then the answer), so that no
+answer is generated: the target only labels them in one teacher-forced pass
+(:mod:`exittrain.data.brought`). ``corpus:codeio`` and ``corpus:codeio_stub`` pose a CodeI/O task as
+``pkg:codeio`` and ``pkg:codeio_stub`` do and answer it with the task's reference code (its
+``code_sample`` in a Python fence); ``corpus:gsm_symbolic`` answers each ``pkg:gsm_symbolic`` question
+with its worked answer (``metadata.answer_cot``). ``limit`` samples rows (for ``gsm_symbolic``: the
+problems generated) and ``seed`` seeds the sample (and the generator), as for the prompt set of the
+same name, so ``corpus:gsm_symbolic?limit=5000&seed=1`` answers exactly the questions of
+``pkg:gsm_symbolic?limit=5000&seed=1``. A corpus source is answered like the chat kinds: it can be
+every source of ``data.train_sources`` (a run trained on corpus rows alone), or one of
+``data.corpus_sources``, the rows a run trains on beside the target's own answers
+(:mod:`exittrain.data.corpus`). A corpus row of a CodeI/O task carries the task's key
+(``codeio:<line>``), so every exclusion by task reaches it (:mod:`exittrain.data.prompts.selection`).
 
 ``FIELD`` is a dotted path into a row (integers index lists: ``conversations.0.value``), or a
 template with ``{dotted.path}`` placeholders that builds the prompt from several fields. Spec
@@ -43,11 +61,23 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl
 
-__all__ = ["BUILTIN_SOURCES", "CHAT_COLUMNS", "CHAT_KINDS", "KINDS", "BuiltinSource", "PromptSource"]
+__all__ = [
+    "ANSWERED_KINDS",
+    "BUILTIN_SOURCES",
+    "CHAT_COLUMNS",
+    "CHAT_KINDS",
+    "CORPUS_SOURCES",
+    "KINDS",
+    "BuiltinSource",
+    "CorpusSource",
+    "PromptSource",
+]
 
 CHAT_KINDS = ("chat-json", "chat-hf")
 """Kinds of sources whose rows are answered conversations rather than prompts."""
-KINDS = ("hf", "parquet", "json", "pkg", *CHAT_KINDS)
+ANSWERED_KINDS = (*CHAT_KINDS, "corpus")
+"""Kinds whose rows come with their answer (:attr:`PromptSource.answered`): conversations, and corpus rows."""
+KINDS = ("hf", "parquet", "json", "pkg", *ANSWERED_KINDS)
 CHAT_COLUMNS = ("messages", "conversations")
 """The keys a conversation row is read from when its source names no column, in this order."""
 _COLUMN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
@@ -87,6 +117,10 @@ class PromptSource:
             raise ValueError(f"PromptSource.kind={self.kind!r} is not one of {KINDS}")
         if self.field is None and not self.answered:
             object.__setattr__(self, "field", "prompt")  # a frozen dataclass: the default of the prompt kinds
+        if self.kind == "corpus" and self.field is not None:
+            raise ValueError(
+                f"corpus:{self.path} takes no field: the corpus fixes its prompt and answer (CORPUS_SOURCES)"
+            )
         if self.answered and self.field is not None and not _COLUMN_NAME.fullmatch(self.field):
             raise ValueError(
                 f"{self.kind} source {self.path}: column {self.field!r} must be a top-level key (letters, digits, "
@@ -99,13 +133,16 @@ class PromptSource:
             )
         if self.kind == "pkg" and self.path not in BUILTIN_SOURCES:
             raise ValueError(f"unknown builtin prompt set pkg:{self.path}; the builtins are {sorted(BUILTIN_SOURCES)}")
+        if self.kind == "corpus" and self.path not in CORPUS_SOURCES:
+            raise ValueError(f"unknown corpus corpus:{self.path}; the corpora are {sorted(CORPUS_SOURCES)}")
         if self.limit is not None and self.limit <= 0:
             raise ValueError(f"PromptSource.limit={self.limit} must be positive or None ({self.path})")
 
     @property
     def answered(self) -> bool:
-        """True for a source of answered conversations (:data:`CHAT_KINDS`), False for a prompt source."""
-        return self.kind in CHAT_KINDS
+        """True for a source whose rows carry their answer (:data:`ANSWERED_KINDS`: conversations, corpus
+        rows), False for a prompt source."""
+        return self.kind in ANSWERED_KINDS
 
     @classmethod
     def parse(cls, spec: str | PromptSource | Mapping[str, Any]) -> PromptSource:
@@ -129,8 +166,8 @@ class PromptSource:
         if not sep or not rest:
             raise ValueError(f"prompt source {spec!r} has no 'KIND:' prefix; use one of {KINDS} (see {__name__})")
         kind = {"jsonl": "json", "chat-jsonl": "chat-json"}.get(kind, kind)
-        if kind == "pkg":
-            return cls(kind="pkg", path=rest, **options)
+        if kind in ("pkg", "corpus"):
+            return cls(kind=kind, path=rest, **options)
         if kind == "hf":
             parts = rest.split(":")
             if len(parts) == 3:
@@ -162,8 +199,8 @@ class PromptSource:
         raise ValueError(f"prompt source {spec!r}: unknown kind {kind!r}; use one of {KINDS} or jsonl")
 
     def __str__(self) -> str:
-        if self.kind == "pkg":
-            body = f"pkg:{self.path}"
+        if self.kind in ("pkg", "corpus"):
+            body = f"{self.kind}:{self.path}"
         elif self.kind == "hf":
             config = f"{self.name}:" if self.name else ""
             body = f"hf:{self.path}:{config}{self.split}:{self.field}"
@@ -261,3 +298,34 @@ BUILTIN_SOURCES: dict[str, BuiltinSource] = {
         description="GSM-Symbolic word problems generated by reasoning_gym.create_dataset('gsm_symbolic')",
     ),
 }
+
+
+@dataclass(frozen=True)
+class CorpusSource:
+    """Rows of a builtin prompt set with their reference answers (``corpus:NAME``): the prompt is the one
+    ``pkg:<prompt_set>`` gives a row; ``answer`` is a field path or ``{path}`` template of the same row
+    (:func:`~exittrain.data.prompts.source_reading.extract`)."""
+
+    prompt_set: str  # a key of BUILTIN_SOURCES: the rows read, the prompt, the task set
+    answer: str
+    description: str
+
+
+CORPUS_SOURCES: dict[str, CorpusSource] = {
+    "codeio": CorpusSource(
+        prompt_set="codeio",
+        answer="```python\n{code_sample}\n```",
+        description="CodeI/O tasks (as pkg:codeio poses them) answered by the task's reference code",
+    ),
+    "codeio_stub": CorpusSource(
+        prompt_set="codeio_stub",
+        answer="```python\n{code_sample}\n```",
+        description="CodeI/O tasks as function stubs (pkg:codeio_stub) answered by the task's reference code",
+    ),
+    "gsm_symbolic": CorpusSource(
+        prompt_set="gsm_symbolic",
+        answer="metadata.answer_cot",
+        description="GSM-Symbolic questions (pkg:gsm_symbolic) answered by the generator's worked answer",
+    ),
+}
+"""Corpora of reference answers that installed packages ship, offline (``data/PROVENANCE.md``)."""
