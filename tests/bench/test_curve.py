@@ -147,3 +147,22 @@ def test_bad_options_name_the_option(tmp_path):
     args = _args(tmp_path, "--only", "nosuch")
     with pytest.raises(ValueError, match="--only nosuch"):
         curve.run(args, target=_word_target())
+
+
+def test_a_points_measurement_leaves_the_random_generators_as_it_found_them():
+    import random
+
+    import numpy as np
+
+    def draws() -> tuple:
+        return torch.rand(2).tolist(), random.random(), float(np.random.rand())
+
+    torch.manual_seed(5), random.seed(5), np.random.seed(5)
+    plain = draws()
+    torch.manual_seed(5), random.seed(5), np.random.seed(5)
+    with curve._kept_random_state():
+        draws()  # what a measurement might draw
+    assert draws() == plain
+    torch.manual_seed(5), random.seed(5), np.random.seed(5)
+    draws()
+    assert draws() != plain  # the control: without it, the next draws move on
