@@ -198,50 +198,61 @@ class TrainClock:
 
 
 class DataCosts:
-    """The data step's cost of each cache entry under ``cache_dir``, recorded when the entry is made, in
-    ``path`` (JSON: entry -> ``{cpu_s, wall_s, recipe}``)."""
+    """The data step's cost of the cache entries under ``cache_dir``, recorded when they are made, in
+    ``path`` (JSON: ``{"groups": [{entries, cpu_s, wall_s, recipe}]}``). One ``prepare_data`` can make
+    several entries at once (the target's answers and the corpus rows' entry): they are recorded as one
+    group, and whoever reads any of them later is charged the whole group's cost once."""
 
     def __init__(self, path: Path, cache_dir: Path) -> None:
         self.path, self.cache_dir = path, cache_dir
-        self.costs = load_json_object(path, what="the curve's data costs", fix=f"delete {path} and {cache_dir}") \
+        kept = load_json_object(path, what="the curve's data costs", fix=f"delete {path} and {cache_dir}") \
             if path.is_file() else {}
+        self.groups: list[dict] = list(kept.get("groups", []))
 
     def key(self, entry: Path) -> str:
         return Path(os.path.relpath(entry, self.cache_dir)).as_posix()
 
-    def record(self, entry: Path, cpu_s: float, wall_s: float, recipe: str) -> None:
-        self.costs[self.key(entry)] = {"cpu_s": cpu_s, "wall_s": wall_s, "recipe": recipe}
-        write_json_atomic(self.path, self.costs)
+    def record(self, entries: list[Path], cpu_s: float, wall_s: float, recipe: str) -> None:
+        self.groups.append({"entries": [self.key(e) for e in entries], "cpu_s": cpu_s, "wall_s": wall_s,
+                            "recipe": recipe})
+        write_json_atomic(self.path, {"groups": self.groups})
 
-    def recorded(self, entry: Path) -> dict:
-        found = self.costs.get(self.key(entry))
-        if found is None:
-            raise ValueError(f"the data cache entry {entry} exists but its data step's cost was never recorded in "
-                             f"{self.path} (made by another command, or a run killed before recording it): delete "
-                             f"{entry} so that the curve makes it and counts its cost")
+    def recorded(self, entries: list[Path]) -> list[dict]:
+        """The recorded groups that made ``entries``, each once; ValueError naming an entry none made."""
+        found: list[dict] = []
+        for entry in entries:
+            group = next((g for g in self.groups if self.key(entry) in g["entries"]), None)
+            if group is None:
+                raise ValueError(f"the data cache entry {entry} exists but its data step's cost was never recorded in "
+                                 f"{self.path} (made by another command, or a run killed before recording it): delete "
+                                 f"{entry} so that the curve makes it and counts its cost")
+            if group not in found:
+                found.append(group)
         return found
 
 
 def data_step(dm, clock: TrainClock, costs: DataCosts, recipe: str) -> dict:
-    """``dm.prepare_data()`` and ``dm.setup("fit")`` under ``clock``; a cache entry made here has its cost
-    recorded, one made before is charged at its recorded cost. Returns the step's record: ``cpu_s`` and
-    ``wall_s`` (what the curve charges), ``made`` (whether this recipe made the entry), ``entry``, ``rows``."""
-    entry = Path(dm.cache_path)
-    made = not entry.is_dir()
+    """``dm.prepare_data()`` and ``dm.setup("fit")`` under ``clock``. The entries it made (the answers'
+    ``cache_path``, and ``corpus_cache_path`` with corpus rows) have the cost recorded; entries made before
+    are charged at their recorded cost. Returns the step's record: ``cpu_s`` and ``wall_s`` (what the curve
+    charges), ``entries``, ``made`` (those this recipe made), ``charged`` (the groups of the others), ``rows``."""
+    entries = [Path(e) for e in (dm.cache_path, getattr(dm, "corpus_cache_path", None)) if e is not None]
+    existed = [e for e in entries if e.is_dir()]
+    made = [e for e in entries if e not in existed]
     cpu0, wall0 = clock.read()
     with clock.running():
         dm.prepare_data()
     cpu1, wall1 = clock.read()
     if made:
-        costs.record(entry, cpu1 - cpu0, wall1 - wall0, recipe)
-    else:
-        kept = costs.recorded(entry)
-        clock.charge(kept["cpu_s"], kept["wall_s"])
+        costs.record(made, cpu1 - cpu0, wall1 - wall0, recipe)
+    charged = costs.recorded(existed)
+    for group in charged:
+        clock.charge(group["cpu_s"], group["wall_s"])
     with clock.running():
         dm.setup("fit")
     cpu, wall = clock.read()
-    return {"cpu_s": cpu - cpu0, "wall_s": wall - wall0, "made": made, "entry": costs.key(entry),
-            "rows": int(dm.stats.get("train_rows", len(dm.train_set)))}
+    return {"cpu_s": cpu - cpu0, "wall_s": wall - wall0, "entries": [costs.key(e) for e in entries],
+            "made": [costs.key(e) for e in made], "charged": charged, "rows": int(len(dm.train_set))}
 
 
 def served_drafter(drafter, target, folder: Path):
@@ -340,8 +351,9 @@ def train_recipe(recipe: Recipe, cfg, target, evaluator, costs: DataCosts, args,
         drafter = build_drafter(cfg, target)
         dm = build_datamodule(cfg, target, drafter.config.target_layer_ids, stages)
     data = data_step(dm, clock, costs, recipe.name)
-    _log(f"{recipe.name}: data step {data['cpu_s']:.0f} CPU s, {data['wall_s']:.0f} s "
-         f"({'made' if data['made'] else 'recorded cost of'} {data['entry']}, {data['rows']} rows)")
+    _log(f"{recipe.name}: data step {data['cpu_s']:.0f} CPU s, {data['wall_s']:.0f} s ({data['rows']} rows; made "
+         f"{', '.join(data['made']) or 'nothing'}; charged the recorded cost of "
+         f"{', '.join(e for g in data['charged'] for e in g['entries']) or 'nothing'})")
     measure(0, 0, drafter, None)
     offset, tokens = 0, 0
     for stage, n in zip(stages, steps):

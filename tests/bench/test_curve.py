@@ -111,8 +111,10 @@ def test_a_curve_of_three_recipes_is_monotone_plotted_and_charges_every_data_ste
         data = recipes[name]["data"]
         assert data["cpu_s"] > 0 and points[0]["cpu_s"] >= data["cpu_s"] > 0.5 * points[0]["cpu_s"]
     # default made its rows; 2x-pretrain read the same entry and is charged what making it cost
-    assert recipes["default"]["data"]["made"] and not recipes["2x-pretrain"]["data"]["made"]
-    assert recipes["2x-pretrain"]["data"]["entry"] == recipes["default"]["data"]["entry"]
+    assert recipes["default"]["data"]["made"] == recipes["default"]["data"]["entries"]
+    assert not recipes["2x-pretrain"]["data"]["made"]
+    assert recipes["2x-pretrain"]["data"]["entries"] == recipes["default"]["data"]["entries"]
+    assert [g["recipe"] for g in recipes["2x-pretrain"]["data"]["charged"]] == ["default"]
     assert by["2x-pretrain"][0]["cpu_s"] >= recipes["default"]["data"]["cpu_s"]
     # twice the prompts: more rows, and a data step that costs EXTRA_DATA_CPU_S more CPU: its curve starts
     # that much to the right (it would not, were the data step's CPU time left off the axis)
@@ -129,14 +131,16 @@ def test_a_curve_of_three_recipes_is_monotone_plotted_and_charges_every_data_ste
     assert again["points"] == [p for p in saved["points"] if p["recipe"] in ("default", "2x-pretrain")]
 
 
-def test_a_recipe_without_its_data_cost_on_record_is_refused(tmp_path):
+def test_a_recipe_is_charged_each_group_of_entries_it_reads_once_and_an_unrecorded_entry_is_refused(tmp_path):
     costs = curve.DataCosts(tmp_path / "costs.json", tmp_path / "cache")
-    entry = tmp_path / "cache" / "regen" / "entry"
-    entry.mkdir(parents=True)
+    answers, corpus, other = (tmp_path / "cache" / "regen" / name for name in ("answers", "corpus", "other"))
     with pytest.raises(ValueError, match="never recorded"):
-        costs.recorded(entry)
-    costs.record(entry, 3.0, 4.0, "default")
-    assert curve.DataCosts(tmp_path / "costs.json", tmp_path / "cache").recorded(entry)["cpu_s"] == 3.0
+        costs.recorded([answers])
+    costs.record([answers, corpus], 3.0, 4.0, "default")  # one prepare_data made both
+    costs.record([other], 1.0, 1.0, "more")
+    kept = curve.DataCosts(tmp_path / "costs.json", tmp_path / "cache")  # read back from its file
+    assert [g["cpu_s"] for g in kept.recorded([answers, corpus])] == [3.0]  # the group once, not per entry
+    assert [g["cpu_s"] for g in kept.recorded([corpus, other])] == [3.0, 1.0]
 
 
 def test_bad_options_name_the_option(tmp_path):
