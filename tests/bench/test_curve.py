@@ -15,13 +15,7 @@ import torch
 from exittrain.bench import curve
 from tests.test_fit_ranks import _sources, _word_target
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py's: tiny models run fastest on one thread
 
 
 TINY = ["data.generation.max_new_tokens=8", "data.max_length=32", "data.batch_size=2", "data.max_train_prompts=4",

@@ -24,7 +24,8 @@ def _curve() -> dict:
               _point("2x-prompts", 0, 456.0, 0, 1.01), _point("2x-prompts", 100, 560.0, 91000, 1.52)]
     return {"domain": "code", "command": "python -m exittrain bench curve", "prompts": 32, "temperature": 0.0,
             "budget": 16, "host": HOST, "points": points,
-            "recipes": [{"name": "default", "data": {"cpu_s": 228.0}}, {"name": "2x-prompts", "data": {"cpu_s": 456.0}}]}
+            "recipes": [{"name": "default", "data": {"cpu_s": 228.0}},
+                        {"name": "2x-prompts", "data": {"cpu_s": 456.0}}]}
 
 
 def test_the_page_shows_the_curve_when_results_hold_one_and_says_so_when_not(tmp_path):
