@@ -39,7 +39,7 @@ import shutil
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -53,6 +53,7 @@ __all__ = [
     "temp_sibling",
     "write_errors_named",
     "write_failure",
+    "write_folder_atomic",
 ]
 
 # errnos that mean "this file system has no room for the write"
@@ -250,6 +251,49 @@ def atomic_open(
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+
+
+def write_folder_atomic(
+    path: str | os.PathLike,
+    write: Callable[[Path], Any],
+    *,
+    what: str,
+    fix: str,
+    needed: int | None = None,
+) -> Any:
+    """``write(tmp)`` fills a fresh temporary sibling folder, which then replaces the folder ``path``.
+
+    An existing folder is first renamed aside and deleted only after the new one is in place: a
+    crash leaves the old complete folder, the new complete one, or (in the instant between two
+    renames) the old one under a hidden ``.<name>.*.old`` name, never a half-written folder. The
+    new files are fsynced before the renames; hidden ``.tmp`` / ``.old`` folders of killed writes
+    are removed after a successful one. A failure of the file system raises :func:`write_failure`'s
+    error for ``path`` (``what``, ``fix``, ``needed``). Only one process may write ``path`` at a
+    time. Returns what ``write`` returned.
+    """
+    path = Path(path)
+    with write_errors_named(path, what=what, fix=fix, needed=needed):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temp_sibling(path, "tmp")
+        tmp.mkdir()
+        old = None
+        try:
+            result = write(tmp)
+            fsync_tree(tmp)
+            if path.exists():
+                old = temp_sibling(path, "old")
+                os.replace(path, old)
+            os.replace(tmp, path)
+            fsync_dir(path.parent)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+            if old is not None and not path.exists():
+                os.replace(old, path)  # the new folder never arrived: put the previous one back
+            elif old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+    remove_stale_temps(path)
+    return result
 
 
 def remove_stale_temps(path: str | os.PathLike) -> list[Path]:

@@ -13,7 +13,7 @@ import logging
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["export_beside", "main", "spare_token_id"]
+__all__ = ["export_atomic", "export_beside", "main", "spare_token_id"]
 
 FORMATS = ("dflash",)
 
@@ -30,11 +30,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtype", default=None, help="weights dtype (default: the drafter's), e.g. bfloat16")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from exittrain.models.dflash_format import export_dflash
-
     try:
-        report = export_dflash(args.drafter, args.out, mask_token_id=args.mask_token_id, dtype=args.dtype)
-    except ValueError as e:
+        report = export_atomic(args.drafter, args.out, mask_token_id=args.mask_token_id, dtype=args.dtype)
+    except (ValueError, OSError) as e:  # a bad drafter (ValueError), or a write that failed (WriteError)
         parser.exit(2, f"export: {e}\n")
     dropped = "; dropped: " + ", ".join(report["dropped"]) if report["dropped"] else ""
     print(f"wrote {args.format} drafter {report['out']} ({', '.join(report['files'])}){dropped}")
@@ -68,8 +66,6 @@ def export_beside(drafter, run_dir, target=None) -> dict:
     """
     from pathlib import Path
 
-    from exittrain.models.dflash_format import export_dflash
-
     run_dir = Path(run_dir)
     mask_id = None
     cfg = drafter.config
@@ -79,7 +75,7 @@ def export_beside(drafter, run_dir, target=None) -> dict:
             logger.info("drafter_dflash/: the learned mask embedding ships under token id %d (a token the "
                         "target does not emit); set drafter.mask_token_id to choose another", mask_id)
     try:
-        report = export_dflash(drafter, run_dir / "drafter_dflash", mask_token_id=mask_id)
+        report = export_atomic(drafter, run_dir / "drafter_dflash", mask_token_id=mask_id)
     except ValueError as e:
         logger.warning(
             "no drafter_dflash/ written: %s. Once fixed: python -m exittrain export %s OUT --format dflash",
@@ -87,3 +83,22 @@ def export_beside(drafter, run_dir, target=None) -> dict:
         )
         return {"path": None, "why": str(e)}
     return {"path": report["out"], "dropped": report["dropped"], "mask_token_id": mask_id}
+
+
+def export_atomic(drafter, out, **kwargs) -> dict:
+    """:func:`exittrain.models.dflash_format.export_dflash` (``kwargs``: its settings) into a temporary
+    sibling of ``out`` that then replaces ``out`` (:func:`exittrain.atomic.write_folder_atomic`): a
+    failed or killed export leaves the previous folder, never a half-written one. A failure of the file
+    system (a full disk) raises :class:`exittrain.atomic.WriteError` naming ``out`` and the fix; a
+    drafter the format cannot express raises ValueError with nothing written."""
+    from pathlib import Path
+
+    from exittrain.atomic import write_folder_atomic
+    from exittrain.models.dflash_format import export_dflash
+
+    fix = (
+        "write it to a disk with room: python -m exittrain export DRAFTER_DIR OUT --format dflash, with DRAFTER_DIR "
+        "the drafter folder it was exported from (RUN_DIR/drafter)"
+    )
+    report = write_folder_atomic(out, lambda tmp: export_dflash(drafter, tmp, **kwargs), what="DFlash export", fix=fix)
+    return {**report, "out": str(Path(out))}

@@ -329,8 +329,9 @@ def _answer_batches(
     ticker = progress_log.Ticker(
         f"regenerate ({target_name})", n_mine, unit="batch", every=max(1, n_mine // 50), start=done_before
     )
+    claims = claimed_batches(partial, todo)  # a batch another run answers is used, not answered twice
     try:
-        for b in claimed_batches(partial, todo):  # a batch another run answers is used, not answered twice
+        for b in claims:
             idx = batches[b]
             t0 = time.perf_counter()
             # a batch can take a minute on a small CPU: off a terminal, a line every 20 s while it runs
@@ -364,6 +365,7 @@ def _answer_batches(
             if as_lines:
                 ticker.advance(answers=report.answers, tok_s=report.tokens_per_s or 0.0)
     finally:
+        claims.close()  # at once, also on an error: the claim of the batch in hand goes
         bar.close()
 
 

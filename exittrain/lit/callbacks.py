@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from exittrain.atomic import fsync_dir, fsync_tree, remove_stale_temps, temp_sibling, write_errors_named
+from exittrain.atomic import write_folder_atomic
 from exittrain.core import TREE_SHAPES, VERIFIERS
 from exittrain.heldout.decode_eval import decode_check
 from exittrain.lit.heldout_callback import HeldOutBlockLengthCallback
@@ -60,27 +59,23 @@ Prompts = Sequence[Sequence[int]]
 
 
 def save_drafter(drafter, path: str | os.PathLike) -> Path:
-    """``drafter.save_pretrained`` (config + safetensors) into ``path``, atomically.
+    """``drafter.save_pretrained`` (config + safetensors) into ``path``, atomically
+    (:func:`exittrain.atomic.write_folder_atomic`: a crash leaves the old complete folder or the new
+    one, never a half-written one; the files are fsynced; leftovers of killed exports are removed).
 
-    Writes into a temporary sibling folder, then renames it into place. An existing folder is
-    first renamed aside and deleted only after the new one is in place: a crash leaves either
-    the old complete folder, or the new complete one, or (in the instant between two renames)
-    none plus the old one under a hidden ``.<name>.*.old`` name, never a half-written folder.
-    The new files are fsynced before the renames (durable across a power loss, not only a kill),
-    and hidden ``.<name>.*.tmp`` / ``.old`` folders that killed exports left are removed after a
-    successful one. Only one process may export to a given ``path`` at a time (rank 0 does).
-    A failure of the file system (a full disk) raises :class:`exittrain.atomic.WriteError` naming
-    ``path``, the bytes the weights need, the free space and the fix.
+    Only one process may export to a given ``path`` at a time (rank 0 does). A failure of the file
+    system (a full disk) raises :class:`exittrain.atomic.WriteError` naming ``path``, the bytes the
+    weights need, the free space and the fix.
     """
-    path = Path(path)
+
+    def write(tmp: Path) -> None:
+        drafter.save_pretrained(tmp)
+        if not (tmp / "config.json").is_file() or not any(tmp.glob("*.safetensors")):
+            raise RuntimeError(f"save_pretrained wrote no config.json or safetensors into {tmp}")
+
     needed = sum(t.nbytes for t in drafter.state_dict().values())
-    with write_errors_named(path, what="drafter export", fix=DRAFTER_WRITE_FIX, needed=needed):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = temp_sibling(path, "tmp")
-        tmp.mkdir()
-        _save_into(drafter, path, tmp)
-    remove_stale_temps(path)
-    return path
+    write_folder_atomic(path, write, what="drafter export", fix=DRAFTER_WRITE_FIX, needed=needed)
+    return Path(path)
 
 
 # a failed export leaves the previous one in place; the run's checkpoints still hold the drafter
@@ -88,28 +83,6 @@ DRAFTER_WRITE_FIX = (
     "point hydra.run.dir at a disk with room; the stage's checkpoints hold the trained drafter "
     "(exittrain.lit.ExitTrainModule.drafter_from_checkpoint, or fit ckpt_path=RUN_DIR/checkpoints/<stage>/last.ckpt)"
 )
-
-
-def _save_into(drafter, path: Path, tmp: Path) -> None:
-    """:func:`save_drafter`'s write into ``tmp`` and the renames that put it at ``path``."""
-    old = None
-    try:
-        drafter.save_pretrained(tmp)
-        if not (tmp / "config.json").is_file() or not any(tmp.glob("*.safetensors")):
-            raise RuntimeError(f"save_pretrained wrote no config.json or safetensors into {tmp}")
-        fsync_tree(tmp)
-        if path.exists():
-            old = temp_sibling(path, "old")
-            os.replace(path, old)
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not path.exists():
-            os.replace(old, path)  # the new folder never arrived: put the previous export back
-        elif old is not None:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 def scalar_float(value: Any) -> float | None:

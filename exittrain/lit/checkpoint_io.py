@@ -20,6 +20,10 @@ A save that fails on the file system (a full disk) raises :class:`exittrain.atom
 naming the checkpoint, the bytes its tensors need, the free space and the fix, from the first
 failed write: torch's archive writer then fails on its own state (``unexpected pos``), and that
 error is not what the user reads. The previous checkpoint under the name stays whole.
+
+Loading (``fit ckpt_path=...`` resumes through it) refuses a checkpoint whose weights hold NaN or
+infinity, naming the file and the tensor, before Lightning restores the module: a resumed fit
+would otherwise stop later on a non-finite loss that points at the data.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from exittrain.atomic import atomic_open, remove_stale_temps
+from exittrain.models.drafter.saved_files import check_finite_weights
 
 __all__ = ["AtomicCheckpointIO", "CHECKPOINT_WRITE_FIX", "tensor_bytes"]
 
@@ -56,8 +61,20 @@ def tensor_bytes(obj: Any) -> int:
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose local saves replace the file in one rename (see the module docstring).
 
-    Use: ``Trainer(plugins=[AtomicCheckpointIO()])``. Loading and removal are Lightning's.
+    Use: ``Trainer(plugins=[AtomicCheckpointIO()])``. Loading is Lightning's plus the check of the
+    weights (:meth:`load_checkpoint`); removal is Lightning's.
     """
+
+    def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(path, *args, **kwargs)
+        state = checkpoint.get("state_dict", {}) if isinstance(checkpoint, dict) else {}
+        check_finite_weights(
+            {k: v for k, v in state.items() if isinstance(v, torch.Tensor)},
+            file_of=lambda name: f"checkpoint {path} (state_dict['{name}'])",
+            fix="resume from an earlier checkpoint of the run (RUN_DIR/checkpoints/<stage>/), or leave ckpt_path "
+            "unset to re-run the stage from its start (or from a warm_start)",
+        )
+        return checkpoint
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:

@@ -6,10 +6,19 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from exittrain.models import BlockDrafter, DrafterConfig, TargetModel
+from exittrain.models.drafter.saved_files import check_finite_weights
 from exittrain.safe_io import load_checkpoint
 
-__all__ = ["CHECKPOINT_KEY", "check_checkpoint_target", "checkpoint_entry", "drafter_from_checkpoint"]
+__all__ = [
+    "CHECKPOINT_KEY",
+    "check_checkpoint_target",
+    "check_state_fits",
+    "checkpoint_entry",
+    "drafter_from_checkpoint",
+]
 
 CHECKPOINT_KEY = "exittrain"
 """Checkpoint entry holding ``drafter_config`` (a JSON-safe dict) and ``target_name``."""
@@ -41,7 +50,9 @@ def drafter_from_checkpoint(path, target: TargetModel, *, map_location: Any = "c
     attached to ``target`` (pairing checked). Checkpoints written under ``trainer=fsdp`` are
     single files with the full weights too; a folder (a sharded checkpoint) raises ValueError,
     and so does a missing, corrupt or truncated file or one holding objects the safe load
-    refuses (the message names the file and never suggests an unsafe load).
+    refuses (the message names the file and never suggests an unsafe load), a drafter tensor
+    missing or shaped unlike the config the checkpoint records, or one holding NaN or infinity
+    (each message names the file and the tensor).
     """
     if Path(path).is_dir():
         raise ValueError(
@@ -61,5 +72,22 @@ def drafter_from_checkpoint(path, target: TargetModel, *, map_location: Any = "c
     drafter = BlockDrafter(config).attach_target(target)
     prefix = "drafter."
     state = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+    fix = f"resume from an earlier checkpoint of the run (RUN_DIR/checkpoints/<stage>/), or re-run the stage: {path}"
+    check_state_fits(state, drafter.state_dict(), path=path, fix=fix)
+    check_finite_weights(state, file_of=lambda name: f"checkpoint {path} (state_dict['{prefix}{name}'])", fix=fix)
     drafter.load_state_dict(state, strict=True)
     return drafter.to(target.device)
+
+
+def check_state_fits(state: dict[str, torch.Tensor], model_state: dict[str, torch.Tensor], *, path, fix: str) -> None:
+    """ValueError naming the checkpoint ``path`` and the tensor when ``state`` (a drafter's, read from it)
+    lacks a tensor of ``model_state`` (the drafter its recorded config builds) or shapes one otherwise."""
+    for name, want in model_state.items():
+        got = state.get(name)
+        if got is None:
+            raise ValueError(f"checkpoint {path} lacks the drafter tensor {name} its recorded config has; {fix}")
+        if got.shape != want.shape:
+            raise ValueError(
+                f"checkpoint {path}: drafter tensor {name} has shape {list(got.shape)}, but the drafter config it "
+                f"records builds {list(want.shape)} (the file was altered, or mixes two runs); {fix}"
+            )

@@ -63,7 +63,7 @@ from transformers import initialization as hf_init
 from exittrain.models.drafter.configuration import DrafterConfig, check_pairing
 from exittrain.models.drafter.copy_branch import copy_logits, copy_terms, init_copy_gate
 from exittrain.models.drafter.layers import ContextKV, DrafterLayer, DrafterRMSNorm
-from exittrain.models.drafter.saved_files import check_saved_files
+from exittrain.models.drafter.saved_files import check_saved_files, check_weight_shapes
 from exittrain.models.drafter.starting_points import copy_target_layers
 from exittrain.models.head_product import HeadProduct, apply_head, is_plain_head
 from exittrain.models.vocab_head import VocabRows, vocab_logits_reference
@@ -435,7 +435,9 @@ class BlockDrafter(PreTrainedModel):
         Weights are read from safetensors only: a folder holding only a pickled checkpoint raises
         ValueError instead of being unpickled. In a local folder, a bad ``config.json`` or weights
         file, or weights in the layout before the DFlash one, raise ValueError naming the file
-        (:func:`exittrain.models.drafter.saved_files.check_saved_files`) before Hugging Face reads either.
+        (:func:`exittrain.models.drafter.saved_files.check_saved_files`) before Hugging Face reads either,
+        and so does a tensor whose shape does not fit the config (:func:`~exittrain.models.drafter.saved_files.
+        check_weight_shapes`, from the headers).
         """
         folder = Path(pretrained_model_name_or_path) / kwargs.get("subfolder", "")
         config = kwargs.pop("config", None)
@@ -446,6 +448,10 @@ class BlockDrafter(PreTrainedModel):
             config = DrafterConfig.from_pretrained(pretrained_model_name_or_path, **hub)
         if target is not None:
             check_pairing(config, target, check_name=check_name)
+        if folder.is_dir():
+            with torch.device("meta"):  # the config's shapes, without allocating a weight
+                expected = {k: tuple(v.shape) for k, v in cls(config).state_dict().items()}
+            check_weight_shapes(folder, expected)
         # save_drafter writes safetensors; never fall back to unpickling a .bin (Hugging Face would)
         kwargs["use_safetensors"] = True
         model = super().from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)

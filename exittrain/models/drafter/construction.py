@@ -13,6 +13,7 @@ from huggingface_hub import snapshot_download
 from exittrain.models.dflash_format import is_dflash_folder, load_dflash
 from exittrain.models.drafter.block_drafter import BlockDrafter
 from exittrain.models.drafter.configuration import DrafterConfig
+from exittrain.models.drafter.saved_files import check_finite_weights, weight_files
 from exittrain.models.drafter.starting_points import (
     default_heads,
     default_layer_ids,
@@ -141,6 +142,10 @@ def load_drafter(
     :func:`exittrain.models.dflash_format.export_dflash`), read by
     :func:`exittrain.models.dflash_format.load_dflash` with the same pairing checks. A hub id
     (``z-lab/Qwen3-8B-DFlash-b16``) is downloaded first (needs the network or a filled hub cache).
+
+    What ``fit warm_start=`` and ``eval drafter=`` load: weights whose shapes do not fit the saved
+    config, or that hold NaN or infinity, raise ValueError naming the file and the tensor before
+    any evaluation runs (:mod:`exittrain.models.drafter.saved_files`).
     """
     if isinstance(path, str) and not Path(path).exists() and path.count("/") == 1:
         # a hub id (org/name): fetch the drafter's files once, then read them like a local folder
@@ -154,5 +159,8 @@ def load_drafter(
         drafter = BlockDrafter.from_pretrained(
             path, target=target, check_name=check_name, dtype=as_dtype(dtype), **hf_kwargs
         )
+    folder = Path(path)
+    files = weight_files(folder) if folder.is_dir() and not is_dflash_folder(folder) else {}
+    check_finite_weights(drafter.state_dict(), file_of=lambda name: files.get(name, folder / "model.safetensors"))
     return drafter.to(device or target.device)
 

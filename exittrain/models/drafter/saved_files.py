@@ -5,18 +5,25 @@ draft model (``layers.{i}.self_attn.q_proj.weight``, ``fc.weight``, ...) plus ou
 Folders written before the drafter took that layout (``context_proj.weight``,
 ``layers.{i}.attn.*``) compute another function (no per-head Q/K norms) and are refused with the
 fix, never loaded into a model whose norms they do not fill.
+
+Weights are checked before a run uses them (:func:`check_weight_shapes` from the files' headers,
+before Hugging Face reads a byte of data; :func:`check_finite_weights` once loaded): a tensor
+whose shape does not fit the config, or that holds NaN or infinity, is refused naming the file, the
+tensor and the fix, before any evaluation or training step runs on it.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import torch
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from exittrain.safe_io import check_safetensors, load_json_object
 
-__all__ = ["DRAFTER_FIX", "check_saved_files"]
+__all__ = ["DRAFTER_FIX", "check_finite_weights", "check_saved_files", "check_weight_shapes", "weight_files"]
 
 # what to do about a saved drafter folder whose files are bad (exittrain.safe_io adds the file and the cause)
 DRAFTER_FIX = (
@@ -72,3 +79,58 @@ def check_saved_files(folder: str | os.PathLike, *, config_too: bool = True) -> 
             "one (python -m exittrain fit ...) or warm-start from a DFlash drafter folder"
         )
     return names
+
+
+def weight_files(folder: str | os.PathLike) -> dict[str, Path]:
+    """``tensor name -> the file holding it`` for the saved weights of ``folder`` (headers only)."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    out = {}
+    for name in safetensors_shards(folder, what="drafter weights", fix=DRAFTER_FIX):
+        with safe_open(str(folder / name), framework="pt") as f:
+            out.update({key: folder / name for key in f.keys()})
+    return out
+
+
+def check_weight_shapes(
+    folder: str | os.PathLike, expected: Mapping[str, tuple[int, ...]], *, fix: str = DRAFTER_FIX
+) -> None:
+    """ValueError when a tensor of the saved weights in ``folder`` has another shape than ``expected``
+    (``name -> shape``: the model its ``config.json`` builds); a tensor it lacks is left to the model's
+    initialisation.
+    Reads the files' headers only; the message names the file, the tensor, both shapes and ``fix``."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    found: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for name in safetensors_shards(folder, what="drafter weights", fix=fix):
+        with safe_open(str(folder / name), framework="pt") as f:
+            found.update({key: (folder / name, tuple(f.get_slice(key).get_shape())) for key in f.keys()})
+    for key, shape in expected.items():
+        if key not in found:
+            continue  # a part saved without it (a branch added since) starts as the model initialises it
+        file, got = found[key]
+        if got != tuple(shape):
+            raise ValueError(
+                f"drafter weights {file}: tensor {key} has shape {list(got)}, but {folder / 'config.json'} builds "
+                f"it as {list(shape)}: the weights and the config do not belong together (a config edited by hand, "
+                f"or files from two drafters); {fix}"
+            )
+
+
+def check_finite_weights(
+    tensors: Mapping[str, torch.Tensor], *, file_of: Callable[[str], str | os.PathLike], fix: str = DRAFTER_FIX
+) -> None:
+    """ValueError naming the first tensor of ``tensors`` that holds NaN or infinity, the file it came
+    from (``file_of(name)``), how many of its values are bad, and ``fix``. One pass over the weights."""
+    for name, t in tensors.items():
+        if not t.is_floating_point() or bool(torch.isfinite(t).all()):
+            continue
+        bad = int((~torch.isfinite(t)).sum())
+        nan = int(torch.isnan(t).sum())
+        raise ValueError(
+            f"{file_of(name)}: tensor {name} holds {bad} non-finite values of {t.numel()} ({nan} NaN, {bad - nan} "
+            f"infinite): the weights were saved from a diverged run or damaged, and no evaluation or training "
+            f"step can use them; {fix}"
+        )
