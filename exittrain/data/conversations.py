@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from exittrain.data.prompts.prompt_sets import LoadStats, normalize_prompt
-from exittrain.data.prompts.source_reading import MissingField, extract, source_rows
+from exittrain.data.prompts.source_reading import read_texts, source_rows
 from exittrain.data.prompts.source_spec import BUILTIN_SOURCES, CHAT_COLUMNS, CORPUS_SOURCES, PromptSource
 from exittrain.data.regen_cache import make_row
 
@@ -209,20 +209,11 @@ def _corpus_conversations(src: PromptSource, stats: LoadStats) -> list[Conversat
     conversations: list[Conversation] = []
     seen: set[str] = set()
     for row_no, row in stats.mapping_rows(rows):
-        try:
-            prompt, answer = extract(row, fld).strip(), extract(row, corpus.answer).strip()
-        except MissingField:
-            stats.reject("missing_field", row_no)
+        got = read_texts(row, (fld, corpus.answer))
+        if isinstance(got, str):  # a rejection reason
+            stats.reject(got, row_no)
             continue
-        except TypeError:
-            stats.reject("not_string", row_no)
-            continue
-        except UnicodeDecodeError:
-            stats.reject("non_utf8", row_no)
-            continue
-        if not prompt or not answer:
-            stats.reject("empty", row_no)
-            continue
+        prompt, answer = got
         key = normalize_prompt(prompt)
         if key in seen:
             stats.reject("duplicate", row_no)

@@ -81,7 +81,7 @@ def test_bad_chat_specs_name_the_fix(spec, message):
 
 def test_conversations_are_training_data_only(tmp_path):
     path = _jsonl(tmp_path / "c.jsonl", [{"messages": OPENAI}])
-    with pytest.raises(ValueError, match="answered conversations, not of prompts"):
+    with pytest.raises(ValueError, match="answered rows, not of prompts"):
         load_prompts(f"chat-json:{path}")
     with pytest.raises(ValueError, match="is a prompt source"):
         load_conversations(f"json:{path}:text")

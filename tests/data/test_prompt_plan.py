@@ -12,6 +12,7 @@ import pytest
 from exittrain.data import chat_prompt_ids
 from exittrain.data.generation import GenerationConfig
 from exittrain.data.prompts.prompt_plan import (
+    CORPUS_ARGS,
     LOADER_ARGS,
     PromptPlan,
     check_sample_settings,
@@ -133,7 +134,7 @@ def test_every_datamodule_argument_is_the_plans_or_the_loaders_with_the_same_def
 
     module = inspect.signature(ExitTrainDataModule).parameters
     plan = inspect.signature(PromptPlan).parameters
-    assert set(module) == set(plan) | LOADER_ARGS and not set(plan) & LOADER_ARGS
+    assert set(module) == set(plan) | LOADER_ARGS | CORPUS_ARGS and not set(plan) & (LOADER_ARGS | CORPUS_ARGS)
     assert {k: p.default for k, p in plan.items()} == {k: module[k].default for k in plan}
 
 

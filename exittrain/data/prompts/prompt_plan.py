@@ -92,6 +92,7 @@ LOADER_ARGS = frozenset(
         "feature_layers",
         "top_logprobs",
         "feature_store",
+        "vocab_size",
     }
 )
 """The DataModule's arguments that choose neither the prompts nor the cache entry (its loaders', split's, store's)."""

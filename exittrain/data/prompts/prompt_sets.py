@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from exittrain.data.prompts.domain_sources import DOMAIN_SOURCES
-from exittrain.data.prompts.source_reading import MissingField, extract, source_rows
+from exittrain.data.prompts.source_reading import read_texts, source_rows
 from exittrain.data.prompts.source_spec import BUILTIN_SOURCES, PromptSource
 
 __all__ = [
@@ -266,20 +266,11 @@ def load_prompts(
     seen: set[str] = set()
     task_set = BUILTIN_SOURCES[src.path].task_set if src.kind == "pkg" else None
     for row_no, row in stats.mapping_rows(_chain(first, rows)):
-        try:
-            text = extract(row, fld).strip()
-        except MissingField:
-            stats.reject("missing_field", row_no)
+        got = read_texts(row, (fld,))
+        if isinstance(got, str):  # a rejection reason
+            stats.reject(got, row_no)
             continue
-        except TypeError:
-            stats.reject("not_string", row_no)
-            continue
-        except UnicodeDecodeError:
-            stats.reject("non_utf8", row_no)
-            continue
-        if not text:
-            stats.reject("empty", row_no)
-            continue
+        (text,) = got
         if max_chars is not None and len(text) > max_chars:
             stats.reject("too_long", row_no)
             continue

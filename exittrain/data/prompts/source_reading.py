@@ -50,6 +50,7 @@ __all__ = [
     "read_hub",
     "read_json_file",
     "read_parquet",
+    "read_texts",
     "source_rows",
     "with_stubs",
 ]
@@ -92,6 +93,25 @@ def extract(row: Mapping[str, Any], fld: str) -> str:
         if name is not None:
             pieces.append(as_text(lookup(row, name)))
     return "".join(pieces)
+
+
+def read_texts(row: Mapping[str, Any], fields: Sequence[str]) -> tuple[str, ...] | str:
+    """The stripped text of each of ``fields`` (paths or templates, :func:`extract`) of ``row``, or the
+    rejection reason of the first that has none: ``missing_field``, ``not_string``, ``non_utf8`` or ``empty``."""
+    texts = []
+    for fld in fields:
+        try:
+            text = extract(row, fld).strip()
+        except MissingField:
+            return "missing_field"
+        except TypeError:
+            return "not_string"
+        except UnicodeDecodeError:
+            return "non_utf8"
+        if not text:
+            return "empty"
+        texts.append(text)
+    return tuple(texts)
 
 
 def field_roots(fld: str) -> list[str]:
