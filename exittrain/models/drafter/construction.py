@@ -161,6 +161,11 @@ def load_drafter(
         )
     folder = Path(path)
     files = weight_files(folder) if folder.is_dir() and not is_dflash_folder(folder) else {}
-    check_finite_weights(drafter.state_dict(), file_of=lambda name: files.get(name, folder / "model.safetensors"))
+    check_finite_weights(
+        drafter.state_dict(),
+        file_of=lambda name: files.get(name, folder / "model.safetensors"),
+        fix="point warm_start= (fit) or drafter= (eval) at the drafter of a healthy run (RUN_DIR/warmstart_drafter or "
+        "RUN_DIR/drafter), or leave warm_start unset to train a fresh drafter",
+    )
     return drafter.to(device or target.device)
 
