@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HostChoice", "host_folder", "record_path", "recorded_choice"]
+__all__ = ["HostChoice", "host_folder", "lookup", "record_path", "recorded_choice"]
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,23 @@ def _write_once(path: Path, record: dict[str, Any]) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def _choice(key: str, host: str, record: dict[str, Any], paths: Sequence[Path], measured_now: bool) -> HostChoice:
+    return HostChoice(key=key, setting="auto", value=record["choice"],
+                      reason=record.get("reason", "recorded before records kept a reason"),
+                      records=tuple(map(str, paths)), decided=record.get("decided"), host=host,
+                      measured_now=measured_now)
+
+
+def lookup(key: str, host: str, folders: Sequence[str | os.PathLike]) -> HostChoice | None:
+    """The recorded choice of ``key`` for ``host`` in the first of ``folders`` that holds one, or None;
+    nothing is measured or written."""
+    for folder in folders:
+        path = record_path(folder, key, host)
+        if path.is_file():
+            return _choice(key, host, _read(path), [path], False)
+    return None
+
+
 def recorded_choice(
     key: str, host: str, decide: Callable[[], tuple[Any, str]], folders: Sequence[str | os.PathLike],
 ) -> HostChoice:
@@ -136,7 +153,4 @@ def recorded_choice(
         if not path.is_file():
             _write_once(path, source)
     record = _read(paths[0])  # a racing process may have recorded first: its record is the one kept
-    return HostChoice(key=key, setting="auto", value=record["choice"],
-                      reason=record.get("reason", "recorded before records kept a reason"),
-                      records=tuple(map(str, paths)), decided=record.get("decided"), host=host,
-                      measured_now=record == mine)
+    return _choice(key, host, record, paths, record == mine)

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from exittrain.host_choices import HostChoice, host_folder, recorded_choice
+from exittrain.host_choices import HostChoice, host_folder, lookup, recorded_choice
 
 log = logging.getLogger("exittrain")
 
@@ -267,10 +267,21 @@ def generation_dtype_choice(
 
     On a CPU ``auto`` is the recorded choice of this host type (:mod:`exittrain.host_choices`), read
     from ``remember_in`` (the answers' cache folder: the choice keys its entries, so every shard and
-    a later ``fit`` must agree), else from the host's folder, else measured now and recorded in both."""
-    if value != AUTO:
-        return HostChoice(key, value, value, "set in the config")
+    a later ``fit`` must agree), else from the host's folder, else measured now and recorded in both.
+
+    A value given as it is (set in the config, or ``auto`` already resolved by a caller: both key the
+    same entry) is compared with this host type's recorded ``auto`` choice, if one exists; nothing
+    is measured or recorded for it."""
     device = torch.device(device)
+    folders = [*([remember_in] if remember_in is not None else []), host_folder()]
+    if value != AUTO:
+        recorded = lookup(key, device_identity(device), folders) if device.type == "cpu" else None
+        if recorded is None:
+            return HostChoice(key, value, value, "as set; no auto choice is recorded for this host type")
+        same = "the same" if recorded.value == value else f"{recorded.value!r}"
+        return HostChoice(key, value, value, f"as set; this host type's recorded auto choice is {same} "
+                          f"({recorded.reason}; measured {recorded.decided})", records=recorded.records,
+                          decided=recorded.decided, host=recorded.host)
     if device.type != "cpu":
         check = bf16_check(device)
         return _announced(HostChoice(key, AUTO, "bfloat16" if check.fast else None, check.reason))
@@ -279,7 +290,6 @@ def generation_dtype_choice(
         check = cpu_bf16_check()
         return ("bfloat16" if check.fast else None), check.reason
 
-    folders = [*([remember_in] if remember_in is not None else []), host_folder()]
     return _announced(recorded_choice(key, device_identity(device), decide, folders))
 
 

@@ -237,13 +237,19 @@ def test_another_torch_or_cpu_identity_measures_for_itself(monkeypatch):
     assert len(list(host_choices.host_folder().glob(".auto-trainer.precision-*.json"))) == 2
 
 
-def test_an_explicit_setting_is_reported_as_set_and_records_nothing(monkeypatch):
+def test_an_explicit_setting_measures_and_records_nothing_and_is_compared_with_the_record(monkeypatch):
     calls = fake_cpu(monkeypatch, bf16_s=0.5)
-    for choice in (precision.generation_dtype_choice("float32", "cpu"),
-                   precision.trainer_precision_choice("32-true", "cpu"),
-                   GenerationConfig(dtype="bfloat16").dtype_choice("cpu")):
-        assert choice.setting == choice.value and choice.reason == "set in the config" and choice.records == ()
+    assert precision.trainer_precision_choice("32-true", "cpu").reason == "set in the config"
+    explicit = precision.generation_dtype_choice("float32", "cpu")
+    assert (explicit.setting, explicit.value, explicit.records) == ("float32", "float32", ())
+    assert explicit.reason == "as set; no auto choice is recorded for this host type"
     assert calls == [] and not host_choices.host_folder().exists()
+    # once auto is recorded, a value as given (set, or auto resolved by a caller: the same entry) names it
+    auto = precision.generation_dtype_choice("auto", "cpu")
+    same = GenerationConfig(dtype="bfloat16").dtype_choice("cpu")
+    assert same.value == "bfloat16" and same.records == auto.records and same.decided == auto.decided
+    assert same.reason.startswith("as set; this host type's recorded auto choice is the same (CPU capability")
+    assert "recorded auto choice is 'bfloat16'" in precision.generation_dtype_choice("float32", "cpu").reason
 
 
 def test_a_broken_record_names_its_file_and_the_fix(monkeypatch):

@@ -185,8 +185,9 @@ def regenerate(
         report_to: called once with the call's :class:`RegenReport` (counts, throughput, status).
         dtype_choice: how ``gen.dtype`` was chosen, from a caller that resolved ``auto`` itself;
             None: :meth:`GenerationConfig.dtype_choice` here (``auto``: this host type's recorded
-            choice; else the value as given). Kept in the entry's metadata (``dtype_choice``), with
-            the host identity and torch's thread count (``host``; neither is part of the key).
+            choice; a value as given: compared with that record). Kept in the entry's metadata
+            (``dtype_choice``), with the host identity and torch's thread count (``host``; neither
+            is part of the key).
 
     Returns:
         The complete entry: a ``datasets.Dataset`` with :data:`FEATURES`, rows sorted by
