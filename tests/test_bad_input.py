@@ -236,7 +236,8 @@ def test_datamodule_drops_prompts_that_fill_max_length_and_refuses_when_all_do(t
         dm.setup("fit")
     assert len(dm.train_set) == 2  # n = 1, 2
     assert dm.stats["truncation"]["truncated"] == 3 and dm.stats["truncation"]["dropped_no_response"] == 3
-    assert "max_length=8 truncates 3 of 5 rows; 3 of them keep no response token" in caplog.text
+    assert "max_length=8 truncates 3 of 5 rows of " in caplog.text  # then the entry's name
+    assert "; 3 of them keep no response token and are dropped" in caplog.text
 
     dm = datamodule(max_length=2)
     dm.prepare_data()  # the same cache entry: max_length is applied at setup
