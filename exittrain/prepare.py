@@ -78,7 +78,9 @@ def run_prepare(cfg: DictConfig, target: Any = None) -> RegenReport:
     stages = plan_stages(cfg)
     reports: list[RegenReport] = []
     identity = target_identity(cfg) if target is None else None
-    if identity is not None:
+    # corpus rows (data.corpus_sources) have an entry of their own, named from the loaded conversations:
+    # prepare then builds the target and lets the data module find or write both entries
+    if identity is not None and not cfg.data.get("corpus_sources"):
         name, device = identity
         plan = PromptPlan.from_data_args(_data_args(cfg), target_name=name, device=device)
         if plan.cache_path.is_dir():
@@ -99,8 +101,21 @@ def run_prepare(cfg: DictConfig, target: Any = None) -> RegenReport:
             top_logprobs=datamodule.top_logprobs,
             report_to=reports.append,
         )
+        corpus_entry = None
+        if datamodule.corpus is not None:
+            datamodule.corpus.write(
+                lambda: (built.model, built.tokenizer),
+                progress=datamodule.progress,
+                feature_layers=datamodule.feature_layers,
+                top_logprobs=datamodule.top_logprobs,
+            )
+            corpus_entry = datamodule.corpus.cache_path
+    else:
+        corpus_entry = None
     report = reports[0]
     text = format_report(report)
+    if corpus_entry is not None:
+        text += f"\ncorpus rows: {corpus_entry}"
     print(text, flush=True)
     return report
 

@@ -8,7 +8,6 @@ two of them at the same time as the shards 0/2 (torchrun's RANK/WORLD_SIZE) and 
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -83,6 +82,35 @@ def test_prepare_fills_the_entry_fit_reads_and_a_second_prepare_loads_nothing(wo
     again = run_prepare(_compose("prepare", overrides))
     assert again.cache_hit and again.entry == report.entry
     assert "entry found in the cache, nothing answered" in capsys.readouterr().out
+
+
+def test_prepare_writes_the_corpus_rows_entry_fit_reads_beside_the_answers(workdir, tmp_path, capsys):
+    from exittrain.build import build_datamodule, build_drafter, build_target
+    from exittrain.settings import plan_stages
+
+    # a copy of the tiny target whose template renders roles, so that a conversation's prefixes are prefixes
+    # of it (the corpus rows' renderer checks that); fit composes the same override
+    target = write_tiny_target(tmp_path / "target")
+    (target / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}w4 {{ m['content'] }} w3 {% else %}w2 "
+        "{{ m['content'] }} w3 {% endif %}{% endfor %}{% if add_generation_prompt %}w4{% endif %}"
+    )
+    corpus = ["data.corpus_sources=['corpus:gsm_symbolic?limit=6&seed=1']", "data.max_corpus_rows=4",
+              f"target.name_or_path={target}"]
+    overrides = _overrides(workdir, tmp_path / "cache", *corpus)
+    report = run_prepare(_compose("prepare", overrides))
+    out = capsys.readouterr().out
+    assert report.complete and report.answers == N_PROMPTS
+
+    cfg = _compose("fit", overrides)
+    target = build_target(cfg)
+    datamodule = build_datamodule(cfg, target, build_drafter(cfg, target).config.target_layer_ids, plan_stages(cfg))
+    entry = datamodule.corpus_cache_path
+    assert entry is not None and entry.is_dir() and f"corpus rows: {entry}" in out
+    assert read_meta(entry)["rows"] == 4  # max_corpus_rows of the 6 rows read
+    # without the corpus keys prepare writes no corpus entry
+    plain = run_prepare(_compose("prepare", _overrides(workdir, tmp_path / "cache", corpus[-1])))
+    assert plain.cache_hit and "corpus rows:" not in capsys.readouterr().out
 
 
 def test_the_target_identity_is_the_loaded_targets(workdir, tmp_path):
