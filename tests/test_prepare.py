@@ -8,6 +8,7 @@ two of them at the same time as the shards 0/2 (torchrun's RANK/WORLD_SIZE) and 
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
