@@ -42,6 +42,7 @@ from typing import Any
 import datasets
 import torch
 
+from exittrain import progress as progress_log
 from exittrain.data.answerers import ProcessShard
 from exittrain.data.conversations import (
     Conversation,
@@ -60,7 +61,6 @@ logger = logging.getLogger(__name__)
 
 TEACHER_FORCED_BATCH = 8
 """Rows per batch of the teacher-forced pass."""
-_ROWS_PER_LOG = 256  # rows between two progress lines of the pass
 
 
 def brought_cache_key(
@@ -245,10 +245,12 @@ def _teacher_forced_pass(
     model.eval()
     scorer = answering_model(model, gen.dtype)
     order = sorted(range(len(rendered)), key=lambda i: -len(rendered[i].input_ids))  # less padding per batch
-    t0 = time.perf_counter()
+    # a line every 30 s or 2% of the rows: the longest rows go first, so the first batches are the slowest
+    ticker = progress_log.Ticker("teacher-forced pass", len(order), unit="row", every=max(1, len(order) // 50),
+                                 every_s=30.0)
     try:
-        for start in range(0, len(order), _ROWS_PER_LOG):
-            chunk = order[start : start + _ROWS_PER_LOG]
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
             got = teacher_forced(
                 scorer,
                 [(rendered[i].input_ids, rendered[i].n_prompt_tokens) for i in chunk],
@@ -262,8 +264,7 @@ def _teacher_forced_pass(
                 if top_logprobs:
                     top[i] = (tf.top_ids, tf.top_logprobs)
             if progress:
-                done, rate = start + len(chunk), (start + len(chunk)) / (time.perf_counter() - t0)
-                logger.info("teacher-forced pass: %d/%d rows, %.1f rows/s", done, len(order), rate)
+                ticker.update(start + len(chunk))
     finally:
         model.train(was_training)
         del scorer
