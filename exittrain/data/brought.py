@@ -46,6 +46,7 @@ from exittrain import progress as progress_log
 from exittrain.data.answerers import ProcessShard
 from exittrain.data.conversations import (
     Conversation,
+    RenderedConversation,
     conversation_row,
     conversations_digest,
     render_conversation,
@@ -122,6 +123,7 @@ def write_brought_entry(
     device: str | torch.device = "cpu",
     batch_size: int = TEACHER_FORCED_BATCH,
     report_to: Callable[[RegenReport], Any] | None = None,
+    max_tokens: int | None = None,
 ) -> datasets.Dataset:
     """The brought entry of ``conversations``, from the cache or written now (module docstring).
 
@@ -143,6 +145,10 @@ def write_brought_entry(
         report_to: called with the :class:`~exittrain.data.regenerate.RegenReport` of the call (as
             ``regenerate`` reports it to ``prepare``): the entry is always complete after it, one
             "shard" that did everything; ``answers`` counts the rows the pass read.
+        max_tokens: cut every row to its first ``max_tokens`` tokens (at least its prompt and one answer
+            token) before the pass, and mark a cut row unfinished: training reads no token past
+            ``data.max_length``, and labelling the rest of a long row would cost the pass for nothing.
+            None keeps rows whole. It changes the rows, so ``description`` must name it (the key).
 
     Returns:
         The entry's ``datasets.Dataset`` (:data:`~exittrain.data.regen_cache.FEATURES`), one row per
@@ -177,7 +183,8 @@ def write_brought_entry(
     if any(not 0 <= x < depth for x in layers):
         raise ValueError(f"feature_layers={layers} must be layer ids in [0, {depth}) of target {target_name!r}")
 
-    rendered = [render_conversation(tokenizer, conv, eos_ids) for conv in conversations]
+    whole_rows = [render_conversation(tokenizer, conv, eos_ids) for conv in conversations]
+    rendered = whole_rows if max_tokens is None else [_cut(r, max_tokens) for r in whole_rows]
     rows = [conversation_row(i, conv, r, tokenizer) for i, (conv, r) in enumerate(zip(conversations, rendered))]
 
     features: dict[int, torch.Tensor] = {}
@@ -204,6 +211,8 @@ def write_brought_entry(
         "versions": {"datasets": datasets.__version__, "torch": torch.__version__},
         "brought": True,
         "teacher_forced": {"dtype": gen.dtype, "batch_size": batch_size},
+        "max_tokens": max_tokens,
+        "cut_rows": sum(len(r.input_ids) < len(w.input_ids) for r, w in zip(rendered, whole_rows)),
         "removed": dict(removed or {}),
         "multi_turn_rows": sum(1 for conv in conversations if sum(r == "assistant" for r, _ in conv.turns) > 1),
         **_source_counts(source_stats),
@@ -224,6 +233,15 @@ def write_brought_entry(
         final,
     )
     return datasets.load_from_disk(str(final))
+
+
+def _cut(rendered: RenderedConversation, max_tokens: int) -> RenderedConversation:
+    """``rendered`` without its tokens past ``max_tokens`` (keeping its prompt and one answer token), unfinished
+    when anything was cut."""
+    n = max(max_tokens, rendered.n_prompt_tokens + 1)
+    if len(rendered.input_ids) <= n:
+        return rendered
+    return RenderedConversation(rendered.input_ids[:n], rendered.loss_mask[:n], rendered.n_prompt_tokens, False)
 
 
 def _teacher_forced_pass(

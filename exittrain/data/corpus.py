@@ -87,13 +87,17 @@ class CorpusPlan:
             target, cache folder and generation dtype apply to the corpus rows too.
         sources: answered source specs (``corpus:NAME``, ``chat-json:``, ``chat-hf:``).
         max_rows: keep a seeded sample of at most this many rows (None: every row left).
+        max_tokens: cut every row to this many tokens before it is labelled (the run's ``max_length``:
+            training reads no further; :func:`~exittrain.data.brought.write_brought_entry`); None: whole rows.
     """
 
-    def __init__(self, plan: PromptPlan, sources: SourceSpecs, max_rows: int | None = None) -> None:
+    def __init__(
+        self, plan: PromptPlan, sources: SourceSpecs, max_rows: int | None = None, max_tokens: int | None = None
+    ) -> None:
         if not sources:
             raise ValueError("corpus_sources is empty: give at least one corpus:NAME, chat-json: or chat-hf: spec")
         check_corpus_settings(sources, max_rows)
-        self.plan, self.sources, self.max_rows = plan, list(sources), max_rows
+        self.plan, self.sources, self.max_rows, self.max_tokens = plan, list(sources), max_rows, max_tokens
         self._chosen: tuple[list[Conversation], list[str], list[LoadStats], dict[str, int]] | None = None
 
     def _choose(self) -> tuple[list[Conversation], list[str], list[LoadStats], dict[str, int]]:
@@ -137,6 +141,7 @@ class CorpusPlan:
                 "corpus",
                 "sources=" + "+".join(str(PromptSource.parse(s)) for s in self.sources),
                 f"max_rows={self.max_rows}",
+                f"max_tokens={self.max_tokens}",
                 f"seed={self.plan.seed}",
                 "beside=" + self.plan.prompt_set,
             ]
@@ -159,7 +164,7 @@ class CorpusPlan:
         return write_brought_entry(
             conversations, target, target_name=plan.target_name, cache_dir=plan.cache_dir,
             description=self.description, gen=plan.generation, source_stats=stats, removed=removed,
-            device=plan.device, **kwargs,
+            device=plan.device, max_tokens=self.max_tokens, **kwargs,
         )
 
 

@@ -130,7 +130,7 @@ class ExitTrainDataModule(pl.LightningDataModule):
         check_store_settings(top_logprobs, feature_store)
         check_corpus_settings(corpus_sources, max_corpus_rows)
         # the rows trained beside the answers, from an entry of their own (None: the answers alone)
-        self.corpus = CorpusPlan(self.plan, corpus_sources, max_corpus_rows) if corpus_sources else None
+        self.corpus = CorpusPlan(self.plan, corpus_sources, max_corpus_rows, max_length) if corpus_sources else None
         # the plan's settings the hooks read, under their argument names
         self.domain, self.target_name, self.cache_dir = self.plan.domain, self.plan.target_name, self.plan.cache_dir
         self.device, self.generation = self.plan.device, self.plan.generation

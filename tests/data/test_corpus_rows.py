@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import datasets
 import pytest
 import torch
 
@@ -267,3 +268,28 @@ def test_a_corpus_row_file_is_read_as_conversations(tmp_path, smollm2_tokenizer)
     corpus = CorpusPlan(plan, [f"chat-json:{path}"])
     assert [c.turns for c in corpus.conversations()] == [(("user", "Add 2 and 3."), ("assistant", "2 + 3 = 5."))]
     assert corpus.tasks() == ["Add 2 and 3."] and corpus.cache_path.name.startswith("tiny-brought-")
+
+
+def test_corpus_rows_are_cut_to_max_length_before_they_are_labelled(tmp_path, tiny):
+    """Training reads no token past max_length, so the pass labels none: every stored row is at most
+    max_length tokens, a cut row is unfinished, its labels are a direct forward's over what is kept, and the
+    cut is part of the entry's key. The control: the same rows at a larger max_length keep more tokens."""
+    M = 224  # the gsm prompts are 100-170 tokens after the template; prompt and worked answer up to ~400
+    kinds = dict(train_sources=["pkg:gsm_symbolic?limit=4&seed=1"], max_train_prompts=4,
+                 corpus_sources=["corpus:gsm_symbolic?limit=6&seed=1"])
+    short, long = _datamodule(tmp_path, tiny, max_length=M, **kinds), _datamodule(tmp_path, tiny, **kinds)
+    for dm in (short, long):
+        dm.prepare_data()
+    assert short.corpus_cache_path != long.corpus_cache_path
+    cut, whole = (datasets.load_from_disk(str(dm.corpus_cache_path)) for dm in (short, long))
+    n_whole = [len(r["input_ids"]) for r in whole]
+    assert sum(n > M for n in n_whole) >= 2 and max(len(r["input_ids"]) for r in cut) <= M
+    assert read_meta(short.corpus_cache_path)["cut_rows"] == sum(n > M for n in n_whole)
+    for a, b, n in zip(cut, whole, n_whole, strict=True):
+        assert a["n_prompt_tokens"] == b["n_prompt_tokens"] < M  # every prompt leaves answer tokens here
+        assert a["input_ids"] == b["input_ids"][: len(a["input_ids"])] and len(a["input_ids"]) == min(n, M)
+        assert a["finished"] == (b["finished"] and n <= M)
+    short.setup("fit")
+    batch = next(iter(short._loader(short.train_set, shuffle=False)))
+    for i in range(batch["input_ids"].shape[0]):
+        _check_labels(batch, tiny.model, i)
