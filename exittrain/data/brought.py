@@ -18,7 +18,8 @@ position whose soft slots are all empty).
 
 The key (:func:`brought_cache_key`) hashes the target name, the description of the sources and of
 how the conversations were chosen, every conversation's turns, and the dtype the target runs the
-pass in (``generation.dtype``, which changes the stored features and log-probabilities); no other
+pass in (``generation.dtype``, which changes the stored features and log-probabilities), and the
+length rows are cut to before the pass when one is given (``max_tokens``); no other
 generation setting keys it, since nothing is generated. The metadata is regenerate's, plus
 ``"brought": true``, the rows read and rejected per reason, and each source's counts.
 
@@ -65,9 +66,14 @@ TEACHER_FORCED_BATCH = 8
 
 
 def brought_cache_key(
-    target_name: str, description: str, conversations: Sequence[Conversation], dtype: str | None
+    target_name: str,
+    description: str,
+    conversations: Sequence[Conversation],
+    dtype: str | None,
+    max_tokens: int | None = None,
 ) -> str:
-    """Hex key of a brought entry (module docstring). ``dtype`` must be resolved (not ``auto``)."""
+    """Hex key of a brought entry (module docstring). ``dtype`` must be resolved (not ``auto``);
+    ``max_tokens`` (rows cut before the pass, :func:`write_brought_entry`) keys it when given."""
     if dtype == "auto":
         raise ValueError("brought_cache_key needs a resolved dtype: call GenerationConfig.resolved(device) first")
     payload = {
@@ -79,6 +85,8 @@ def brought_cache_key(
         "conversations_sha256": conversations_digest(conversations),
         "dtype": dtype,
     }
+    if max_tokens is not None:  # left out when None: the keys of whole-row entries stay as they were
+        payload["max_tokens"] = max_tokens
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -88,10 +96,12 @@ def brought_cache_path(
     description: str,
     conversations: Sequence[Conversation],
     dtype: str | None,
+    max_tokens: int | None = None,
 ) -> Path:
     """Folder of the brought entry, ``<target>-brought-<key>`` (it may not exist yet)."""
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", target_name.split("/")[-1])[:40] or "target"
-    return Path(cache_dir) / f"{slug}-brought-{brought_cache_key(target_name, description, conversations, dtype)}"
+    key = brought_cache_key(target_name, description, conversations, dtype, max_tokens)
+    return Path(cache_dir) / f"{slug}-brought-{key}"
 
 
 def _source_counts(source_stats: Sequence[LoadStats]) -> dict[str, Any]:
@@ -148,7 +158,7 @@ def write_brought_entry(
         max_tokens: cut every row to its first ``max_tokens`` tokens (at least its prompt and one answer
             token) before the pass, and mark a cut row unfinished: training reads no token past
             ``data.max_length``, and labelling the rest of a long row would cost the pass for nothing.
-            None keeps rows whole. It changes the rows, so ``description`` must name it (the key).
+            None keeps rows whole. It keys the entry (:func:`brought_cache_key`).
 
     Returns:
         The entry's ``datasets.Dataset`` (:data:`~exittrain.data.regen_cache.FEATURES`), one row per
@@ -166,7 +176,7 @@ def write_brought_entry(
         raise ValueError(f"feature_layers={layers} repeats a layer id; give each target layer once")
     if not isinstance(top_logprobs, int) or top_logprobs < 0:
         raise ValueError(f"top_logprobs={top_logprobs!r} must be an int >= 0 (0 keeps none)")
-    final = brought_cache_path(cache_dir, target_name, description, conversations, gen.dtype)
+    final = brought_cache_path(cache_dir, target_name, description, conversations, gen.dtype, max_tokens)
     whole = ProcessShard(0, 1, "one process")  # the pass is not split across processes
     if final.is_dir():
         logger.info("brought conversations found in cache: %s", final)

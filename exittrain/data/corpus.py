@@ -22,8 +22,9 @@ generated token.
 then a sample of at most ``max_corpus_rows`` under the plan's ``seed``
 (:func:`~exittrain.data.prompts.selection.seeded_sample`). Every count is in the entry's metadata
 (``removed``). The entry's key hashes the target, the description (sources, sample size, seed), the
-chosen rows' turns and the pass's dtype (:func:`~exittrain.data.brought.brought_cache_key`): another
-held-out set chooses other rows and so another entry.
+chosen rows' turns, the pass's dtype and the run's ``max_length``, to which rows are cut before the
+pass (:func:`~exittrain.data.brought.brought_cache_key`): another held-out set chooses other rows and
+so another entry.
 
 **Which rows train** (:func:`exittrain.data.split.corpus_train_rows`): every corpus row is a training
 row, except a row whose task is one of the regenerated entry's validation tasks (dropped, counted),
@@ -141,7 +142,6 @@ class CorpusPlan:
                 "corpus",
                 "sources=" + "+".join(str(PromptSource.parse(s)) for s in self.sources),
                 f"max_rows={self.max_rows}",
-                f"max_tokens={self.max_tokens}",
                 f"seed={self.plan.seed}",
                 "beside=" + self.plan.prompt_set,
             ]
@@ -152,7 +152,8 @@ class CorpusPlan:
         """Folder of the corpus rows' entry (exists once :meth:`write` has run)."""
         plan = self.plan
         return brought_cache_path(
-            plan.cache_dir, plan.target_name, self.description, self.conversations(), plan.generation.dtype
+            plan.cache_dir, plan.target_name, self.description, self.conversations(), plan.generation.dtype,
+            self.max_tokens,
         )
 
     def write(self, target: Any, **kwargs: Any) -> datasets.Dataset:
