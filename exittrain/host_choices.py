@@ -39,7 +39,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from exittrain.atomic import temp_sibling, write_errors_named
+
 __all__ = ["HostChoice", "host_folder", "lookup", "record_path", "recorded_choice"]
+
+_RECORD_FIX = "point EXITTRAIN_CACHE at a folder with room and write permission, then run again"
 
 
 @dataclass(frozen=True)
@@ -103,12 +107,14 @@ def _read(path: Path) -> dict[str, Any]:
 def _write_once(path: Path, record: dict[str, Any]) -> None:
     """Write ``record`` to ``path`` unless a record is there: atomic, never over another process's."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=1))
+    tmp = temp_sibling(path)  # the project's temporary names, which remove_stale_temps recognises
     try:
-        os.link(tmp, path)
-    except FileExistsError:
-        pass  # another process recorded first: its choice stands, and the caller reads it back
+        with write_errors_named(path, what="host choice record", fix=_RECORD_FIX):
+            tmp.write_text(json.dumps(record, indent=1))
+            try:
+                os.link(tmp, path)  # not os.replace: the first record stands
+            except FileExistsError:
+                pass  # another process recorded first: its choice stands, and the caller reads it back
     finally:
         tmp.unlink(missing_ok=True)
 
