@@ -23,7 +23,11 @@ in the same order and the same anchors (the ExitTrain stage's lr and anchors per
 - ``exittrain-<labels>-<weights>-l<lambda>[-B<budget>]-<rows>``: block CE + lambda x the node loss
   on DDTree's best-first tree of the budget's nodes (16 without the suffix);
 - ``exittrain-<labels>-<weights>-l<lambda>-chain-<rows>``: the same on the drafter's greedy chain
-  of its K draft tokens (``tree_shape=chain``), the draft vLLM and SGLang verify.
+  of its K draft tokens (``tree_shape=chain``), the draft vLLM and SGLang verify;
+- ``nodeonly-<weights>-l<lambda>-<rows>``: the node loss without block CE;
+- ``control-soft-fresh-cpumatched``: block CE for as many CPU-seconds as the node-only arm trains,
+  its steps decided once per run from the first training seed's CPU ratio and recorded
+  (:func:`cpu_matched_steps`, ``<out>/cpu_match.json``).
 
 ``labels``: ``soft`` (the recipe's labels: the target's top-16 distribution) or ``hard`` (the
 answer token). ``rows``: ``fresh``, prompts the warm start never saw (``data.exclude_seed`` and
@@ -106,6 +110,7 @@ from exittrain.settings import module_overrides
 
 PARTIAL = "exittrain_partial.json"
 TRAIN_INFO = "bench_train.json"  # an arm's training record, beside its saved drafter
+CPU_MATCH = "cpu_match.json"  # the step counts of the CPU-matched controls, decided once per run
 WARM = "warm start"  # the warm start's drafter name: the evaluator's reference, paired with every other drafter
 STATISTIC = ("tau: tokens per round pooled over the prompts' rounds (total tokens / total rounds), the rounds walked "
              "by exittrain.heldout.evaluator.HeldOutEvaluator along the target's greedy answers (T = 0) or its own "
@@ -168,9 +173,11 @@ def _datamodules(args, cfg, target, layers):
     return cfgs, dms
 
 
-def train_arms(args, cfg, target, warm_path: Path) -> tuple[dict, dict]:
+def train_arms(args, cfg, target, warm_path: Path) -> tuple[dict, dict, dict]:
     """Train (or, with ``--resume``, reuse) every arm, once per training seed; returns ``({drafter: path},
-    {drafter: train info})``, drafters named by :func:`~exittrain.bench.exittrain_grid.replicate`.
+    {drafter: train info}, choices)``, drafters named by :func:`~exittrain.bench.exittrain_grid.replicate`;
+    ``choices``: per rows kind (``fresh``, ``own``) the settings the host decided for them
+    (:func:`exittrain.fit.run_choices`: the answers' dtype, the trainer's precision, and how each was chosen).
 
     A training seed sets everything random in an arm's training and nothing else: the order of the
     batches (:attr:`~exittrain.data.ExitTrainDataModule.order_seed`), the anchors (the objective's seed)
@@ -181,8 +188,11 @@ def train_arms(args, cfg, target, warm_path: Path) -> tuple[dict, dict]:
     from exittrain.lit import save_drafter
     from exittrain.models import load_drafter
 
+    from exittrain.fit import run_choices
+
     warm = load_drafter(warm_path, target)
     cfgs, dms = _datamodules(args, cfg, target, list(warm.config.target_layer_ids))
+    choices = {rows: run_choices(cfgs[rows], dm) for rows, dm in dms.items()}
     paths, info = {}, {}
     for seed in args.train_seeds or [None]:
         for arm in selected_arms(args):
@@ -200,16 +210,56 @@ def train_arms(args, cfg, target, warm_path: Path) -> tuple[dict, dict]:
                 arm_cfg = OmegaConf.merge(arm_cfg, {"seed": seed})
             dms[arm.rows].order_seed = seed
             stage_args = {**module_overrides(arm_cfg, "exittrain"), **arm.module_args()}
+            matched = None if arm.cpu_match is None else cpu_matched_steps(args, arm, info)
+            steps = args.steps if matched is None else matched["steps"]
             drafter = load_drafter(warm_path, target)
-            t0 = time.perf_counter()
-            final = train_drafter(arm_cfg, drafter, target, dms[arm.rows], arm.stage, args.steps, **stage_args)
-            seconds = time.perf_counter() - t0
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            final = train_drafter(arm_cfg, drafter, target, dms[arm.rows], arm.stage, steps, **stage_args)
+            seconds, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
             paths[name] = save_drafter(drafter, folder)
-            info[name] = {"train_s": seconds, "s_per_step": seconds / args.steps, **asdict(arm),
-                          "train_seed": seed, "final": final}
+            info[name] = {"train_s": seconds, "train_cpu_s": cpu_s, "steps": steps, "s_per_step": seconds / steps,
+                          **asdict(arm), "train_seed": seed, "final": final,
+                          **({} if matched is None else {"cpu_matched": matched})}
             write_json_atomic(folder / TRAIN_INFO, info[name])  # a --resume run reports it again
-            _log(f"{name}: trained {args.steps} steps in {seconds:.0f} s")
-    return paths, info
+            _log(f"{name}: trained {steps} steps in {seconds:.0f} s ({cpu_s:.0f} CPU-s)")
+    return paths, info, choices
+
+
+def cpu_matched_steps(args, arm, info: dict[str, dict]) -> dict:
+    """The steps of ``arm``, a block-CE control trained for the CPU-seconds of the arm it names
+    (``arm.cpu_match``): ``--steps`` x the ratio of that arm's training CPU-seconds to its matched
+    control's (``arm.control``: the same block CE for ``--steps``), both at the run's first training
+    seed, rounded, and never below ``--steps``. CPU-seconds are the process's (every thread), over the
+    training alone.
+
+    Decided once per run: the first call writes ``<out>/cpu_match.json`` and every later seed, and a
+    ``--resume``, reads it back, so the count does not follow the host's load from one seed to the
+    next; the record (both CPU-seconds, the ratio, the steps) goes into the arm's training record.
+    ValueError when the two arms it is derived from have no CPU-seconds in ``info`` (not trained in
+    this run, or reused from a record written before they were kept) or when the record was written
+    for other ``--steps``."""
+    path = Path(args.out) / CPU_MATCH
+    kept = load_json_object(path, what="the run's CPU-matched step counts", fix=f"delete {path}") \
+        if path.is_file() else {}
+    if arm.name in kept:
+        record = kept[arm.name]
+        if record.get("base_steps") != args.steps:
+            raise ValueError(f"{path}: {arm.name}'s steps were decided for --steps {record.get('base_steps')}, "
+                             f"this run has --steps {args.steps}; use another --out, or delete {path} to decide again")
+        return record
+    seed = (args.train_seeds or [None])[0]
+    matched, control = replicate(arm.cpu_match, seed), replicate(arm.control, seed)
+    cpu = {name: info.get(name, {}).get("train_cpu_s") for name in (matched, control)}
+    if any(v is None or v <= 0 for v in cpu.values()):
+        raise ValueError(f"{arm.name} trains for the CPU-seconds of {matched} against {control}, and this run has "
+                         f"no training CPU-seconds for both ({cpu}): run them in the same call (--arms {arm.cpu_match} "
+                         f"{arm.control} {arm.name}), retraining them if their records predate train_cpu_s")
+    ratio = cpu[matched] / cpu[control]
+    record = {"matches": matched, "control": control, "cpu_s": cpu, "ratio": ratio, "base_steps": args.steps,
+              "steps": max(args.steps, round(args.steps * ratio)), "record": str(path)}
+    write_json_atomic(path, {**kept, arm.name: record})
+    _log(f"{arm.name}: {record['steps']} steps, {ratio:.2f} x the CPU-seconds of {control} ({matched}'s)")
+    return record
 
 
 def measure_settings(args, target, prompts: list[list[int]], settings: dict) -> dict:
@@ -374,11 +424,13 @@ def measure_in_vllm(args, target, drafters: dict[str, Path], prompts: list[list[
 
 
 def result_of(args, warm_path: Path, measured: dict[str, dict], train: dict, wall_s: dict,
-              vllm: dict | None = None) -> dict:
+              vllm: dict | None = None, choices: dict | None = None) -> dict:
     """What ``exittrain.json`` (and, while it runs, the partial file) holds:
 
     - the run: ``domain``, ``warm_start``, ``steps``, ``overrides``, ``arms``, ``train_seeds``, ``train``
-      (each arm's training record), ``host``, ``wall_s``;
+      (each arm's training record), ``host``, ``wall_s``, ``choices`` (:func:`train_arms`': how the
+      host-decided settings of the arms' rows were chosen; a ``--warm-start`` from a fit has its own in
+      that fit's ``metrics.json``);
     - the measurement's settings: ``statistic`` (what tau is), ``prompts``, ``skip``, ``max_new_tokens``,
       ``budgets``, ``temperatures``, ``chain``, ``oracle``, ``seed``, ``num_draft_tokens`` (K);
     - ``rows``: :func:`compare`'s rows (tau pooled, the paired pooled differences);
@@ -405,7 +457,7 @@ def result_of(args, warm_path: Path, measured: dict[str, dict], train: dict, wal
         "replicates": replicate_verdicts(rows, floor) if args.train_seeds else [],
         "rows": rows, "tables": {name: one["table"] for name, one in measured.items()},
         "per_prompt": {name: {"rows": one["rows"], "chain": one["chain"]} for name, one in measured.items()},
-        "train": train, "host": host_info(), "wall_s": wall_s,
+        "train": train, "host": host_info(), "wall_s": wall_s, "choices": choices or {},
         **({"vllm": vllm} if vllm else {}),
     }
 
@@ -432,7 +484,7 @@ def run(args) -> dict:
         warm_path = train_warm_start(cfg, target, out)
     else:
         warm_path = Path(args.warm_start)
-    paths, train = train_arms(args, cfg, target, warm_path)
+    paths, train, choices = train_arms(args, cfg, target, warm_path)
     train_s = time.perf_counter() - t0
     drafters = {WARM: warm_path, **paths}
 
@@ -440,11 +492,11 @@ def run(args) -> dict:
         return {"train": train_s, "measure": time.perf_counter() - t0 - train_s}
 
     def write_partial(measured: dict) -> None:  # what is measured so far, readable while it runs
-        write_json_atomic(out / PARTIAL, result_of(args, warm_path, measured, train, wall()))
+        write_json_atomic(out / PARTIAL, result_of(args, warm_path, measured, train, wall(), choices=choices))
 
     measured = measure(args, target, drafters, prompts, settings, on_step=write_partial)
     vllm = measure_in_vllm(args, target, drafters, prompts[: args.vllm_prompts]) if args.vllm else None
-    result = result_of(args, warm_path, measured, train, wall(), vllm)
+    result = result_of(args, warm_path, measured, train, wall(), vllm, choices)
     write_json_atomic(out / "exittrain.json", result)
     (out / PARTIAL).unlink(missing_ok=True)
     (out / "exittrain.md").write_text(to_markdown(result))
@@ -511,6 +563,11 @@ def parse_args(argv=None):
         parser.error("--skip must be >= 0")
     if any(b < 1 for b in args.budgets):
         parser.error(f"--budgets {args.budgets}: each must be >= 1 (tree nodes)")
+    for arm in ARMS:  # a CPU-matched control's steps come from the two arms it is matched between
+        needs = [n for n in (arm.cpu_match, arm.control) if arm.cpu_match is not None and n not in (args.arms or [n])]
+        if args.arms is not None and arm.name in args.arms and needs:
+            parser.error(f"--arms {arm.name} trains for the CPU-seconds of {arm.cpu_match} against {arm.control}: "
+                         f"add {' '.join(needs)} to --arms")
     if args.train_seeds is not None and len(set(args.train_seeds)) != len(args.train_seeds):
         parser.error(f"--train-seeds {args.train_seeds}: each seed once")
     if any(T < 0 for T in args.temperatures):

@@ -27,6 +27,10 @@ class Arm:
     ``budget_train`` nodes) or ``chain`` (the drafter's greedy chain, the draft vLLM and SGLang
     verify). A chain has one node per draft position: the module's chain takes ``min(budget_train,
     K)`` nodes, so the default ``budget_train`` (16 >= K) trains on the whole chain of K nodes.
+
+    ``cpu_match``: a block-CE control that trains for the CPU-seconds of the arm it names rather than
+    for the run's steps. Its step count is decided once per run from the CPU ratio measured on the
+    first training seed, recorded and reused (:func:`exittrain.bench.exittrain_arms.cpu_matched_steps`).
     """
 
     labels: str = "soft"  # "soft" | "hard"
@@ -36,6 +40,8 @@ class Arm:
     budget_train: int = 16
     tree_shape: str = "ddtree"  # "ddtree" | "chain"
     lambda_tok: float = 1.0  # the block-CE weight: 0 trains on the node loss alone
+    # a block-CE control trained for as many CPU-seconds as this arm (its name), not as many steps
+    cpu_match: str | None = None
 
     def __post_init__(self) -> None:
         if self.lambda_tok <= 0 and self.lambda_exit <= 0:
@@ -44,6 +50,9 @@ class Arm:
         if self.tree_shape not in TREE_SHAPES:
             raise ValueError(f"Arm(tree_shape={self.tree_shape!r}): the training tree shape must be one of "
                              f"{TREE_SHAPES}")
+        if self.cpu_match is not None and self.lambda_exit > 0:
+            raise ValueError(f"Arm(cpu_match={self.cpu_match!r}, lambda_exit={self.lambda_exit}): only a block-CE "
+                             "control (lambda_exit = 0) is trained for another arm's CPU-seconds")
 
     @property
     def stage(self) -> str:
@@ -51,11 +60,11 @@ class Arm:
 
     @property
     def name(self) -> str:
-        """``control-<labels>-<rows>``, ``exittrain-<labels>-<weights>-l<lambda>[-B<budget> | -chain]-<rows>``,
+        """``control-<labels>-<rows>[-cpumatched]``, ``exittrain-<labels>-<weights>-l<lambda>[-B<budget> | -chain]-<rows>``,
         or ``nodeonly-<weights>-l<lambda>[...]-<rows>`` without block CE (no labels to name). A chain's size
         is the drafter's K, not the budget: it gets no ``-B`` suffix."""
         if self.stage == "pretrain":
-            return f"control-{self.labels}-{self.rows}"
+            return f"control-{self.labels}-{self.rows}" + ("" if self.cpu_match is None else "-cpumatched")
         if self.tree_shape == "chain":
             tree = "-chain"
         else:
@@ -103,6 +112,9 @@ ARMS = (
     # the node loss alone (flow, lambda 1, no block CE): with the control and tree ExitTrain it splits
     # ExitTrain's gain into block CE's and the node loss's (docs/experiments, Part B)
     Arm(lambda_exit=1.0, lambda_tok=0.0),
+    # block CE for the node-only arm's CPU-seconds (its steps: the steps x the CPU ratio the run records,
+    # exittrain_arms.cpu_matched_steps): is the node loss better than block CE given the same compute?
+    Arm(cpu_match="nodeonly-flow-l1-fresh"),
 )
 
 

@@ -294,6 +294,33 @@ def test_bad_arguments_name_the_option(tmp_path):
     assert bx.parse_args([]).oracle is False and bx.parse_args(["--oracle"]).oracle is True
 
 
+def test_the_cpu_matched_control_trains_the_first_seeds_cpu_ratio_of_steps_decided_once(tmp_path, capsys):
+    from argparse import Namespace
+
+    c5 = next(a for a in ARMS if a.cpu_match is not None)
+    assert c5.name == "control-soft-fresh-cpumatched" and c5.stage == "pretrain" and c5.control == "control-soft-fresh"
+    assert c5.cpu_match in {a.name for a in ARMS}
+    args = Namespace(out=str(tmp_path), steps=30, train_seeds=[1, 2])
+    info = {"nodeonly-flow-l1-fresh@seed1": {"train_cpu_s": 75.0}, "control-soft-fresh@seed1": {"train_cpu_s": 30.0}}
+    first = bx.cpu_matched_steps(args, c5, info)
+    assert first["steps"] == 75 and first["ratio"] == 2.5 and first["matches"] == "nodeonly-flow-l1-fresh@seed1"
+    # the next seed (another ratio, the host busier) reads the run's record back: the same steps
+    later = {"nodeonly-flow-l1-fresh@seed2": {"train_cpu_s": 300.0}, "control-soft-fresh@seed2": {"train_cpu_s": 30.0}}
+    assert bx.cpu_matched_steps(args, c5, later) == first
+    with pytest.raises(ValueError, match="--steps 30"):  # a record decided for other steps is not reused
+        bx.cpu_matched_steps(Namespace(out=str(tmp_path), steps=20, train_seeds=[1]), c5, info)
+    other = tmp_path / "other"
+    with pytest.raises(ValueError, match="--arms nodeonly-flow-l1-fresh control-soft-fresh"):  # nothing to derive from
+        bx.cpu_matched_steps(Namespace(out=str(other), steps=30, train_seeds=None), c5, {})
+    cheaper = {"nodeonly-flow-l1-fresh": {"train_cpu_s": 10.0}, "control-soft-fresh": {"train_cpu_s": 30.0}}
+    assert bx.cpu_matched_steps(Namespace(out=str(other), steps=30, train_seeds=None), c5, cheaper)["steps"] == 30
+    with pytest.raises(SystemExit):  # it cannot run without the two arms it is matched between
+        bx.parse_args(["--arms", c5.name, "control-soft-fresh"])
+    assert "add nodeonly-flow-l1-fresh to --arms" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="only a block-CE control"):
+        Arm(lambda_exit=1.0, cpu_match="control-soft-fresh")
+
+
 def test_the_options_reach_the_evaluator_as_eval_settings(tmp_path):
     """The bench composes one fit config, its options as ``seed`` and ``eval.*`` after ``--override``: the
     evaluator reads them there, checked by eval_settings as fit's are."""
@@ -435,6 +462,10 @@ def test_the_experiment_runs_end_to_end_on_the_embedded_target(tmp_path, monkeyp
     result = bx.run(args)
     saved = json.loads((tmp_path / "out" / "exittrain.json").read_text())
     assert saved["rows"] == result["rows"] and "verdict" not in saved  # derived from the rows when read
+    # the settings the host decides are shown with the result they shaped, and how they were chosen
+    dtype = saved["choices"]["fresh"]["data.generation.dtype"]
+    assert dtype["setting"] == "auto" and dtype["value"] in ("float32", "bfloat16") and dtype["reason"]
+    assert saved["choices"]["fresh"]["trainer.precision"]["value"]
     assert "total tokens / total rounds" in saved["statistic"]
     names = {r["drafter"] for r in saved["rows"]}
     assert names == {"warm start", "control-soft-fresh", "exittrain-soft-flow-l1-fresh",
@@ -488,12 +519,21 @@ def test_a_training_seed_repeats_bit_for_bit_and_two_seeds_differ(tmp_path, monk
     monkeypatch.setenv("EXITTRAIN_CACHE", str(tmp_path / "cache"))
     common = ["--steps", "3", "--fresh-prompts", "8", "--prompts", "1", "--max-new-tokens", "8",
               "--budgets", "4", "--temperatures", "0", "--no-chain",
-              "--arms", "control-soft-fresh", "--override", "debug=smoke", "--override", "stages.pretrain.max_steps=2"]
-    first = bx.run(bx.parse_args([*common, "--train-seeds", "0", "1", "--out", str(tmp_path / "a")]))
-    assert set(first["train"]) == {"control-soft-fresh@seed0", "control-soft-fresh@seed1"}
-    assert [first["train"][n]["train_seed"] for n in sorted(first["train"])] == [0, 1]
+              "--override", "debug=smoke", "--override", "stages.pretrain.max_steps=2"]
+    first = bx.run(bx.parse_args([*common, "--arms", "control-soft-fresh", "nodeonly-flow-l1-fresh",
+                                  "control-soft-fresh-cpumatched", "--train-seeds", "0", "1", "--out", str(tmp_path / "a")]))
+    assert set(first["train"]) == {f"{arm}@seed{s}" for s in (0, 1) for arm in
+                                   ("control-soft-fresh", "nodeonly-flow-l1-fresh", "control-soft-fresh-cpumatched")}
+    # the CPU-matched control: the steps of seed 0's CPU ratio, for both seeds
+    matched = [first["train"][f"control-soft-fresh-cpumatched@seed{s}"] for s in (0, 1)]
+    ratio = first["train"]["nodeonly-flow-l1-fresh@seed0"]["train_cpu_s"] / \
+        first["train"]["control-soft-fresh@seed0"]["train_cpu_s"]
+    assert matched[0]["cpu_matched"] == matched[1]["cpu_matched"]
+    assert matched[0]["steps"] == matched[1]["steps"] == max(3, round(3 * ratio))
+    assert all(first["train"][n]["train_seed"] == int(n[-1]) for n in first["train"])
     warm = tmp_path / "a" / "warm_start"
-    bx.run(bx.parse_args([*common, "--train-seeds", "0", "--warm-start", str(warm), "--out", str(tmp_path / "b")]))
+    bx.run(bx.parse_args([*common, "--arms", "control-soft-fresh", "--train-seeds", "0", "--warm-start", str(warm),
+                          "--out", str(tmp_path / "b")]))
 
     def weights(folder):
         (path,) = (tmp_path / folder).glob("*.safetensors")
