@@ -59,12 +59,24 @@ ones), at every ``--budgets`` and ``--temperatures``. This module defines no mea
   bootstrapping prompts (:func:`exittrain.core.paired_pooled_difference`); the report lists the
   settings whose interval excludes 0 (T = 0 included), each pair read alone, uncorrected.
 
+**The sharpening control** (``--sharpen-temperatures T_D ...``): is an arm's gain more than a sharper
+drafter distribution gives? The warm start and the replicates of the soft-label control are measured on
+a development split of the held-out prompts (``--dev-skip``, ``--dev-prompts``; disjoint from the
+measured ones) at each drafter temperature t_d (``eval.drafter_temperature``: every tree built from
+``log_softmax(logits / t_d)``), on the tree of ``--sharpen-budget`` nodes at ``--sharpen-at``; the t_d
+with the highest pooled tau (the control's averaged over its seeds) is chosen
+(:func:`choose_sharpening`), and the same weights at that t_d are measured on the held-out prompts as
+``sharpened-control-soft-fresh@seedS`` and ``sharpened warm start``, on the same answers as every other
+drafter. The greedy chain, an argmax, is the same at every t_d.
+
 **vLLM** (``--vllm``): every drafter is exported to the DFlash format (``<out>/vllm/<name>/``) and
 vLLM (``.venv-vllm``, or ``--vllm-python``) decodes the first ``--vllm-prompts`` of the same held-out
-prompts greedily with it, one prompt at a time after one plain run: vLLM's own acceptance length, its
-interval over prompts, paired against the warm start and the matched control on the same prompts,
-and whether speculation left vLLM's outputs unchanged (:mod:`exittrain.bench.vllm_acceptance`). An
-arm whose interval against its control excludes 0 joins the report's uncorrected list.
+prompts greedily with it (``--vllm-arms``: only those arms' replicates and the warm start; a sharpened
+drafter is never exported: an engine drafts at t_d = 1), one prompt at a time after one plain run:
+vLLM's own acceptance length, its interval over prompts, paired against the warm start and the matched
+control on the same prompts, and whether speculation left vLLM's outputs unchanged
+(:mod:`exittrain.bench.vllm_acceptance`). An arm whose interval against its control excludes 0 joins the
+report's uncorrected list.
 
 Writes ``<out>/exittrain.json`` (``exittrain_partial.json``, rewritten after each drafter's
 measurement, while it runs; the layout: :func:`result_of`), ``<out>/exittrain.md`` and
@@ -92,6 +104,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -111,6 +124,7 @@ from exittrain.settings import module_overrides
 PARTIAL = "exittrain_partial.json"
 TRAIN_INFO = "bench_train.json"  # an arm's training record, beside its saved drafter
 CPU_MATCH = "cpu_match.json"  # the step counts of the CPU-matched controls, decided once per run
+SHARPENED = "control-soft-fresh"  # the arm whose replicates (and the warm start) get a sharpening control
 WARM = "warm start"  # the warm start's drafter name: the evaluator's reference, paired with every other drafter
 STATISTIC = ("tau: tokens per round pooled over the prompts' rounds (total tokens / total rounds), the rounds walked "
              "by exittrain.heldout.evaluator.HeldOutEvaluator along the target's greedy answers (T = 0) or its own "
@@ -185,10 +199,9 @@ def train_arms(args, cfg, target, warm_path: Path) -> tuple[dict, dict, dict]:
     seed. Without ``--train-seeds`` the one replicate trains under ``--seed``, as before."""
     from omegaconf import OmegaConf
 
+    from exittrain.fit import run_choices
     from exittrain.lit import save_drafter
     from exittrain.models import load_drafter
-
-    from exittrain.fit import run_choices
 
     warm = load_drafter(warm_path, target)
     cfgs, dms = _datamodules(args, cfg, target, list(warm.config.target_layer_ids))
@@ -272,25 +285,32 @@ def measure_settings(args, target, prompts: list[list[int]], settings: dict) -> 
 
 
 def measure(args, target, drafters: dict[str, Path], prompts: list[list[int]], settings: dict,
-            on_step=None) -> dict[str, dict]:
+            on_step=None, drafter_temperatures: dict[str, float] | None = None) -> dict[str, dict]:
     """Every drafter measured by one :class:`~exittrain.heldout.evaluator.HeldOutEvaluator` on
     ``prompts`` with ``settings`` (:func:`exittrain.settings.eval_settings`' dict), the warm start
-    (:data:`WARM`) as its reference; the chain unless ``args.chain`` is False.
+    (:data:`WARM`) as its reference; the chain unless ``args.chain`` is False. ``drafter_temperatures``:
+    the drafter temperature t_d a name is measured at (``eval.drafter_temperature``; default the settings'),
+    on the same answers as every other drafter.
 
     Returns ``{drafter: {"table", "rows", "chain", "num_draft_tokens"}}``: the evaluator's table, its
     per-prompt tree rows and its per-prompt chain rows (as JSON reads them back), and the drafter's K.
-    Each drafter's measurement is kept under ``<out>/measured/`` (:class:`MeasureCache`); a rerun
-    measures only the drafters it holds nothing for under this key (their answers are the same: they
-    follow from the target, the prompts, the settings and the code the key holds).
+    Each drafter's measurement is kept under ``<out>/measured/`` (:class:`MeasureCache`, its key with the
+    drafter's t_d); a rerun measures only the drafters it holds nothing for under this key (their answers
+    are the same: they follow from the target, the prompts, the settings and the code the key holds).
     ``on_step(measured)`` runs after each drafter."""
     from exittrain.heldout.evaluator import HeldOutEvaluator
     from exittrain.models import load_drafter
 
     evaluator = HeldOutEvaluator(target, prompts, settings, reference=WARM, chain=args.chain)
-    cache = MeasureCache(Path(args.out) / "measured", measure_settings(args, target, prompts, settings))
+    temperatures = drafter_temperatures or {}
+    keyed = measure_settings(args, target, prompts, settings)
+    caches: dict[float, MeasureCache] = {}
     measured: dict[str, dict] = {}
     t0 = time.perf_counter()
     for done, (name, path) in enumerate(drafters.items(), 1):
+        t_d = float(temperatures.get(name, settings["drafter_temperature"]))
+        cache = caches.setdefault(t_d, MeasureCache(Path(args.out) / "measured",
+                                                    {**keyed, "eval": {**settings, "drafter_temperature": t_d}}))
         kept = cache.load(name, path)
         if kept is not None:
             measured[name] = kept
@@ -298,7 +318,7 @@ def measure(args, target, drafters: dict[str, Path], prompts: list[list[int]], s
         else:
             drafter = load_drafter(path, target).eval()
             with _measuring(name):
-                table, rows, chain = evaluator.measure(drafter, name)
+                table, rows, chain = evaluator.measure(drafter, name, drafter_temperature=t_d)
             # as JSON keeps it, so that a measurement and its kept copy read the same
             measured[name] = json.loads(json.dumps({"table": table, "rows": rows, "chain": chain,
                                                     "num_draft_tokens": drafter.config.num_draft_tokens}))
@@ -307,6 +327,64 @@ def measure(args, target, drafters: dict[str, Path], prompts: list[list[int]], s
         if on_step is not None:
             on_step(measured)
     return measured
+
+
+def sharpened_name(name: str) -> str:
+    """The name of ``name``'s sharpening control (its weights at the drafter temperature chosen on the
+    development split): ``sharpened-<arm>@seedS``, or ``sharpened warm start``; the training seed stays
+    last, so :func:`~exittrain.bench.exittrain_grid.split_replicate` reads it."""
+    return f"sharpened {name}" if name == WARM else f"sharpened-{name}"
+
+
+def choose_sharpening(args, cfg, target, drafters: dict[str, Path], settings: dict) -> dict:
+    """The sharpening control's drafter temperature, chosen on the development split alone.
+
+    On the held-out prompts ``--dev-skip .. --dev-skip + --dev-prompts`` (disjoint from the measured
+    ones: :func:`parse_args` checks it), the warm start and every replicate of :data:`SHARPENED` are
+    measured by one evaluator at each t_d of ``--sharpen-temperatures``, on the tree of
+    ``--sharpen-budget`` nodes at ``--sharpen-at`` (T; no chain: an argmax chain does not change with
+    t_d). Per base (the warm start; the control over its seeds) the chosen t_d is the one whose pooled tau,
+    averaged over the base's replicates, is highest; a tie goes to the t_d nearest 1.
+
+    Returns the result's ``sharpening`` block: the split, the setting, the grid, ``tau`` (``{base: {t_d:
+    seed-averaged pooled tau}}``), ``per_drafter`` (``{drafter: {t_d: pooled tau}}``) and ``chosen``
+    (``{base: t_d}``). The measurements are kept under ``<out>/measured_dev/`` like the main ones."""
+    from exittrain.heldout.evaluator import HeldOutEvaluator
+    from exittrain.models import load_drafter
+
+    dev = heldout_prompts(cfg, target, args.dev_prompts, skip=args.dev_skip)
+    dev_settings = {**settings, "budgets": [args.sharpen_budget], "temperatures": [args.sharpen_at]}
+    evaluator = HeldOutEvaluator(target, dev, dev_settings, reference=None, chain=False)
+    keyed = {**measure_settings(args, target, dev, dev_settings), "chain": False}
+    bases = {name: split_replicate(name)[0] for name in drafters
+             if name == WARM or split_replicate(name)[0] == SHARPENED}
+    per: dict[str, dict[float, float]] = {}
+    for t_d in args.sharpen_temperatures:
+        cache = MeasureCache(Path(args.out) / "measured_dev", {**keyed, "eval": {**dev_settings,
+                                                                                 "drafter_temperature": t_d}})
+        for name in bases:
+            label = f"{name} at t_d {t_d:g}"
+            rows = cache.load(label, drafters[name])
+            if rows is None:
+                with _measuring(f"development split: {label}"):
+                    _, rows, _ = evaluator.measure(load_drafter(drafters[name], target).eval(), label,
+                                                   drafter_temperature=t_d)
+                rows = json.loads(json.dumps(rows))
+                cache.save(label, rows, drafters[name])
+            per.setdefault(name, {})[t_d] = pooled([r["block_lengths"] for r in rows])
+    tau: dict[str, dict[float, float]] = {}
+    for base in sorted(set(bases.values())):
+        names = [n for n, b in bases.items() if b == base]
+        tau[base] = {t: sum(per[n][t] for n in names) / len(names) for t in args.sharpen_temperatures}
+    chosen = {base: max(by_t, key=lambda t: (by_t[t], -abs(t - 1.0))) for base, by_t in tau.items()}
+    for base, t_d in chosen.items():
+        _log(f"sharpening: {base} at t_d {t_d:g} (development split, tau {tau[base][t_d]:.3f}; at 1: "
+             f"{tau[base].get(1.0, float('nan')):.3f})")
+    return {"dev_skip": args.dev_skip, "dev_prompts": len(dev), "budget": args.sharpen_budget,
+            "temperature": args.sharpen_at, "temperatures": list(args.sharpen_temperatures),
+            "tau": {b: {f"{t:g}": v for t, v in by_t.items()} for b, by_t in tau.items()},
+            "per_drafter": {n: {f"{t:g}": v for t, v in by_t.items()} for n, by_t in per.items()},
+            "chosen": chosen}
 
 
 def prompt_rows(one: dict) -> dict[tuple[str, int, float], dict[int, dict]]:
@@ -424,7 +502,7 @@ def measure_in_vllm(args, target, drafters: dict[str, Path], prompts: list[list[
 
 
 def result_of(args, warm_path: Path, measured: dict[str, dict], train: dict, wall_s: dict,
-              vllm: dict | None = None, choices: dict | None = None) -> dict:
+              vllm: dict | None = None, choices: dict | None = None, sharpening: dict | None = None) -> dict:
     """What ``exittrain.json`` (and, while it runs, the partial file) holds:
 
     - the run: ``domain``, ``warm_start``, ``steps``, ``overrides``, ``arms``, ``train_seeds``, ``train``
@@ -439,7 +517,9 @@ def result_of(args, warm_path: Path, measured: dict[str, dict], train: dict, wal
       figure of ``rows`` can be recomputed, on any subset of the prompts;
     - ``noise_floor`` and ``replicates`` (:func:`noise_floor`, empty without replicates;
       :func:`~exittrain.bench.exittrain_report.replicate_verdicts`, with ``--train-seeds``);
-    - ``vllm`` with ``--vllm`` (:func:`measure_in_vllm`).
+    - ``vllm`` with ``--vllm`` (:func:`measure_in_vllm`);
+    - ``sharpening`` with ``--sharpen-temperatures`` (:func:`choose_sharpening`: the development split's
+      grid and the chosen drafter temperatures; the sharpened drafters are rows like any other).
     """
     from exittrain.report.results_page import host_info
 
@@ -458,7 +538,7 @@ def result_of(args, warm_path: Path, measured: dict[str, dict], train: dict, wal
         "rows": rows, "tables": {name: one["table"] for name, one in measured.items()},
         "per_prompt": {name: {"rows": one["rows"], "chain": one["chain"]} for name, one in measured.items()},
         "train": train, "host": host_info(), "wall_s": wall_s, "choices": choices or {},
-        **({"vllm": vllm} if vllm else {}),
+        **({"vllm": vllm} if vllm else {}), **({"sharpening": sharpening} if sharpening else {}),
     }
 
 
@@ -487,16 +567,28 @@ def run(args) -> dict:
     paths, train, choices = train_arms(args, cfg, target, warm_path)
     train_s = time.perf_counter() - t0
     drafters = {WARM: warm_path, **paths}
+    sharpening, temperatures = None, {}
+    if args.sharpen_temperatures:  # S: the chosen t_d's drafters join the measurement, on the same answers
+        sharpening = choose_sharpening(args, cfg, target, drafters, settings)
+        for name in list(drafters):
+            base = WARM if name == WARM else split_replicate(name)[0]
+            if base in sharpening["chosen"]:
+                drafters[sharpened_name(name)] = drafters[name]
+                temperatures[sharpened_name(name)] = sharpening["chosen"][base]
 
     def wall() -> dict:
         return {"train": train_s, "measure": time.perf_counter() - t0 - train_s}
 
     def write_partial(measured: dict) -> None:  # what is measured so far, readable while it runs
-        write_json_atomic(out / PARTIAL, result_of(args, warm_path, measured, train, wall(), choices=choices))
+        write_json_atomic(out / PARTIAL, result_of(args, warm_path, measured, train, wall(), choices=choices,
+                                                   sharpening=sharpening))
 
-    measured = measure(args, target, drafters, prompts, settings, on_step=write_partial)
-    vllm = measure_in_vllm(args, target, drafters, prompts[: args.vllm_prompts]) if args.vllm else None
-    result = result_of(args, warm_path, measured, train, wall(), vllm, choices)
+    measured = measure(args, target, drafters, prompts, settings, on_step=write_partial,
+                       drafter_temperatures=temperatures)
+    served = {name: path for name, path in drafters.items() if name not in temperatures  # engines run t_d = 1
+              and (name == WARM or args.vllm_arms is None or split_replicate(name)[0] in args.vllm_arms)}
+    vllm = measure_in_vllm(args, target, served, prompts[: args.vllm_prompts]) if args.vllm else None
+    result = result_of(args, warm_path, measured, train, wall(), vllm, choices, sharpening)
     write_json_atomic(out / "exittrain.json", result)
     (out / PARTIAL).unlink(missing_ok=True)
     (out / "exittrain.md").write_text(to_markdown(result))
@@ -552,6 +644,16 @@ def parse_args(argv=None):
     parser.add_argument("--vllm-prompts", type=int, default=16, help="held-out prompts vLLM decodes (the first ones)")
     parser.add_argument("--vllm-python", default=None,
                         help="the vLLM interpreter (default: $EXITTRAIN_VLLM_PYTHON, else .venv-vllm/bin/python)")
+    parser.add_argument("--vllm-arms", nargs="+", choices=[a.name for a in ARMS], default=None,
+                        help="with --vllm: only these arms' replicates (and the warm start) (default: every drafter)")
+    parser.add_argument("--sharpen-temperatures", type=float, nargs="+", default=None, metavar="T_D",
+                        help=f"the sharpening control: choose the drafter temperature of the warm start and of "
+                             f"{SHARPENED} among these on the development split, and measure them at it as "
+                             "'sharpened-...' drafters (default: off)")
+    parser.add_argument("--dev-skip", type=int, default=0, help="the development split's first held-out prompt")
+    parser.add_argument("--dev-prompts", type=int, default=64, help="the development split's prompts")
+    parser.add_argument("--sharpen-budget", type=int, default=16, help="the tree (nodes) the choice reads")
+    parser.add_argument("--sharpen-at", type=float, default=0.6, help="the temperature T the choice reads")
     parser.add_argument("--resume", action="store_true",
                         help="reuse the warm start and the arms already saved under --out")
     parser.add_argument("--out", default="results/exittrain")
@@ -568,6 +670,18 @@ def parse_args(argv=None):
         if args.arms is not None and arm.name in args.arms and needs:
             parser.error(f"--arms {arm.name} trains for the CPU-seconds of {arm.cpu_match} against {arm.control}: "
                          f"add {' '.join(needs)} to --arms")
+    if args.sharpen_temperatures is not None:
+        if any(not math.isfinite(t) or t <= 0 for t in args.sharpen_temperatures) or \
+                len(set(args.sharpen_temperatures)) != len(args.sharpen_temperatures):
+            parser.error(f"--sharpen-temperatures {args.sharpen_temperatures}: each a number > 0, once")
+        if args.dev_skip < 0 or args.dev_prompts < 1 or args.sharpen_budget < 1 or args.sharpen_at < 0:
+            parser.error("--dev-skip >= 0, --dev-prompts >= 1, --sharpen-budget >= 1 and --sharpen-at >= 0")
+        if args.dev_skip < args.skip + args.prompts and args.skip < args.dev_skip + args.dev_prompts:
+            parser.error(f"the development split (--dev-skip {args.dev_skip} --dev-prompts {args.dev_prompts}) "
+                         f"overlaps the measured prompts (--skip {args.skip} --prompts {args.prompts}): the "
+                         "temperature would be chosen on the prompts it is read on; move one of them")
+        if args.arms is not None and SHARPENED not in args.arms:
+            parser.error(f"--sharpen-temperatures sharpens {SHARPENED}: add it to --arms")
     if args.train_seeds is not None and len(set(args.train_seeds)) != len(args.train_seeds):
         parser.error(f"--train-seeds {args.train_seeds}: each seed once")
     if any(T < 0 for T in args.temperatures):
@@ -575,6 +689,8 @@ def parse_args(argv=None):
     if args.warm_start is not None and not (Path(args.warm_start) / "config.json").is_file():
         parser.error(f"--warm-start {args.warm_start} is not a saved drafter folder (no config.json): pass "
                      "RUN_DIR/warmstart_drafter of a fit, or omit it to train one here")
+    if args.vllm_arms is not None and not args.vllm:
+        parser.error("--vllm-arms picks the drafters vLLM measures: add --vllm")
     if args.vllm:
         from exittrain.vllm_interpreter import default_vllm_python
 

@@ -60,8 +60,9 @@ class Arm:
 
     @property
     def name(self) -> str:
-        """``control-<labels>-<rows>[-cpumatched]``, ``exittrain-<labels>-<weights>-l<lambda>[-B<budget> | -chain]-<rows>``,
-        or ``nodeonly-<weights>-l<lambda>[...]-<rows>`` without block CE (no labels to name). A chain's size
+        """``control-<labels>-<rows>[-cpumatched]``,
+        ``exittrain-<labels>-<weights>-l<lambda>[-B<budget> | -chain]-<rows>``, or
+        ``nodeonly-<weights>-l<lambda>[...]-<rows>`` without block CE (no labels to name). A chain's size
         is the drafter's K, not the budget: it gets no ``-B`` suffix."""
         if self.stage == "pretrain":
             return f"control-{self.labels}-{self.rows}" + ("" if self.cpu_match is None else "-cpumatched")

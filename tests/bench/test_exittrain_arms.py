@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 from exittrain.bench import exittrain_arms as bx
-from exittrain.bench.exittrain_grid import ARMS, Arm
+from exittrain.bench.exittrain_grid import ARMS, Arm, split_replicate
 from exittrain.bench.exittrain_report import SEQUENCE, replicate_verdicts, to_markdown, vllm_verdict
 from exittrain.core import pooled
 from exittrain.report.experiment_page import uncorrected
@@ -343,15 +343,19 @@ class _Evaluator:
     """The evaluator's contract as the bench reads it: ``measure(drafter, label) -> (table, rows, chain)``."""
 
     made: list = []
+    sharpen: dict = {}
 
     def __init__(self, target, prompts, settings, *, reference, chain, auto=None):
         self.prompts, self.reference, self.chain, self.measured = prompts, reference, chain, []
         _Evaluator.made.append(self)
 
-    def measure(self, drafter, label):
+    def measure(self, drafter, label, *, drafter_temperature=None):
         self.measured.append(label)
+        self.temperatures = [*getattr(self, "temperatures", []), drafter_temperature]
+        # a drafter's blocks: its value, plus what its t_d adds (_Evaluator.sharpen: {value: {t_d: bonus}})
+        value = drafter.value + _Evaluator.sharpen.get(drafter.value, {}).get(drafter_temperature, 0)
         rows = [{"label": label, "prompt_index": i, "budget": 4, "temperature": 0.0,
-                 "block_lengths": [drafter.value] * 3, "rounds": 3, "tau": float(drafter.value)}
+                 "block_lengths": [value] * 3, "rounds": 3, "tau": float(value)}
                 for i in range(len(self.prompts))]
         chain = [{**r, "budget": 2} for r in rows] if self.chain else []
         return [{"label": label, "budget": 4, "temperature": 0.0, "tau": float(drafter.value),
@@ -383,7 +387,7 @@ def test_one_evaluator_measures_every_drafter_and_a_rerun_measures_only_what_is_
     _Evaluator.made = []
     args = bx.parse_args(["--out", str(tmp_path / "out")])
     target = SimpleNamespace(name="tiny")
-    settings = {"budgets": [4], "temperatures": [0.0], "seed": 0}
+    settings = {"budgets": [4], "temperatures": [0.0], "seed": 0, "drafter_temperature": 1.0}
     steps = []
     measured = bx.measure(args, target, folders, [[1, 2], [3]], settings, on_step=lambda m: steps.append(list(m)))
     (evaluator,) = _Evaluator.made
@@ -404,6 +408,70 @@ def test_one_evaluator_measures_every_drafter_and_a_rerun_measures_only_what_is_
     monkeypatch.setattr("exittrain.bench.measure_cache.code_version", lambda: "another version")
     bx.measure(args, target, folders, [[1, 2], [3]], settings)
     assert _Evaluator.made[-1].measured == list(folders)
+
+
+def test_the_sharpening_control_is_chosen_on_the_development_split_and_measured_at_its_temperature(
+        tmp_path, monkeypatch, capsys):
+    """The warm start's and the control's drafter temperature are chosen on the development split alone (the
+    control's averaged over its seeds, a tie to the t_d nearest 1), and kept: a rerun measures nothing again."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    import exittrain.heldout.evaluator
+    import exittrain.models
+
+    values = {"warm start": 2, "control-soft-fresh@seed0": 3, "control-soft-fresh@seed1": 4,
+              "nodeonly-flow-l1-fresh@seed0": 5}
+    folders = {}
+    for name, value in values.items():
+        folders[name] = tmp_path / name.replace(" ", "_")
+        folders[name].mkdir()
+        save_file({"w": torch.full((2,), float(value))}, folders[name] / "model.safetensors")
+
+    def load(path, target):
+        drafter = SimpleNamespace(value=values[next(n for n, f in folders.items() if f == path)],
+                                  config=SimpleNamespace(num_draft_tokens=2))
+        drafter.eval = lambda: drafter
+        return drafter
+
+    monkeypatch.setattr(exittrain.heldout.evaluator, "HeldOutEvaluator", _Evaluator)
+    monkeypatch.setattr(exittrain.models, "load_drafter", load)
+    dev = []
+    monkeypatch.setattr(bx, "heldout_prompts", lambda cfg, target, n, skip: dev.append((n, skip)) or [[1]] * n)
+    # seed 0 peaks at 0.7, seed 1 at 0.5 by less: their average peaks at 0.7; the warm start ties 0.5 and 0.7,
+    # and the tie goes to the one nearer 1
+    _Evaluator.sharpen = {3: {0.7: 0.4, 0.5: 0.1}, 4: {0.5: 0.2}, 2: {0.5: 0.3, 0.7: 0.3}}
+    _Evaluator.made = []
+    args = bx.parse_args(["--out", str(tmp_path / "out"), "--skip", "8", "--prompts", "4", "--dev-skip", "0",
+                          "--dev-prompts", "3", "--sharpen-temperatures", "0.5", "0.7", "1.0", "1.5"])
+    settings = {"budgets": [16, 64], "temperatures": [0.0, 0.6], "seed": 0, "drafter_temperature": 1.0}
+    target = SimpleNamespace(name="tiny")
+    chosen = bx.choose_sharpening(args, None, target, folders, settings)
+    assert dev == [(3, 0)]  # the development split, not the measured prompts
+    (evaluator,) = _Evaluator.made
+    assert evaluator.chain is False and evaluator.reference is None
+    assert "nodeonly-flow-l1-fresh@seed0 at t_d 0.5" not in evaluator.measured  # only the warm start and C
+    assert chosen["chosen"] == {"warm start": 0.7, "control-soft-fresh": 0.7}
+    assert chosen["tau"]["control-soft-fresh"]["0.7"] == pytest.approx((3.4 + 4) / 2)
+    assert chosen["per_drafter"]["control-soft-fresh@seed1"]["0.5"] == pytest.approx(4.2)
+    assert "sharpening: control-soft-fresh at t_d 0.7" in capsys.readouterr().out
+    again = bx.choose_sharpening(args, None, target, folders, settings)
+    assert again == chosen and _Evaluator.made[-1].measured == []  # kept under <out>/measured_dev
+    assert bx.sharpened_name("control-soft-fresh@seed1") == "sharpened-control-soft-fresh@seed1"
+    assert split_replicate(bx.sharpened_name("control-soft-fresh@seed1")) == ("sharpened-control-soft-fresh", 1)
+    # the measurement: each sharpened drafter at its t_d, the others at the settings' one, on one evaluator
+    drafters = {**folders, "sharpened-control-soft-fresh@seed0": folders["control-soft-fresh@seed0"]}
+    measured = bx.measure(args, target, drafters, [[1]] * 4, settings,
+                          drafter_temperatures={"sharpened-control-soft-fresh@seed0": 0.7})
+    assert _Evaluator.made[-1].temperatures == [1.0, 1.0, 1.0, 1.0, 0.7]
+    assert measured["sharpened-control-soft-fresh@seed0"]["rows"][0]["block_lengths"] == [3.4] * 3
+    for bad in (["--dev-skip", "6", "--dev-prompts", "4"], ["--sharpen-temperatures", "0"],
+                ["--arms", "nodeonly-flow-l1-fresh"]):
+        with pytest.raises(SystemExit):  # the split overlaps the measured prompts; t_d <= 0; no control to sharpen
+            bx.parse_args(["--skip", "8", "--prompts", "4", "--sharpen-temperatures", "0.5", *bad])
+    assert "overlaps the measured prompts" in capsys.readouterr().err
+    _Evaluator.sharpen = {}
 
 
 def test_vllm_pairs_each_arm_with_its_control_and_the_warm_start_on_the_same_prompts(tmp_path, monkeypatch, capsys):
@@ -458,6 +526,8 @@ def test_the_experiment_runs_end_to_end_on_the_embedded_target(tmp_path, monkeyp
         "--budgets", "4", "3", "--temperatures", "0", "1", "--oracle",
         "--arms", "control-soft-fresh", "exittrain-soft-flow-l1-fresh", "exittrain-soft-flow-l1-chain-fresh",
         "--override", "debug=smoke", "--override", "stages.pretrain.max_steps=2", "--out", str(tmp_path / "out"),
+        "--sharpen-temperatures", "0.3", "1.0", "--dev-skip", "0", "--dev-prompts", "1", "--sharpen-budget", "4",
+        "--sharpen-at", "1",
     ])
     result = bx.run(args)
     saved = json.loads((tmp_path / "out" / "exittrain.json").read_text())
@@ -469,7 +539,20 @@ def test_the_experiment_runs_end_to_end_on_the_embedded_target(tmp_path, monkeyp
     assert "total tokens / total rounds" in saved["statistic"]
     names = {r["drafter"] for r in saved["rows"]}
     assert names == {"warm start", "control-soft-fresh", "exittrain-soft-flow-l1-fresh",
-                     "exittrain-soft-flow-l1-chain-fresh"} == set(saved["per_prompt"]) == set(saved["tables"])
+                     "exittrain-soft-flow-l1-chain-fresh", "sharpened warm start", "sharpened-control-soft-fresh"} \
+        == set(saved["per_prompt"]) == set(saved["tables"])
+    # the sharpening control: chosen on the development split, measured at its t_d on the same answers; the
+    # greedy chain is an argmax, the same at every t_d
+    sharp = saved["sharpening"]
+    assert sharp["dev_prompts"] == 1 and set(sharp["chosen"]) == {"warm start", "control-soft-fresh"}
+    assert set(sharp["per_drafter"]) == {"warm start", "control-soft-fresh"}
+    for name in ("warm start", "control-soft-fresh"):
+        chosen = sharp["chosen"][name]
+        assert sharp["tau"][name][f"{chosen:g}"] == max(sharp["tau"][name].values())
+        sharpened = saved["per_prompt"][bx.sharpened_name(name)]
+        assert {r["drafter_temperature"] for r in sharpened["rows"] + sharpened["chain"]} == {chosen}
+        assert [r["block_lengths"] for r in sharpened["chain"]] == \
+            [r["block_lengths"] for r in saved["per_prompt"][name]["chain"]]
     chain = [r for r in saved["rows"] if r["shape"] == "chain"]
     K = saved["num_draft_tokens"]
     assert {(r["drafter"], r["temperature"]) for r in chain} == {(n, T) for n in names for T in (0.0, 1.0)}
@@ -521,7 +604,8 @@ def test_a_training_seed_repeats_bit_for_bit_and_two_seeds_differ(tmp_path, monk
               "--budgets", "4", "--temperatures", "0", "--no-chain",
               "--override", "debug=smoke", "--override", "stages.pretrain.max_steps=2"]
     first = bx.run(bx.parse_args([*common, "--arms", "control-soft-fresh", "nodeonly-flow-l1-fresh",
-                                  "control-soft-fresh-cpumatched", "--train-seeds", "0", "1", "--out", str(tmp_path / "a")]))
+                                  "control-soft-fresh-cpumatched", "--train-seeds", "0", "1",
+                                  "--out", str(tmp_path / "a")]))
     assert set(first["train"]) == {f"{arm}@seed{s}" for s in (0, 1) for arm in
                                    ("control-soft-fresh", "nodeonly-flow-l1-fresh", "control-soft-fresh-cpumatched")}
     # the CPU-matched control: the steps of seed 0's CPU ratio, for both seeds
