@@ -9,7 +9,8 @@
 - :mod:`.ngram_copy` the drafter's n-gram copy branch: context lookup and mixture
 - :mod:`.anchors`  where the training blocks start: seeded anchor sampling
 - :mod:`.tree_metrics` subsets of a batch of trees and the means of their exit law
-- :mod:`.resample` the prompt bootstrap of a pooled ratio (tau, a speedup)
+- :mod:`.resample` the prompt bootstrap of a pooled ratio (tau, a speedup), and the crossed
+                   bootstrap over training seeds and prompts
 """
 
 from .anchors import anchor_generator, sample_anchors, sample_anchors_reference
@@ -28,10 +29,15 @@ from .losses import (
 )
 from .ngram_copy import check_ngrams, mix_copy, mix_copy_reference, ngram_lookup, ngram_lookup_reference
 from .resample import (
+    CROSSED_DRAWS,
+    CROSSED_ENDPOINTS,
     bootstrap_ci,
+    crossed_paired_difference,
+    crossed_paired_difference_reference,
     paired_pooled_difference,
     paired_pooled_difference_reference,
     pooled,
+    prompt_totals,
     resampled_ratios,
     resampled_ratios_reference,
 )
@@ -49,10 +55,15 @@ from .verify import (
 )
 
 __all__ = [
+    "CROSSED_DRAWS",
+    "CROSSED_ENDPOINTS",
     "bootstrap_ci",
+    "crossed_paired_difference",
+    "crossed_paired_difference_reference",
     "paired_pooled_difference",
     "paired_pooled_difference_reference",
     "pooled",
+    "prompt_totals",
     "resampled_ratios",
     "resampled_ratios_reference",
     "DraftTree",
