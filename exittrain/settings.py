@@ -37,6 +37,7 @@ from exittrain.core import VERIFIERS
 from exittrain.data.corpus import check_corpus_settings
 from exittrain.data.prompts.prompt_plan import PromptPlan
 from exittrain.data.split import check_loader_settings
+from exittrain.heldout.decode_eval import check_eval_drafter_temperature
 from exittrain.heldout.evaluator import DECODE_MODES
 from exittrain.heldout.serving_track import VLLM_MODES
 from exittrain.lit.module import check_module_args
@@ -67,7 +68,8 @@ __all__ = [
 # keys of stages.<stage> that configure the stage itself; every other key overrides the objective
 STAGE_KEYS = ("max_steps", "eval_every")
 # the eval.* keys eval_settings reads, each set by conf/eval/default.yaml
-EVAL_KEYS = ("num_prompts", "max_new_tokens", "budgets", "temperatures", "verifier", "baseline", "oracle", "decode")
+EVAL_KEYS = ("num_prompts", "max_new_tokens", "budgets", "temperatures", "verifier", "baseline", "oracle", "decode",
+             "drafter_temperature")
 # what to do about a ckpt_path that cannot be resumed from (exittrain.safe_io adds the file and the cause)
 CKPT_FIX = (
     "point ckpt_path at another checkpoint written by exittrain (RUN_DIR/checkpoints/<stage>/last.ckpt of an "
@@ -251,7 +253,9 @@ def eval_settings(cfg: DictConfig) -> dict:
     ``cfg.eval``, every value checked (ValueError naming ``eval.<key>``).
 
     ``eval.decode`` (``fixed`` | ``auto``) is one of them; the evaluator reads it
-    (:class:`~exittrain.heldout.evaluator.HeldOutEvaluator`).
+    (:class:`~exittrain.heldout.evaluator.HeldOutEvaluator`). ``eval.drafter_temperature`` (a finite
+    number > 0; 1.0 the drafter as trained) divides the drafter's logits before every tree is built;
+    ``eval.decode=auto`` takes 1.0 only (its probe drafts from the drafter as trained).
     ``eval.vllm`` (``auto`` | ``true`` | ``false``) is checked here (:func:`vllm_mode`), so that a typo
     fails before anything loads, but is not an argument of ``evaluate_prompts``: fit takes it from
     :attr:`FitSettings.vllm`.
@@ -284,6 +288,7 @@ def eval_settings(cfg: DictConfig) -> dict:
     if decode not in DECODE_MODES:
         raise ValueError(f"eval.decode={decode!r}: use auto (probe this host's fastest budget, draft vocabulary and "
                          "copy tail for the speed columns) or fixed (decode at eval.budgets only)")
+    drafter_temperature = check_eval_drafter_temperature(e.drafter_temperature, auto=decode == "auto")
     vllm_mode(cfg)
     return dict(
         budgets=budgets,
@@ -294,6 +299,7 @@ def eval_settings(cfg: DictConfig) -> dict:
         oracle=bool(e.oracle),
         seed=int(cfg.seed),
         decode=decode,
+        drafter_temperature=drafter_temperature,
     )
 
 

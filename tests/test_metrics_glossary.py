@@ -72,7 +72,7 @@ def test_every_metric_a_fit_logs_is_named_in_the_glossary(tiny_llama_target, mon
 
     # the held-out table with every measure: tree and chain at T = 0 and 0.6, oracle, speed, paired gains, vLLM
     settings = dict(budgets=[4], temperatures=[0.0, 0.6], max_new_tokens=6, verifier="tev", baseline=True,
-                    oracle=True, seed=0, decode="fixed")
+                    oracle=True, seed=0, decode="fixed", drafter_temperature=1.0)
     evaluator = HeldOutEvaluator(target, [[5, 6, 7, 8, 9]], settings)
     evaluator.speed = True  # as on a CUDA target
     for label in ("warm_start", "exittrain"):

@@ -54,6 +54,11 @@ FIT_CASES = [
     ("~eval.verifier", "['eval.verifier'] missing from the config: conf/eval/default.yaml sets them"),
     ("~eval.vllm", "['eval.vllm'] missing from the config"),
     ("~eval.temperatures", "['eval.temperatures'] missing from the config"),
+    ("eval.drafter_temperature=0", "eval.drafter_temperature=0: the drafter temperature divides"),
+    ("eval.drafter_temperature=-0.5", "eval.drafter_temperature=-0.5"),
+    ("eval.drafter_temperature=inf", "eval.drafter_temperature=inf"),
+    ("eval.drafter_temperature=warm", "eval.drafter_temperature='warm'"),
+    ("~eval.drafter_temperature", "['eval.drafter_temperature'] missing from the config: conf/eval/default.yaml"),
     ("~stages.exittrain.eval_every", "['stages.exittrain.eval_every'] missing from the config: conf/fit.yaml"),
     ("callbacks.checkpoint.mode=sideways", "callbacks.checkpoint"),
     ("+callbacks.extra._target_=exittrain.no_such_callback", "callbacks.extra cannot be built"),
@@ -82,6 +87,7 @@ EVAL_CASES = [
     ("eval.verifier=nope", "eval.verifier='nope'"),
     ("eval.temperatures=[0.0,0.0]", "list each temperature once"),
     ("eval.decode=fast", "eval.decode='fast'"),
+    ("eval.drafter_temperature=0", "eval.drafter_temperature=0"),
     ("data.max_length=1", "data: max_length=1"),
 ]
 
@@ -97,6 +103,15 @@ def test_a_bad_eval_setting_fails_before_the_target_loads(tmp_path, override, me
     assert message in str(err.value)
 
 
+def test_decode_auto_with_a_drafter_temperature_fails_before_the_target_loads(tmp_path):
+    """eval.decode=auto's probe drafts from the drafter as trained: t_d != 1 with it names both keys and the fix."""
+    cfg = compose_config("fit", "eval.decode=auto", "eval.drafter_temperature=0.7", f"paths.output_dir={tmp_path}")
+    with pytest.raises(ValueError, match=r"eval.decode=auto with eval.drafter_temperature=0.7: .*eval.decode=fixed"):
+        fit(cfg, target=no_target)
+    fixed = compose_config("fit", "eval.drafter_temperature=0.7", f"paths.output_dir={tmp_path}")
+    assert settings.check_fit_config(fixed).eval["drafter_temperature"] == 0.7  # fixed measures at it
+
+
 @pytest.mark.parametrize("extra", [[], ["debug=smoke"], ["warm_start=null", "stages.pretrain.max_steps=0"]])
 def test_the_shipped_settings_pass_and_give_the_plan(tmp_path, extra):
     """Negative control: the checks refuse nothing that ships, and return what the run reads."""
@@ -105,6 +120,7 @@ def test_the_shipped_settings_pass_and_give_the_plan(tmp_path, extra):
     assert checked.stages == [s for s in ("pretrain", "exittrain") if cfg.stages[s].max_steps > 0]
     assert checked.eval["budgets"] == list(cfg.eval.budgets) and checked.eval["seed"] == cfg.seed
     assert checked.eval["decode"] == "fixed"  # the plain decoder: the CPU's decode probe only when asked for
+    assert checked.eval["drafter_temperature"] == 1.0  # the drafter as trained
     assert checked.eval["temperatures"] == [float(t) for t in cfg.eval.temperatures]
 
 

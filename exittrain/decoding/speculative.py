@@ -19,6 +19,7 @@ target's own greedy decoding, and at temperature > 0 it is a sample from the war
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -32,7 +33,8 @@ from exittrain.models.hf_cache import cache_kwargs
 from exittrain.timing import device_now
 
 __all__ = ["RoundStats", "GenerationResult", "GreedyDecoder", "SpeculativeDecoder", "autoregressive_generate",
-           "COPY_LED", "DRAFTED", "ROUND_KINDS", "ROUND_PARTS", "STEP", "rounds_by_kind"]
+           "COPY_LED", "DRAFTED", "ROUND_KINDS", "ROUND_PARTS", "STEP", "check_drafter_temperature",
+           "draft_logprobs", "rounds_by_kind"]
 
 ROUND_PARTS = ("draft", "tree", "target", "verify", "commit")
 # what a round verified: the drafter's tree (and any copy tail), the copy chain alone, or the root alone.
@@ -40,6 +42,35 @@ ROUND_PARTS = ("draft", "tree", "target", "verify", "commit")
 # exittrain.cpu_decode.round_policy.RoundPolicyDecoder chooses through SpeculativeDecoder._round_without_drafter
 DRAFTED, COPY_LED, STEP = "drafted", "copy-led", "step"
 ROUND_KINDS = (DRAFTED, COPY_LED, STEP)
+
+
+def check_drafter_temperature(value, key: str = "drafter_temperature") -> float:
+    """``value`` as a float when it is a drafter temperature, a finite number > 0; else a ValueError
+    naming ``key`` (``eval.drafter_temperature`` where the config sets it) and the fix."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{key}={value!r}: the drafter temperature divides the drafter's logits before its draft "
+                         "tree is built; need a finite number > 0 (1.0: the drafter as trained)")
+    return float(value)
+
+
+def draft_logprobs(logits_NKV: torch.Tensor, drafter_temperature: float = 1.0) -> torch.Tensor:
+    """(N, K, V) fp32 ``log_softmax(logits / t_d)``: the drafter's log-probabilities a round's draft
+    tree is built from, at drafter temperature ``t_d`` (1.0: the logits as they are, no division; a
+    ``t_d`` below 1 sharpens each depth's distribution, above 1 flattens it). The one place both
+    the decoder and the held-out walk (:func:`exittrain.heldout.round_walk.anchor_logprobs`) make
+    them, so the two build the same trees.
+
+    What ``t_d`` changes: a best-first tree (:func:`~exittrain.core.build_tree`) ranks candidate
+    paths by their log-probabilities summed across depths, and dividing by ``t_d`` rescales every
+    depth's log-probabilities by ``1 / t_d`` around its own normaliser, so the budget's nodes
+    change. What it does not: each depth's argmax (the greedy chain, :func:`~exittrain.core.chain_tree`),
+    and the verifiers, which read the target's probabilities and the tree's tokens only (the
+    sequential one also its column order, the score order, which leaves its law unchanged;
+    docs/algorithm.md sections 6.1 and 6.4): decoding stays exact at every ``t_d``."""
+    logits_NKV = logits_NKV.float()
+    if drafter_temperature != 1.0:
+        logits_NKV = logits_NKV / drafter_temperature
+    return torch.log_softmax(logits_NKV, dim=-1)
 
 
 @dataclass
@@ -187,6 +218,11 @@ class SpeculativeDecoder:
     those, which on a CPU saves most of the drafter's time; the verifiers still see the whole
     vocabulary, so decoding stays exact. S must be at least the budget.
 
+    ``drafter_temperature`` (default 1.0: the drafter as trained) divides the drafter's logits
+    before each round's tree is built (:func:`draft_logprobs`, a finite number > 0): a measurement
+    option (``eval.drafter_temperature``) that changes which nodes a budget holds, never the
+    verification, so decoding stays exact.
+
     Every round drafts a tree, the target verifies it, the verifier accepts a path. Rounds that
     skip the drafter (copy-led rounds, steps after a miss) are the CPU decoder's, chosen through
     one hook, :meth:`_round_without_drafter`
@@ -205,6 +241,7 @@ class SpeculativeDecoder:
         copy_ngrams: tuple[int, ...] = (3, 2),
         draft_vocab: torch.Tensor | None = None,
         copy_earliest: bool = False,
+        drafter_temperature: float = 1.0,
     ):
         if verifier not in VERIFIERS:
             raise ValueError(f"verifier must be one of {sorted(VERIFIERS)}, got {verifier!r}")
@@ -223,6 +260,7 @@ class SpeculativeDecoder:
         self.copy_earliest = bool(copy_earliest)
         self.copy_ngrams = check_ngrams(copy_ngrams, key="copy_ngrams")
         self.draft_vocab = _check_vocab(draft_vocab, target.vocab_size, budget)
+        self.drafter_temperature = check_drafter_temperature(drafter_temperature)
         self.layers = list(drafter.config.target_layer_ids)
 
     def _most_nodes(self) -> int:
@@ -301,7 +339,7 @@ class SpeculativeDecoder:
             skipped = self._round_without_drafter(context, root, result.rounds)
             if skipped is None:
                 kind = DRAFTED
-                logq_1KV = torch.log_softmax(context.draft(root).float(), dim=-1)
+                logq_1KV = draft_logprobs(context.draft(root), self.drafter_temperature)
                 clock.lap("draft")
                 tree = self._tree(logq_1KV, context, root)
             else:

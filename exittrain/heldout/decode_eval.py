@@ -29,12 +29,14 @@ from exittrain import progress as progress_log
 from exittrain.core import bootstrap_ci, pooled
 from exittrain.decoding import SpeculativeDecoder, oracle_generate
 from exittrain.decoding.chain_decoder import ChainDecoder
+from exittrain.decoding.speculative import check_drafter_temperature
 from exittrain.heldout.answers import cached_baseline, walk_answers
 from exittrain.heldout.round_walk import check_live, walk_checks, walked_rounds
 from exittrain.heldout.sequence_passes import SequencePasses
 
 __all__ = [
-    "decode_check", "evaluate_prompts", "summarize", "format_table", "auto_reasons", "optional_cell",
+    "check_eval_drafter_temperature", "decode_check", "evaluate_prompts", "summarize", "format_table", "auto_reasons",
+    "optional_cell",
 ]
 
 log = logging.getLogger("exittrain")
@@ -74,6 +76,7 @@ def evaluate_prompts(
     speed: bool = True,
     live: int | None = None,
     passes=None,
+    drafter_temperature: float = 1.0,
 ) -> list[dict]:
     """One row per (prompt, budget, temperature): tau, rounds, speed, stage times, block lengths.
 
@@ -104,13 +107,20 @@ def evaluate_prompts(
     have ``decoded`` True. ``passes``: the :class:`~exittrain.heldout.sequence_passes.SequencePasses`
     the walks share (None: one for this call).
 
+    ``drafter_temperature`` (t_d, ``eval.drafter_temperature``; 1.0 the drafter as trained): every
+    drafter tree, walked or decoded, is built from ``log_softmax(logits / t_d)``
+    (:func:`~exittrain.decoding.speculative.draft_logprobs`): it changes which nodes a budget holds
+    and nothing else (:mod:`~exittrain.heldout.round_walk`, Drafter temperature). The oracle's trees
+    are the target's and ignore it. ``auto`` refuses t_d != 1: the CPU's decode probe builds its
+    trees from the drafter as trained.
+
     Row keys, both modes:
     - quality, the decode at ``budget``: ``tau``, ``rounds``, ``block_lengths``;
     - speed, the decode at the speed setting (the budget with ``"fixed"``, the auto setting with
       ``"auto"``): ``new_tokens``, ``seconds``, ``time_<stage>``, and with ``speed`` ``tokens_per_s``
       and, with ``baseline``, ``ar_tokens_per_s`` and ``speedup`` (over the autoregressive baseline);
     - ``matches_target`` (T = 0 with ``baseline``): every decode of the row equals greedy's;
-    - ``decode``: ``"fixed"`` or ``"auto"``.
+    - ``decode``: ``"fixed"`` or ``"auto"``; ``drafter_temperature``: t_d.
     With ``"auto"`` also: ``auto_setting`` (e.g. ``"B=4, draft vocab 4096, copy tail 10"``),
     ``auto_budget`` (0: auto decodes greedily, without the drafter), ``auto_draft_vocab``,
     ``auto_copy_tail``, ``auto_copy_lead``, ``auto_miss_steps``, ``auto_tau`` (tau of the speed
@@ -124,6 +134,7 @@ def evaluate_prompts(
         if not isinstance(b, int) or b < 1:
             raise ValueError(f"budgets must be integers >= 1 (tree nodes), got {list(budgets)}")
     check_live(live)
+    drafter_temperature = check_eval_drafter_temperature(drafter_temperature, auto=auto is not None)
     if live is not None and (speed or auto is not None):
         raise ValueError("live walks rounds instead of decoding them, and the speed columns time real decodes: "
                          "pass live=None with speed or auto")
@@ -146,19 +157,21 @@ def evaluate_prompts(
         prompt = list(prompts[i])
         run_seed = seed + i
         row = {"label": label, "prompt_index": i, "budget": budget, "temperature": temperature, "verifier": verifier,
-               "decode": "fixed" if auto is None else "auto"}
+               "decode": "fixed" if auto is None else "auto", "drafter_temperature": drafter_temperature}
         walked = None
         if live is not None:
             answer = cached_baseline(ar_cache, target, prompt, i, max_new_tokens, temperature, run_seed).tokens
             # the plain decoder roots its first round at the prompt's last token (round_walk's module)
             walked = walked_rounds(target, drafter, prompt[:-1], prompt[-1:] + answer,
                                    max_new_tokens=max_new_tokens + 1, shape="ddtree", budget=budget,
-                                   temperature=temperature, seed=run_seed, passes=passes)
+                                   temperature=temperature, seed=run_seed, passes=passes,
+                                   drafter_temperature=drafter_temperature)
         if walked is not None and (i >= live or temperature > 0):
             row.update(decoded=False, rounds=len(walked), tau=sum(walked) / max(len(walked), 1), block_lengths=walked,
                        new_tokens=len(answer))
         else:
-            result = SpeculativeDecoder(target, drafter, budget=budget, verifier=verifier).generate(
+            result = SpeculativeDecoder(target, drafter, budget=budget, verifier=verifier,
+                                        drafter_temperature=drafter_temperature).generate(
                 prompt, max_new_tokens, temperature=temperature, seed=run_seed
             )
             row.update(decoded=True, rounds=len(result.rounds), tau=result.mean_block_length,
@@ -193,6 +206,19 @@ def evaluate_prompts(
         rows.append(row)
         _tick(bar, ticker, as_lines, done, row)
     return rows
+
+
+def check_eval_drafter_temperature(value, *, auto: bool) -> float:
+    """``eval.drafter_temperature`` as a float: a finite number > 0
+    (:func:`~exittrain.decoding.speculative.check_drafter_temperature`), and 1.0 with ``auto``
+    (``eval.decode=auto``), whose CPU decode probe drafts from the drafter as trained. ValueError
+    naming the keys and the fix otherwise."""
+    drafter_temperature = check_drafter_temperature(value, "eval.drafter_temperature")
+    if auto and drafter_temperature != 1.0:
+        raise ValueError(f"eval.decode=auto with eval.drafter_temperature={value!r}: the CPU's decode probe "
+                         "drafts from the drafter as trained; set eval.decode=fixed to measure at a drafter "
+                         "temperature, or eval.drafter_temperature=1.0")
+    return drafter_temperature
 
 
 def _auto_columns(row: dict, result, fast, choice) -> None:
@@ -251,12 +277,15 @@ def decode_check(target, drafter, prompts: Sequence[Sequence[int]], *, budget: i
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Pool rows per (label, budget, temperature) into table rows (see the module docstring)."""
+    """Pool rows per (label, budget, temperature, drafter temperature) into table rows (see the module
+    docstring). Each table row carries its rows' ``drafter_temperature``; rows written before it was
+    recorded (a run directory's older JSON) carry none, and neither does their table row."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        groups.setdefault((row["label"], row["budget"], row["temperature"]), []).append(row)
+        key = (row["label"], row["budget"], row["temperature"], row.get("drafter_temperature"))
+        groups.setdefault(key, []).append(row)
     table = []
-    for (label, budget, temperature), items in groups.items():
+    for (label, budget, temperature, drafter_temperature), items in groups.items():
         lengths = [r["block_lengths"] for r in items]
         tokens = sum(r["new_tokens"] for r in items)
         decoded = [r for r in items if r.get("decoded", True)]  # walked rows carry no decode's facts
@@ -267,6 +296,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             "prompts": len(items),
             "tau": pooled(lengths),
             "ci95": bootstrap_ci(lengths),
+            **({} if drafter_temperature is None else {"drafter_temperature": drafter_temperature}),
         }
         out.update(walk_checks(items))
         if all("tokens_per_s" in r for r in items):
@@ -323,19 +353,23 @@ def format_table(table: list[dict]) -> str:
     (the greedy chain vLLM and SGLang verify) with its 95% interval, then the tree tau at B of the same
     weights, both pooled (tokens / rounds) at the row's temperature; rows of the serving track alone
     have ``-`` in the tree's columns. Then ``vLLM tau`` where measured, the oracle, and, for rows
-    decoded with ``eval.decode=auto``, the setting the speed columns were decoded at and its tau."""
+    decoded with ``eval.decode=auto``, the setting the speed columns were decoded at and its tau.
+    A ``t_d`` column after ``T`` gives each row's drafter temperature where some row's is not 1."""
     from exittrain.tables import markdown_table
 
+    drafter_t = any(r.get("drafter_temperature", 1.0) != 1.0 for r in table)
     chain = any("chain_tau" in r for r in table)
     vllm = any("vllm" in r for r in table)
     auto = any("auto_setting" in r for r in table)
     speed = any("tokens_per_s" in r for r in table)
-    header = ["run", "B", "T", "prompts", *(["chain tau (K)", "chain 95% CI"] if chain else []),
+    header = ["run", "B", "T", *(["t_d"] if drafter_t else []), "prompts",
+              *(["chain tau (K)", "chain 95% CI"] if chain else []),
               "tree tau", "tree 95% CI", *(["vLLM tau"] if vllm else []),
               "tau_oracle", "tau/oracle", *(["speed decoded at (tau)"] if auto else []),
               *(["tok/s", "AR tok/s", "speedup"] if speed else [])]
     rows = (
-        [r["label"] or "-", r["budget"], f"{r['temperature']:g}", r["prompts"],
+        [r["label"] or "-", r["budget"], f"{r['temperature']:g}",
+         *([optional_cell(r, "drafter_temperature", "{:g}")] if drafter_t else []), r["prompts"],
          *([optional_cell(r, "chain_tau") + (f" ({r['chain_K']})" if "chain_K" in r else ""),
             _interval(r, "chain_ci95")] if chain else []),
          optional_cell(r, "tau"), _interval(r, "ci95"),

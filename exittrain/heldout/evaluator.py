@@ -27,6 +27,13 @@ prompts. Each measure is named once in docs/metrics.md:
 - **vLLM's acceptance** (``vllm``; ``eval.vllm``): :meth:`~HeldOutEvaluator.measure_vllm`, for a
   DFlash export.
 
+Every tree is built at ``eval.drafter_temperature`` t_d (1.0: the drafter as trained), from
+``log_softmax(logits / t_d)``: a measurement option for asking whether a drafter's gain is only a
+sharper distribution (a block cross-entropy drafter at its best t_d against another loss). t_d
+changes which nodes a best-first tree of B nodes holds, not the greedy chain (each depth's argmax)
+nor the verification (:mod:`exittrain.heldout.round_walk`, Drafter temperature); every table, tree
+and chain row records it (``drafter_temperature``).
+
 The answers and the causal passes over them (:class:`~exittrain.heldout.sequence_passes.SequencePasses`)
 belong to the evaluator and go with it. :func:`~exittrain.heldout.decode_eval.decode_check` is the
 decoded tau of the in-training decode check (``val/block_length``): the same plain decoder on a few
@@ -52,6 +59,9 @@ log = logging.getLogger("exittrain")
 LIVE = 1  # without speed columns, prompts decoded for real (the walks' live check); the rest are walked
 
 DECODE_MODES = ("fixed", "auto")  # eval.decode: the plain decoder, or the CPU's decode probe for the speed columns
+# the keys of eval_settings' dict the evaluator reads
+SETTINGS_KEYS = ("budgets", "temperatures", "max_new_tokens", "verifier", "baseline", "oracle", "seed", "decode",
+                 "drafter_temperature")
 
 __all__ = ["DECODE_MODES", "HeldOutEvaluator", "format_differences", "format_report", "speed_note"]
 
@@ -60,7 +70,8 @@ class HeldOutEvaluator:
     """Every held-out measure of drafters on ``prompts`` (see the module).
 
     ``settings``: :func:`exittrain.settings.eval_settings`' dict (``budgets``, ``temperatures``,
-    ``max_new_tokens``, ``verifier``, ``baseline``, ``oracle``, ``seed``, ``decode``);
+    ``max_new_tokens``, ``verifier``, ``baseline``, ``oracle``, ``seed``, ``decode``,
+    ``drafter_temperature``);
     ``auto``: with ``decode="auto"``, the function that probes and returns the speed decoder
     (:func:`exittrain.cpu_decode.auto_settings.auto_decoder` bound to its token counts), else None;
     ``reference``: the label each later drafter's rows are paired against (None: no pairs);
@@ -69,6 +80,10 @@ class HeldOutEvaluator:
 
     def __init__(self, target, prompts: Sequence[Sequence[int]], settings: dict, *, auto: Callable | None = None,
                  reference: str | None = "warm_start", chain: bool = True):
+        missing = [k for k in SETTINGS_KEYS if k not in settings]
+        if missing:
+            raise ValueError(f"evaluator settings lack {missing}: pass exittrain.settings.eval_settings(cfg), which "
+                             "reads every one from conf/eval/default.yaml")
         if settings["decode"] == "auto" and auto is None:
             raise ValueError("eval.decode=auto needs the CPU decode probe (exittrain.cpu_decode.auto_settings); "
                              "the command that reads eval.decode passes it")
@@ -86,13 +101,20 @@ class HeldOutEvaluator:
         self.passes = SequencePasses(target)  # the causal passes over those answers, shared likewise
         self.blocks: dict[str, dict[tuple, list[list[int]]]] = {}  # label -> track key -> per-prompt blocks
 
-    def measure(self, drafter, label: str) -> tuple[list[dict], list[dict], list[dict]]:
+    def measure(self, drafter, label: str, *, drafter_temperature: float | None = None
+                ) -> tuple[list[dict], list[dict], list[dict]]:
         """``(table, rows, chain)``: the drafter's table rows (one per budget and temperature), its
         per-prompt tree rows (one per prompt, budget and temperature) and its per-prompt chain rows (one
-        per prompt and temperature; empty without the chain track)."""
-        log.info("eval %s: tree and chain tracks on %d held-out prompts at T = %s", label, len(self.prompts),
-                 ", ".join(f"{t:g}" for t in self.temperatures))
-        s = self.settings
+        per prompt and temperature; empty without the chain track), each with its ``drafter_temperature``.
+
+        ``drafter_temperature``: the t_d of this measure (None: the settings' ``drafter_temperature``),
+        so that one evaluator measures a drafter at several t_d on the same answers, paired: give
+        each t_d its own ``label`` (a label's rows are what later drafters pair against)."""
+        s = dict(self.settings)
+        if drafter_temperature is not None:  # evaluate_prompts checks it (and refuses it with eval.decode=auto)
+            s["drafter_temperature"] = drafter_temperature
+        log.info("eval %s: tree and chain tracks on %d held-out prompts at T = %s, drafter temperature %s", label,
+                 len(self.prompts), ", ".join(f"{t:g}" for t in self.temperatures), s["drafter_temperature"])
         if not self.speed:  # every temperature's answers from one prefill of the prompts
             walk_answers(self.target, self.prompts, self.ar_cache, self.temperatures, live=LIVE,
                          max_new_tokens=s["max_new_tokens"], seed=s["seed"])
@@ -110,7 +132,10 @@ class HeldOutEvaluator:
                                seed=s["seed"], label=label, ar_cache=self.ar_cache, live=LIVE,
                                temperatures=self.temperatures, passes=self.passes)
             attach_chain(table, summarize_chain(chain))
+            measured_at = rows[0]["drafter_temperature"]  # t_d, as evaluate_prompts checked and recorded it
             for row in chain:
+                # the chain is each depth's argmax, the same at every t_d: recorded, so a row says what measured it
+                row["drafter_temperature"] = measured_at
                 blocks.setdefault(("chain", row["temperature"]), []).append(row["block_lengths"])
         self.blocks[label] = blocks
         self._attach_pairs(table, label)

@@ -64,6 +64,18 @@ decode of their first prompt at T = 0 to check both
 (:func:`~exittrain.heldout.decode_eval.evaluate_prompts`, :func:`~exittrain.heldout.serving_track.chain_rows`).
 The plain decoder's tree only: the copy tail and the CPU decode layer's round policies change the
 tree, and the walk does not model them.
+
+Drafter temperature (``drafter_temperature``, t_d; ``eval.drafter_temperature``): the tree is built
+from ``log_softmax(logits / t_d)`` (:func:`~exittrain.decoding.speculative.draft_logprobs`, the
+decoder's own, ``SpeculativeDecoder(..., drafter_temperature=t_d)``), so the walk stays the
+decode's at any t_d. A best-first tree ranks paths by log-probabilities summed across depths,
+and t_d rescales each depth's around its own normaliser, so it changes which nodes a budget holds.
+It does not change the greedy chain (each depth's argmax), which is built from the undivided
+log-probabilities at every t_d. Nothing on the walked path reads the drafter's probabilities
+beyond the tree: a round accepts the deepest path spelling y (``followed_depth``), and the last
+round's verifiers read the target's scores and the tree's tokens only (docs/algorithm.md section
+6.1). So at T > 0 too, where the acceptance follows the target's draws, t_d acts through the
+tree's shape alone.
 """
 
 from __future__ import annotations
@@ -101,22 +113,29 @@ def walk_checks(rows: Sequence[dict]) -> dict:
 
 @torch.no_grad()
 def anchor_trees(drafter, features_1TF: torch.Tensor, ids_1T: torch.Tensor, anchors_A: torch.Tensor, budget: int,
-                 shape: str = "ddtree"):
+                 shape: str = "ddtree", drafter_temperature: float = 1.0):
     """The (A trees) DraftTree the plain decoder would draft for a round rooted at each anchor of
     ``ids_1T`` (1, T), the drafter seeing ``features_1TF`` (1, T, F) before the anchor:
-    :func:`~exittrain.core.shaped_tree` of :func:`anchor_logprobs` (``build_tree`` of ``budget``
-    nodes, or the greedy chain of ``min(budget, K)``)."""
+    :func:`~exittrain.core.shaped_tree` of :func:`anchor_logprobs` at ``drafter_temperature``
+    (``build_tree`` of ``budget`` nodes, or the greedy chain of ``min(budget, K)``, whose argmax
+    nodes no drafter temperature moves)."""
     from exittrain.core import shaped_tree
 
-    return shaped_tree(anchor_logprobs(drafter, features_1TF, ids_1T, anchors_A), budget, shape, validate=False)
+    logq_AKV = anchor_logprobs(drafter, features_1TF, ids_1T, anchors_A, drafter_temperature)
+    return shaped_tree(logq_AKV, budget, shape, validate=False)
 
 
 @torch.no_grad()
-def anchor_logprobs(drafter, features_1TF: torch.Tensor, ids_1T: torch.Tensor, anchors_A: torch.Tensor) -> torch.Tensor:
+def anchor_logprobs(drafter, features_1TF: torch.Tensor, ids_1T: torch.Tensor, anchors_A: torch.Tensor,
+                    drafter_temperature: float = 1.0) -> torch.Tensor:
     """(A, K, V) fp32 log-probabilities the drafter gives at each anchor of ``ids_1T`` (1, T), seeing
-    ``features_1TF`` (1, T, F) before it: what the plain decoder builds a round's draft from."""
-    logits_AKV = drafter.forward_anchors(features_1TF, ids_1T, anchors_A[None].to(ids_1T.device)).float()
-    return torch.log_softmax(logits_AKV, -1)
+    ``features_1TF`` (1, T, F) before it, at ``drafter_temperature`` t_d: ``log_softmax(logits / t_d)``
+    (:func:`~exittrain.decoding.speculative.draft_logprobs`), what the plain decoder builds a round's
+    draft from (1.0: the drafter as trained)."""
+    from exittrain.decoding.speculative import draft_logprobs
+
+    logits_AKV = drafter.forward_anchors(features_1TF, ids_1T, anchors_A[None].to(ids_1T.device))
+    return draft_logprobs(logits_AKV, drafter_temperature)
 
 
 @torch.no_grad()
@@ -165,12 +184,13 @@ def _rows(copy, rows: torch.Tensor, depth: int):
 @torch.no_grad()
 def walked_rounds(target, drafter, prompt: Sequence[int], answer: Sequence[int], *, max_new_tokens: int,
                   shape: str = "chain", budget: int | None = None, temperature: float = 0.0, seed: int = 0,
-                  passes=None) -> list[int]:
+                  passes=None, drafter_temperature: float = 1.0) -> list[int]:
     """The block lengths of the rounds that decode ``answer`` after ``prompt``, rooted first at
     ``answer[0]``, walked (see the module): ``shape="chain"`` gives
     ``decode_after_prefill(ChainDecoder(target, drafter), prompt, answer[0], max_new_tokens,
     target.eos_token_ids)``'s rounds; ``shape="ddtree"`` (``budget`` nodes) gives
-    ``SpeculativeDecoder(target, drafter, budget=budget).generate(prompt + answer[:1], max_new_tokens - 1)``'s.
+    ``SpeculativeDecoder(target, drafter, budget=budget, drafter_temperature=drafter_temperature).generate(prompt
+    + answer[:1], max_new_tokens - 1)``'s.
 
     ``answer``: the target's own continuation of ``prompt`` at ``temperature`` (its first token
     included), up to its first EOS or its ``max_new_tokens``-th token; longer answers are cut there.
@@ -182,12 +202,19 @@ def walked_rounds(target, drafter, prompt: Sequence[int], answer: Sequence[int],
     :class:`~exittrain.heldout.sequence_passes.SequencePasses` of ``target`` that keeps the causal
     passes every drafter and track share (None: a pass for this call alone).
 
+    ``drafter_temperature`` (t_d, a finite number > 0; 1.0 the drafter as trained): the best-first
+    tree is built from ``log_softmax(logits / t_d)`` (see the module). The chain is each depth's
+    argmax, which t_d does not move: ``shape="chain"`` checks t_d and walks the same rounds at
+    every t_d, from the undivided log-probabilities (a division could only tie two logits that
+    differ in their last bit).
+
     Returns [] where the decoder runs no round (an empty answer, ``answer[0]`` an EOS, or
     ``max_new_tokens`` 1). ValueError when ``max_new_tokens`` is not an integer >= 1, the shape is
-    unknown, a tree has no budget, the temperature is negative, or the answer stops short of both an
-    EOS and ``max_new_tokens`` tokens.
+    unknown, a tree has no budget, the temperature is negative, the drafter temperature is not a finite
+    number > 0, or the answer stops short of both an EOS and ``max_new_tokens`` tokens.
     """
     from exittrain.core import VERIFIERS, followed_depth, greedy_walk
+    from exittrain.decoding.speculative import check_drafter_temperature
     from exittrain.heldout.sequence_passes import SequencePasses
 
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
@@ -196,9 +223,10 @@ def walked_rounds(target, drafter, prompt: Sequence[int], answer: Sequence[int],
         raise ValueError(f"shape={shape!r}: the walk follows one of {WALK_SHAPES}")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
         raise ValueError(f"temperature must be a number >= 0 (eval.temperatures), got {temperature!r}")
+    drafter_temperature = check_drafter_temperature(drafter_temperature)
     K = int(drafter.config.num_draft_tokens)
     if shape == "chain":
-        budget = K
+        budget, drafter_temperature = K, 1.0  # the argmax chain, the same at every t_d
     elif not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
         raise ValueError(f"a walked tree needs its budget, an integer >= 1 (eval.budgets), got {budget!r}")
     answer = [int(t) for t in answer]
@@ -226,12 +254,13 @@ def walked_rounds(target, drafter, prompt: Sequence[int], answer: Sequence[int],
     if shape == "chain":
         accepted_P = chain_accept_lengths(drafter, features_1TF, ids_1T, anchors_P, labels_PK).cpu()
     else:
-        trees = anchor_trees(drafter, features_1TF, ids_1T, anchors_P, budget, shape)
+        trees = anchor_trees(drafter, features_1TF, ids_1T, anchors_P, budget, shape, drafter_temperature)
         accepted_P = followed_depth(trees, labels_PK).cpu()
     blocks = greedy_walk(accepted_P, stop)
     last = sum(blocks[:-1])  # the last round's root
     if int(accepted_P[last]) == stop - last < K:  # its tree holds y to the stop: the target decides the rest
-        tree = anchor_trees(drafter, features_1TF, ids_1T, torch.tensor([n + last]), budget, shape)
+        tree = anchor_trees(drafter, features_1TF, ids_1T, torch.tensor([n + last]), budget, shape,
+                            drafter_temperature)
         logits = target.score_trees(ids_1T, torch.tensor([[n + last]]), tree, mode="exact", prefix=prefix).logits
         if temperature == 0:
             verdict = VERIFIERS["greedy"](tree, logits, validate=False)

@@ -448,7 +448,7 @@ def test_evaluate_prompts_auto_rows_carry_the_quality_and_the_speed_setting(targ
         assert row["fixed_speedup"] == pytest.approx(row["fixed_tokens_per_s"] / row["ar_tokens_per_s"])
         assert row["auto_reason"].startswith("decode auto -> ")
     settings = dict(budgets=[4], temperatures=[0.0], max_new_tokens=12, verifier="tev", baseline=True, oracle=False,
-                    seed=0, decode="auto")
+                    seed=0, decode="auto", drafter_temperature=1.0)
     with pytest.raises(ValueError, match="eval.decode=auto needs the CPU decode probe"):
         HeldOutEvaluator(target, PROMPTS[:1], settings)
 
@@ -457,7 +457,7 @@ def test_the_evaluator_shows_speed_on_a_cpu_only_at_decode_auto(target, drafter)
     """The plain decoder's speed on a CPU is no figure a user can act on: its rows carry no tokens/s
     and the report says why; with the probe the speed columns are there."""
     settings = dict(budgets=[4], temperatures=[0.0], max_new_tokens=8, verifier="tev", baseline=True, oracle=False,
-                    seed=0, decode="fixed")
+                    seed=0, decode="fixed", drafter_temperature=1.0)
     plain, _, _ = HeldOutEvaluator(target, PROMPTS[:1], settings, chain=False).measure(drafter, "x")
     assert "tokens_per_s" not in plain[0] and "speedup" not in plain[0] and plain[0]["lossless"] is True
     assert "tok/s" not in format_report(plain) and "Speed: not measured" in format_report(plain)

@@ -23,7 +23,7 @@ from tests.heldout.helpers import trained_drafter
 
 NEW_TOKENS = 24
 SETTINGS = dict(budgets=[4], temperatures=[0.0, 0.6], max_new_tokens=NEW_TOKENS, verifier="tev", baseline=True,
-                oracle=False, seed=0, decode="fixed")
+                oracle=False, seed=0, decode="fixed", drafter_temperature=1.0)
 
 
 def _trained_drafter(target, prompts, steps: int = 80, seed: int = 0, layer_ids=None):
@@ -38,17 +38,20 @@ def drafter(target, prompts):
     return _trained_drafter(target, prompts)
 
 
-@pytest.mark.parametrize("shape", ["ddtree", "chain"])
+@pytest.mark.parametrize("shape, drafter_temperature", [("ddtree", 1.0), ("chain", 1.0), ("ddtree", 3.0)])
 def test_walked_rounds_at_temperature_lie_inside_the_real_decodes_interval(one_thread, target, drafter, prompts,
-                                                                          shape):
+                                                                          shape, drafter_temperature):
     """T = 0.6: real TEV decodes of every prompt under 6 seeds (of the recipe's tree of B = 4 nodes, and of
     the chain of K nodes a serving engine verifies, exact at T like an engine's rejection sampling) against
     walks along 24 target samples a prompt. The walk's pooled tau is inside the decodes' 95% interval; the
-    tree's T = 0 walk is outside it (a walk that ignored the temperature would show)."""
+    tree's T = 0 walk is outside it (a walk that ignored the temperature would show). At a drafter
+    temperature t_d both build the tree from log_softmax(logits / t_d): the TEV decoder reads no drafter
+    probability, so the walk along the target's draws stays exact in distribution."""
     from exittrain.decoding.chain_decoder import ChainDecoder
 
     T, budget = 0.6, 4
-    decoder = (SpeculativeDecoder(target, drafter, budget=budget, verifier="tev") if shape == "ddtree"
+    decoder = (SpeculativeDecoder(target, drafter, budget=budget, verifier="tev",
+                                  drafter_temperature=drafter_temperature) if shape == "ddtree"
                else ChainDecoder(target, drafter, verifier="tev"))
     decoded = [[r.block_length for r in decoder.generate(p, NEW_TOKENS, temperature=T, seed=100 * s + i).rounds]
                for s in range(6) for i, p in enumerate(prompts)]
@@ -58,13 +61,14 @@ def test_walked_rounds_at_temperature_lie_inside_the_real_decodes_interval(one_t
             prompt, answer = prompts[i], ids[n:].tolist()
             walked.append(walked_rounds(target, drafter, prompt[:-1], prompt[-1:] + answer,
                                         max_new_tokens=NEW_TOKENS + 1, shape=shape, budget=budget,
-                                        temperature=T, seed=s))
+                                        temperature=T, seed=s, drafter_temperature=drafter_temperature))
     low, high = bootstrap_ci(decoded)
     assert low <= pooled(walked) <= high, (pooled(walked), low, high)
     assert pooled(decoded) > 1.3  # the drafter accepts at T: the comparison has something to compare
     if shape == "ddtree":
         greedy = [walked_rounds(target, drafter, p[:-1], p[-1:] + autoregressive_generate(target, p, NEW_TOKENS).tokens,
-                                max_new_tokens=NEW_TOKENS + 1, shape="ddtree", budget=budget) for p in prompts]
+                                max_new_tokens=NEW_TOKENS + 1, shape="ddtree", budget=budget,
+                                drafter_temperature=drafter_temperature) for p in prompts]
         assert not low <= pooled(greedy) <= high  # the negative control: T = 0's rounds are another law
 
 
@@ -156,7 +160,7 @@ def test_on_the_embedded_target_the_walk_is_exact_at_zero_and_inside_the_decodes
                           copy_gate_init=0.7, seed=0)
     prompts = [chat_prompt_ids(target.tokenizer, t) for t in load_domain("code").eval[:3]]
     settings = dict(budgets=[16], temperatures=[0.0], max_new_tokens=32, verifier="tev", baseline=True,
-                    oracle=False, seed=0, decode="fixed")
+                    oracle=False, seed=0, decode="fixed", drafter_temperature=1.0)
     table, _, _ = HeldOutEvaluator(target, prompts, settings, reference=None).measure(drafter, "d")
     tree, chain = [], []
     for p in prompts:

@@ -50,25 +50,35 @@ def test_the_walk_gives_the_decoded_rounds_exactly(one_thread, target, drafter, 
     assert any(a[-1] in eos for a in answers) and any(len(a) == NEW_TOKENS for a in answers)
 
 
-@pytest.mark.parametrize("budget", [3, 12])
+@pytest.mark.parametrize("budget, drafter_temperature", [(3, 1.0), (12, 1.0), (12, 0.3), (3, 3.0)])
 def test_the_walked_tree_gives_the_plain_decoders_rounds_exactly(one_thread, target, drafter, prompts, answers,
-                                                                 budget):
+                                                                 budget, drafter_temperature):
     """The tree track's walk: SpeculativeDecoder.generate(prompt) roots its first round at the
-    prompt's last token, so its rounds are the walk of prompt[-1:] + answer after prompt[:-1]."""
+    prompt's last token, so its rounds are the walk of prompt[-1:] + answer after prompt[:-1]. At a
+    drafter temperature t_d != 1 both build their trees from log_softmax(logits / t_d), and their
+    rounds differ from t_d = 1's on some prompt (the negative control of the option)."""
     eos = set(target.eos_token_ids)
-    past_the_stop = accepted = differs = 0
+    past_the_stop = accepted = differs = moved_by_t_d = 0
     for prompt, answer in zip(prompts, answers, strict=True):
-        result = SpeculativeDecoder(target, drafter, budget=budget).generate(prompt, NEW_TOKENS)
+        result = SpeculativeDecoder(target, drafter, budget=budget,
+                                    drafter_temperature=drafter_temperature).generate(prompt, NEW_TOKENS)
         decoded = [r.block_length for r in result.rounds]
         assert result.tokens == answer
         walked = walked_rounds(target, drafter, prompt[:-1], prompt[-1:] + answer, max_new_tokens=NEW_TOKENS + 1,
-                               shape="ddtree", budget=budget)
+                               shape="ddtree", budget=budget, drafter_temperature=drafter_temperature)
         assert walked == decoded
+        if drafter_temperature != 1.0:
+            moved_by_t_d += walked != walked_rounds(target, drafter, prompt[:-1], prompt[-1:] + answer,
+                                                    max_new_tokens=NEW_TOKENS + 1, shape="ddtree", budget=budget)
+            continue  # the controls below are t_d = 1's
         # negative control: rooted one position late (at the answer's first token, as after a prefill)
         late = walked_rounds(target, drafter, prompt, answer, max_new_tokens=NEW_TOKENS, shape="ddtree", budget=budget)
         differs += late != decoded
         past_the_stop += sum(decoded) > len(answer)
         accepted += sum(r.accept_length for r in result.rounds)
+    if drafter_temperature != 1.0:
+        assert moved_by_t_d >= 1
+        return
     assert accepted >= 30 and past_the_stop >= 1 and differs >= len(prompts) // 2
     assert any(a[-1] in eos for a in answers)
     with pytest.raises(ValueError, match="needs its budget"):

@@ -227,7 +227,7 @@ def test_the_warm_start_is_not_paired_with_itself(one_thread, tiny_llama_target)
 
     drafter = new_drafter(tiny_llama_target, block_size=4, num_layers=1, hidden_size=32, num_heads=4, seed=0)
     settings = dict(budgets=[3], temperatures=[0.0], max_new_tokens=6, verifier="tev", baseline=True,
-                    oracle=False, seed=0, decode="fixed")
+                    oracle=False, seed=0, decode="fixed", drafter_temperature=1.0)
     evaluator = HeldOutEvaluator(tiny_llama_target, [[5, 6, 7, 8]], settings)
     warm, _, _ = evaluator.measure(drafter, "warm_start")
     later, _, _ = evaluator.measure(drafter, "exittrain")
