@@ -87,8 +87,12 @@ measures that arm only). Each drafter's measurement logs its start and end, with
 minute between them.
 
 **Replicates** (``--train-seeds S1 S2 ...``): every arm is trained once per seed (the drafter
-``ARM@seedS``), each ExitTrain replicate paired with its control of the same seed. The controls'
-replicates, paired with each other, give the noise floor (:func:`noise_floor`: the largest
+``ARM@seedS``), each ExitTrain replicate paired with its control of the same seed. ``--rule crossed``
+(the default) reads the registered contrasts of docs/experiments/2026-12-07-node-loss-served-drafters.md
+(:mod:`exittrain.bench.node_loss_protocol`: N and E against C, S, C5, on the tree, the chain and vLLM)
+under its rule (:mod:`exittrain.bench.registered_rule`: a crossed bootstrap over seeds and prompts, a
+margin per setting, two fixed sequences). ``--rule noise-floor`` is the 2026-12-05 protocol's: the
+controls' replicates, paired with each other, give the noise floor (:func:`noise_floor`: the largest
 control-against-control difference); :func:`~exittrain.bench.exittrain_report.replicate_verdicts`
 reads each ExitTrain arm's per-seed differences against it under the decision rule of
 docs/experiments/2026-12-05-exittrain-confirmation.md, and each setting under its fixed sequence
@@ -110,10 +114,12 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
+from exittrain.bench import node_loss_protocol
 from exittrain.bench.exittrain_grid import ARMS, replicate, selected_arms, split_replicate
 from exittrain.bench.exittrain_report import plot, replicate_verdicts, setting_key, to_markdown
 from exittrain.bench.measure_cache import MeasureCache
 from exittrain.bench.recipe import compose_fit_config, heldout_prompts, train_drafter
+from exittrain.bench.registered_rule import registered_readings
 from exittrain.build import build_datamodule
 from exittrain.core import bootstrap_ci, paired_pooled_difference, pooled
 from exittrain.progress import Heartbeat
@@ -515,8 +521,13 @@ def result_of(args, warm_path: Path, measured: dict[str, dict], train: dict, wal
     - ``tables``: ``{drafter: the evaluator's table}``; ``per_prompt``: ``{drafter: {"rows": the
       evaluator's per-prompt tree rows, "chain": its per-prompt chain rows}}``, from which every
       figure of ``rows`` can be recomputed, on any subset of the prompts;
-    - ``noise_floor`` and ``replicates`` (:func:`noise_floor`, empty without replicates;
-      :func:`~exittrain.bench.exittrain_report.replicate_verdicts`, with ``--train-seeds``);
+    - ``rule``; ``noise_floor`` (:func:`noise_floor`, empty without replicates); with ``--train-seeds``,
+      under ``--rule noise-floor`` ``replicates``
+      (:func:`~exittrain.bench.exittrain_report.replicate_verdicts`, the 2026-12-05 protocol's rule), under
+      ``--rule crossed`` ``protocol``, ``registered`` (the contrasts of
+      :mod:`~exittrain.bench.node_loss_protocol` read by
+      :func:`~exittrain.bench.registered_rule.registered_readings`, vLLM's among them with ``--vllm``)
+      and ``transfer`` (:func:`~exittrain.bench.node_loss_protocol.transfer`);
     - ``vllm`` with ``--vllm`` (:func:`measure_in_vllm`);
     - ``sharpening`` with ``--sharpen-temperatures`` (:func:`choose_sharpening`: the development split's
       grid and the chosen drafter temperatures; the sharpened drafters are rows like any other).
@@ -525,16 +536,25 @@ def result_of(args, warm_path: Path, measured: dict[str, dict], train: dict, wal
 
     rows = compare(measured, WARM)
     floor = noise_floor(measured)
+    K = measured[WARM]["num_draft_tokens"] if WARM in measured else None
+    registered = {}
+    if args.train_seeds and args.rule == "crossed" and K is not None:
+        readings = registered_readings(
+            node_loss_protocol.totals({name: prompt_rows(one) for name, one in measured.items()}, vllm, K),
+            node_loss_protocol.sequences(K))
+        registered = {"protocol": node_loss_protocol.PROTOCOL, "registered": readings,
+                      "transfer": node_loss_protocol.transfer(readings)}
     return {
         "domain": args.domain, "warm_start": str(warm_path), "steps": args.steps, "statistic": STATISTIC,
         "prompts": args.prompts, "skip": args.skip, "max_new_tokens": args.max_new_tokens,
         "budgets": list(args.budgets), "temperatures": list(args.temperatures), "chain": args.chain,
         "oracle": args.oracle, "seed": args.seed,
-        "num_draft_tokens": measured[WARM]["num_draft_tokens"] if WARM in measured else None,
+        "num_draft_tokens": K, "rule": args.rule,
         "overrides": list(args.override),
         "arms": [{"name": a.name, "control": a.control, **asdict(a)} for a in selected_arms(args)],
         "train_seeds": args.train_seeds, "noise_floor": floor,
-        "replicates": replicate_verdicts(rows, floor) if args.train_seeds else [],
+        "replicates": replicate_verdicts(rows, floor) if args.train_seeds and args.rule == "noise-floor" else [],
+        **registered,
         "rows": rows, "tables": {name: one["table"] for name, one in measured.items()},
         "per_prompt": {name: {"rows": one["rows"], "chain": one["chain"]} for name, one in measured.items()},
         "train": train, "host": host_info(), "wall_s": wall_s, "choices": choices or {},
@@ -654,6 +674,10 @@ def parse_args(argv=None):
     parser.add_argument("--dev-prompts", type=int, default=64, help="the development split's prompts")
     parser.add_argument("--sharpen-budget", type=int, default=16, help="the tree (nodes) the choice reads")
     parser.add_argument("--sharpen-at", type=float, default=0.6, help="the temperature T the choice reads")
+    parser.add_argument("--rule", choices=["crossed", "noise-floor"], default="crossed",
+                        help="the replicates' decision rule: crossed (the 2026-12-07 protocol: a crossed bootstrap "
+                             "over seeds and prompts of its registered contrasts) or noise-floor (the 2026-12-05 "
+                             "protocol's); needs --train-seeds")
     parser.add_argument("--resume", action="store_true",
                         help="reuse the warm start and the arms already saved under --out")
     parser.add_argument("--out", default="results/exittrain")

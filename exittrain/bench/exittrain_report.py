@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from exittrain.bench import registered_rule
 from exittrain.report.experiment_page import separation, uncorrected, vllm_lines
 from exittrain.tables import markdown_table, paired_cell
 
@@ -144,9 +145,20 @@ def to_markdown(result: dict) -> str:
                         f"{v['mean']:+.4f}", "-" if v["noise_floor"] is None else f"{v['noise_floor']:.4f}",
                         v["verdict"], v["reading"]]
                        for v in result["replicates"]))]
+    if result.get("registered"):
+        lines += ["", *registered_lines(result)]
     if result.get("vllm"):
         lines += ["", *vllm_lines(result["vllm"])]
     return "\n".join(lines) + "\n"
+
+
+def registered_lines(result: dict) -> list[str]:
+    """The registered contrasts' readings (:func:`exittrain.bench.registered_rule.to_markdown`) under the
+    protocol's name, and its transfer claim per primary arm."""
+    transfer = [f"- {tag}: transfer to serving {'claimed' if t['claimed'] else 'not claimed'} ({t['why']})"
+                for tag, t in result.get("transfer", {}).items()]
+    return [f"Registered contrasts of {result['protocol']} (training seeds {result['train_seeds']}):", "",
+            *registered_rule.to_markdown(result["registered"]).splitlines(), *transfer]
 
 
 def plot(result: dict, path: Path) -> None:

@@ -244,6 +244,67 @@ def test_replicates_pair_within_a_seed_and_the_controls_give_the_noise_floor():
     assert "Replicates (training seeds [0, 1, 2])" in md and "| confirmed |" in md
 
 
+def test_the_crossed_rule_reads_the_registered_contrasts_in_their_fixed_sequences(tmp_path):
+    """``--rule crossed``: the 2026-12-07 protocol's contrasts off the replicates' per-prompt rows and vLLM's
+    counts. N is 4 tokens a prompt (+0.2 a round) over C everywhere, E is C, S is as good as N: P1 is confirmed
+    and its X - S refuted, so the rest of its sequence is descriptive; P2 is refuted at its primary."""
+    from exittrain.bench import node_loss_protocol as nlp
+
+    settings = [("ddtree", 16, 0.6), ("ddtree", 16, 0.0), ("chain", 7, 0.0)]
+    measured, vllm = {"warm start": _measurement({k: _blocks(seed=9) for k in settings})}, {"drafters": {}}
+    shifts = {nlp.C: 0, nlp.E: 0, nlp.N: 4, nlp.S: 4, nlp.C5: 1}
+    for seed in (0, 1, 2):
+        control = {k: _noisy(_blocks(seed=i), seed) for i, k in enumerate(settings)}
+        for arm, shift in shifts.items():
+            measured[f"{arm}@seed{seed}"] = _measurement({k: _bump(b, shift) for k, b in control.items()})
+            vllm["drafters"][f"{arm}@seed{seed}"] = {"per_prompt": [
+                {"drafts": 20, "accepted_tokens": 10 + p % 3 + seed + shift} for p in range(12)]}
+    args = bx.parse_args(["--train-seeds", "0", "1", "2", "--out", str(tmp_path)])
+    result = bx.result_of(args, tmp_path, measured, {}, {}, vllm)
+    assert result["rule"] == "crossed" and result["replicates"] == [] and result["protocol"] == nlp.PROTOCOL
+    by = {r["label"]: r for r in result["registered"]}
+    assert [r["label"] for r in result["registered"]] == [c.label for seq in nlp.sequences(7) for c in seq]
+    primary = by["N - C"]
+    assert primary["estimate"] == pytest.approx(4 / 20) and primary["seeds"] == [0, 1, 2]
+    assert (primary["role"], primary["verdict"], primary["reading"]) == ("primary", "confirmed", "confirmed")
+    assert by["N - C, T = 0"]["reading"] == "confirmed"
+    assert by["N - S"]["verdict"] == "refuted" == by["N - S"]["reading"]  # the gain is no more than S's
+    assert by["N - C5"]["reading"] == "descriptive" == by["N - C, vLLM"]["reading"]
+    assert by["N - C, vLLM"]["estimate"] == pytest.approx(4 / 20)  # vLLM's acceptance: 1 + accepted / drafts
+    assert by["N - C, vLLM"]["setting"] == {"shape": "vllm", "budget": 7, "temperature": 0.0}
+    assert (by["E - C"]["verdict"], by["E - C, T = 0"]["reading"]) == ("refuted", "descriptive")
+    assert result["transfer"]["N"] == {"claimed": False, "why": "vLLM's contrast reads descriptive"}
+    md = to_markdown({**result, "train": {}, "vllm": None})  # (vLLM's own table needs its whole block)
+    assert f"Registered contrasts of {nlp.PROTOCOL}" in md and "| N - S |" in md
+    # the 2026-12-05 protocol's rule instead: its replicates, no registered contrasts
+    old = bx.result_of(bx.parse_args(["--train-seeds", "0", "1", "2", "--rule", "noise-floor"]), tmp_path, measured,
+                       {}, {})
+    assert old["replicates"] and "registered" not in old
+
+
+def test_the_registered_contrasts_are_the_protocol_files():
+    """node_loss_protocol states the protocol for the code: its arms, margins and order are the file's."""
+    from pathlib import Path
+
+    from exittrain.bench import node_loss_protocol as nlp
+
+    text = (Path(__file__).resolve().parents[2] / nlp.PROTOCOL).read_text()
+    for tag, name in (("C", nlp.C), ("N", nlp.N), ("E", nlp.E), ("C5", nlp.C5), ("S", nlp.S)):
+        assert f"| **{tag}** | `{name}` |" in text, name
+    assert "δ is +0.05 tokens a round at T = 0.6 (tree or chain), +0.10 at T = 0, and +0.03 for vLLM's" in text
+    assert (nlp.DELTA_T06, nlp.DELTA_T0, nlp.DELTA_VLLM) == (0.05, 0.10, 0.03)
+    secondaries = ["1. X - C at T = 0 (tree, B = 16);", "2. X - S at T = 0.6 (tree, B = 16);",
+                   "3. X - C5 at T = 0.6 (tree, B = 16);", "4. vLLM's greedy acceptance length, X - C,",
+                   "5. the pooled chain tau at K = 7, X - C, at T = 0."]
+    assert all(line in text for line in secondaries)
+    for seq in nlp.sequences(7):
+        (arm,) = {c.arm for c in seq}
+        assert [(c.control, c.setting, c.delta) for c in seq] == [
+            (nlp.C, ("ddtree", 16, 0.6), 0.05), (nlp.C, ("ddtree", 16, 0.0), 0.10), (nlp.S, ("ddtree", 16, 0.6), 0.05),
+            (nlp.C5, ("ddtree", 16, 0.6), 0.05), (nlp.C, ("vllm", 7, 0.0), 0.03), (nlp.C, ("chain", 7, 0.0), 0.10)]
+    assert [seq[0].arm for seq in nlp.sequences(7)] == [nlp.N, nlp.E]  # P1, P2
+
+
 def _verdict(T: float, word: str, shape: str = "ddtree", budget: int = 16, arm: str = "A") -> dict:
     return {"drafter": arm, "shape": shape, "budget": budget, "temperature": T, "verdict": word}
 
