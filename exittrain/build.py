@@ -20,8 +20,10 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from exittrain import progress
+from exittrain.data.generation import GenerationConfig
 from exittrain.lit import ExportDrafterCallback, MetricsFileCallback, ProgressLogCallback, stage_progress_bar
 from exittrain.lit.run_logging import global_rank
+from exittrain.lit.trainer import precision_choice
 from exittrain.models import load_drafter
 from exittrain.run_dir import DRAFTER_DIRS
 from exittrain.settings import module_overrides, stage_module_args
@@ -34,6 +36,7 @@ __all__ = [
     "prepare_data",
     "build_module",
     "build_callbacks",
+    "run_choices",
 ]
 
 log = logging.getLogger("exittrain")
@@ -148,3 +151,15 @@ def build_callbacks(
     if cfg.trainer.get("enable_progress_bar", True):  # Lightning refuses a bar when it is switched off
         callbacks.append(stage_progress_bar(stage) if progress.interactive() else ProgressLogCallback(stage))
     return callbacks
+
+
+def run_choices(cfg: DictConfig, datamodule) -> dict[str, dict]:
+    """``metrics.json``'s ``choices``: per config key the value the run used, its setting and why
+    (:class:`~exittrain.host_choices.HostChoice`), for the settings a host can decide: the answers'
+    dtype (as the data module decided it, in its cache folder) and the trainer's precision."""
+    generation = GenerationConfig.coerce(dict(cfg.data.get("generation") or {}))
+    dtype = generation.dtype_choice(datamodule.device, remember_in=cfg.data.cache_dir)
+    if dtype.value != datamodule.generation.dtype:  # a record deleted or rewritten while this run started
+        raise RuntimeError(f"data.generation.dtype: the data module answers in {datamodule.generation.dtype!r} but the "
+                           f"record now says {dtype.value!r} ({', '.join(dtype.records)}); run again")
+    return {c.key: c.as_dict() for c in (dtype, precision_choice(cfg.trainer))}

@@ -12,7 +12,7 @@ runs, in order:
    the exit-guided node loss): its module, callbacks, logger and trainer, the training, and a
    held-out evaluation (:mod:`exittrain.heldout`);
 4. the exported drafter, the tree example and ``metrics.json`` (:class:`~exittrain.run_dir.RunDir`).
-   Its ``choices`` say how the settings a host decides were chosen (:func:`run_choices`): the
+   Its ``choices`` say how the settings a host decides were chosen (:func:`exittrain.build.run_choices`): the
    answers' dtype and the trainer's precision, at ``auto`` on a CPU this host type's recorded choice.
 
 Every drafter row of the final table has two tracks: the tree track (tau of the recipe's draft tree
@@ -42,8 +42,8 @@ from exittrain.build import (
     build_module,
     build_target,
     prepare_data,
+    run_choices,
 )
-from exittrain.data.generation import GenerationConfig
 from exittrain.export import export_beside
 from exittrain.heldout.evaluator import HeldOutEvaluator, format_report
 from exittrain.heldout.serving_track import check_servable, check_serve_config, target_folder, vllm_enabled
@@ -52,13 +52,12 @@ from exittrain.lit import full_drafter, save_drafter
 from exittrain.lit.checkpoint_io import AtomicCheckpointIO
 from exittrain.lit.run_logging import close_logger, global_rank, log_table, make_logger, seed_everything
 from exittrain.lit.train_steps import scalar_metrics, train_steps
-from exittrain.lit.trainer import precision_choice
 from exittrain.models.dflash_format import load_dflash
 from exittrain.run_dir import STAGE_LABELS, RunDir, write_json_atomic
 from exittrain.settings import check_fit_config
 from exittrain.vllm_interpreter import default_vllm_python
 
-__all__ = ["fit", "FitRun", "setup_run", "run_choices", "train_stage", "evaluate_held_out", "finish_run",
+__all__ = ["fit", "FitRun", "setup_run", "train_stage", "evaluate_held_out", "finish_run",
            "served_summary"]
 
 
@@ -149,18 +148,6 @@ def setup_run(cfg: DictConfig, target: TargetArg = None, lab=None) -> FitRun:
                    "choices": run_choices(cfg, datamodule)}
     run.timings["regeneration_and_setup_s"] = time.perf_counter() - started
     return run
-
-
-def run_choices(cfg: DictConfig, datamodule) -> dict[str, dict]:
-    """``metrics.json``'s ``choices``: per config key the value the run used, its setting and why
-    (:class:`~exittrain.host_choices.HostChoice`), for the settings a host can decide: the answers'
-    dtype (as the data module decided it, in its cache folder) and the trainer's precision."""
-    generation = GenerationConfig.coerce(dict(cfg.data.get("generation") or {}))
-    dtype = generation.dtype_choice(datamodule.device, remember_in=cfg.data.cache_dir)
-    if dtype.value != datamodule.generation.dtype:  # a record deleted or rewritten while this run started
-        raise RuntimeError(f"data.generation.dtype: the data module answers in {datamodule.generation.dtype!r} but the "
-                           f"record now says {dtype.value!r} ({', '.join(dtype.records)}); run again")
-    return {c.key: c.as_dict() for c in (dtype, precision_choice(cfg.trainer))}
 
 
 def evaluate_held_out(run: FitRun, label: str, drafter=None) -> list[dict]:

@@ -197,7 +197,7 @@ def train_arms(args, cfg, target, warm_path: Path) -> tuple[dict, dict, dict]:
     """Train (or, with ``--resume``, reuse) every arm, once per training seed; returns ``({drafter: path},
     {drafter: train info}, choices)``, drafters named by :func:`~exittrain.bench.exittrain_grid.replicate`;
     ``choices``: per rows kind (``fresh``, ``own``) the settings the host decided for them
-    (:func:`exittrain.fit.run_choices`: the answers' dtype, the trainer's precision, and how each was chosen).
+    (:func:`exittrain.build.run_choices`: the answers' dtype, the trainer's precision, and how each was chosen).
 
     A training seed sets everything random in an arm's training and nothing else: the order of the
     batches (:attr:`~exittrain.data.ExitTrainDataModule.order_seed`), the anchors (the objective's seed)
@@ -205,7 +205,7 @@ def train_arms(args, cfg, target, warm_path: Path) -> tuple[dict, dict, dict]:
     seed. Without ``--train-seeds`` the one replicate trains under ``--seed``, as before."""
     from omegaconf import OmegaConf
 
-    from exittrain.fit import run_choices
+    from exittrain.build import run_choices
     from exittrain.lit import save_drafter
     from exittrain.models import load_drafter
 
