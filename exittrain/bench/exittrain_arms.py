@@ -508,7 +508,8 @@ def measure_in_vllm(args, target, drafters: dict[str, Path], prompts: list[list[
 
 
 def result_of(args, warm_path: Path, measured: dict[str, dict], train: dict, wall_s: dict,
-              vllm: dict | None = None, choices: dict | None = None, sharpening: dict | None = None) -> dict:
+              vllm: dict | None = None, choices: dict | None = None, sharpening: dict | None = None,
+              registered: dict | None = None) -> dict:
     """What ``exittrain.json`` (and, while it runs, the partial file) holds:
 
     - the run: ``domain``, ``warm_start``, ``steps``, ``overrides``, ``arms``, ``train_seeds``, ``train``
@@ -524,10 +525,8 @@ def result_of(args, warm_path: Path, measured: dict[str, dict], train: dict, wal
     - ``rule``; ``noise_floor`` (:func:`noise_floor`, empty without replicates); with ``--train-seeds``,
       under ``--rule noise-floor`` ``replicates``
       (:func:`~exittrain.bench.exittrain_report.replicate_verdicts`, the 2026-12-05 protocol's rule), under
-      ``--rule crossed`` ``protocol``, ``registered`` (the contrasts of
-      :mod:`~exittrain.bench.node_loss_protocol` read by
-      :func:`~exittrain.bench.registered_rule.registered_readings`, vLLM's among them with ``--vllm``)
-      and ``transfer`` (:func:`~exittrain.bench.node_loss_protocol.transfer`);
+      ``--rule crossed`` what :func:`registered_block` gives (``registered``: the finished run's; the
+      partial file has none);
     - ``vllm`` with ``--vllm`` (:func:`measure_in_vllm`);
     - ``sharpening`` with ``--sharpen-temperatures`` (:func:`choose_sharpening`: the development split's
       grid and the chosen drafter temperatures; the sharpened drafters are rows like any other).
@@ -537,13 +536,6 @@ def result_of(args, warm_path: Path, measured: dict[str, dict], train: dict, wal
     rows = compare(measured, WARM)
     floor = noise_floor(measured)
     K = measured[WARM]["num_draft_tokens"] if WARM in measured else None
-    registered = {}
-    if args.train_seeds and args.rule == "crossed" and K is not None:
-        readings = registered_readings(
-            node_loss_protocol.totals({name: prompt_rows(one) for name, one in measured.items()}, vllm, K),
-            node_loss_protocol.sequences(K))
-        registered = {"protocol": node_loss_protocol.PROTOCOL, "registered": readings,
-                      "transfer": node_loss_protocol.transfer(readings)}
     return {
         "domain": args.domain, "warm_start": str(warm_path), "steps": args.steps, "statistic": STATISTIC,
         "prompts": args.prompts, "skip": args.skip, "max_new_tokens": args.max_new_tokens,
@@ -554,12 +546,27 @@ def result_of(args, warm_path: Path, measured: dict[str, dict], train: dict, wal
         "arms": [{"name": a.name, "control": a.control, **asdict(a)} for a in selected_arms(args)],
         "train_seeds": args.train_seeds, "noise_floor": floor,
         "replicates": replicate_verdicts(rows, floor) if args.train_seeds and args.rule == "noise-floor" else [],
-        **registered,
+        **(registered or {}),
         "rows": rows, "tables": {name: one["table"] for name, one in measured.items()},
         "per_prompt": {name: {"rows": one["rows"], "chain": one["chain"]} for name, one in measured.items()},
         "train": train, "host": host_info(), "wall_s": wall_s, "choices": choices or {},
         **({"vllm": vllm} if vllm else {}), **({"sharpening": sharpening} if sharpening else {}),
     }
+
+
+def registered_block(args, measured: dict[str, dict], vllm: dict | None) -> dict:
+    """``--rule crossed``'s part of the result, once every drafter is measured: ``protocol``, ``registered``
+    (the contrasts of :mod:`~exittrain.bench.node_loss_protocol` read by
+    :func:`~exittrain.bench.registered_rule.registered_readings`, vLLM's among them with ``--vllm``) and
+    ``transfer`` (:func:`~exittrain.bench.node_loss_protocol.transfer`). Empty without replicates, under
+    ``--rule noise-floor``, or without the warm start (its K names the chain's setting)."""
+    if not args.train_seeds or args.rule != "crossed" or WARM not in measured:
+        return {}
+    K = measured[WARM]["num_draft_tokens"]
+    per_prompt = {name: prompt_rows(one) for name, one in measured.items()}
+    readings = registered_readings(node_loss_protocol.totals(per_prompt, vllm, K), node_loss_protocol.sequences(K))
+    return {"protocol": node_loss_protocol.PROTOCOL, "registered": readings,
+            "transfer": node_loss_protocol.transfer(readings)}
 
 
 def run(args) -> dict:
@@ -608,7 +615,8 @@ def run(args) -> dict:
     served = {name: path for name, path in drafters.items() if name not in temperatures  # engines run t_d = 1
               and (name == WARM or args.vllm_arms is None or split_replicate(name)[0] in args.vllm_arms)}
     vllm = measure_in_vllm(args, target, served, prompts[: args.vllm_prompts]) if args.vllm else None
-    result = result_of(args, warm_path, measured, train, wall(), vllm, choices, sharpening)
+    result = result_of(args, warm_path, measured, train, wall(), vllm, choices, sharpening,
+                       registered_block(args, measured, vllm))
     write_json_atomic(out / "exittrain.json", result)
     (out / PARTIAL).unlink(missing_ok=True)
     (out / "exittrain.md").write_text(to_markdown(result))

@@ -260,7 +260,7 @@ def test_the_crossed_rule_reads_the_registered_contrasts_in_their_fixed_sequence
             vllm["drafters"][f"{arm}@seed{seed}"] = {"per_prompt": [
                 {"drafts": 20, "accepted_tokens": 10 + p % 3 + seed + shift} for p in range(12)]}
     args = bx.parse_args(["--train-seeds", "0", "1", "2", "--out", str(tmp_path)])
-    result = bx.result_of(args, tmp_path, measured, {}, {}, vllm)
+    result = bx.result_of(args, tmp_path, measured, {}, {}, vllm, registered=bx.registered_block(args, measured, vllm))
     assert result["rule"] == "crossed" and result["replicates"] == [] and result["protocol"] == nlp.PROTOCOL
     by = {r["label"]: r for r in result["registered"]}
     assert [r["label"] for r in result["registered"]] == [c.label for seq in nlp.sequences(7) for c in seq]
@@ -277,8 +277,9 @@ def test_the_crossed_rule_reads_the_registered_contrasts_in_their_fixed_sequence
     md = to_markdown({**result, "train": {}, "vllm": None})  # (vLLM's own table needs its whole block)
     assert f"Registered contrasts of {nlp.PROTOCOL}" in md and "| N - S |" in md
     # the 2026-12-05 protocol's rule instead: its replicates, no registered contrasts
-    old = bx.result_of(bx.parse_args(["--train-seeds", "0", "1", "2", "--rule", "noise-floor"]), tmp_path, measured,
-                       {}, {})
+    floor_rule = bx.parse_args(["--train-seeds", "0", "1", "2", "--rule", "noise-floor"])
+    old = bx.result_of(floor_rule, tmp_path, measured, {}, {},
+                       registered=bx.registered_block(floor_rule, measured, None))
     assert old["replicates"] and "registered" not in old
 
 
