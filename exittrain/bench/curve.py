@@ -58,6 +58,7 @@ import hashlib
 import json
 import os
 import random
+import shlex
 import sys
 import tempfile
 import time
@@ -410,7 +411,7 @@ def result_of(args, recipes: list[dict], settings: dict, wall_s: float) -> dict:
     return {"domain": args.domain, "statistic": STATISTIC, "prompts": args.prompts, "skip": args.skip,
             "max_new_tokens": args.max_new_tokens, "budget": args.budget, "temperature": args.temperature,
             "every": args.every, "overrides": list(args.override), "eval": settings, "host": host_info(),
-            "wall_s": wall_s, "command": "python -m exittrain bench curve " + " ".join(args.argv),
+            "wall_s": wall_s, "command": "python -m exittrain bench curve " + shlex.join(args.argv),  # quoted: a shell reruns it
             "recipes": [{k: v for k, v in r.items() if k != "points"} for r in recipes],
             "points": [p for r in recipes for p in r["points"]]}
 
