@@ -411,7 +411,8 @@ def result_of(args, recipes: list[dict], settings: dict, wall_s: float) -> dict:
     return {"domain": args.domain, "statistic": STATISTIC, "prompts": args.prompts, "skip": args.skip,
             "max_new_tokens": args.max_new_tokens, "budget": args.budget, "temperature": args.temperature,
             "every": args.every, "overrides": list(args.override), "eval": settings, "host": host_info(),
-            "wall_s": wall_s, "command": "python -m exittrain bench curve " + shlex.join(args.argv),  # quoted: a shell reruns it
+            # the command quoted, so that a shell reruns it as it ran
+            "wall_s": wall_s, "command": "python -m exittrain bench curve " + shlex.join(args.argv),
             "recipes": [{k: v for k, v in r.items() if k != "points"} for r in recipes],
             "points": [p for r in recipes for p in r["points"]]}
 
