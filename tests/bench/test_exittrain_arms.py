@@ -596,7 +596,8 @@ def test_the_experiment_runs_end_to_end_on_the_embedded_target(tmp_path, monkeyp
     assert saved["rows"] == result["rows"] and "verdict" not in saved  # derived from the rows when read
     # the settings the host decides are shown with the result they shaped, and how they were chosen
     dtype = saved["choices"]["fresh"]["data.generation.dtype"]
-    assert dtype["setting"] == "auto" and dtype["value"] in ("float32", "bfloat16") and dtype["reason"]
+    # auto answers in bf16 where the host runs it fast, else with the target as loaded (null)
+    assert dtype["setting"] == "auto" and dtype["value"] in (None, "bfloat16") and dtype["reason"]
     assert saved["choices"]["fresh"]["trainer.precision"]["value"]
     assert "total tokens / total rounds" in saved["statistic"]
     names = {r["drafter"] for r in saved["rows"]}
