@@ -48,7 +48,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from exittrain.bench.exittrain_grid import split_replicate
-from exittrain.core import CROSSED_DRAWS, crossed_paired_difference
+from exittrain.core import CROSSED_DRAWS, crossed_paired_difference, prompt_totals
 from exittrain.tables import cell, markdown_table
 
 __all__ = ["Contrast", "TRIM_PERCENT", "evaluator_totals", "registered_readings", "to_markdown", "trimmed_prompts",
@@ -100,7 +100,7 @@ def evaluator_totals(rows_by_setting: Mapping[Setting, Mapping[int, dict]]) -> d
     """One drafter's ``{setting: {prompt index: (tokens, rounds)}}`` from the held-out evaluator's per-prompt
     rows (:func:`exittrain.bench.exittrain_arms.prompt_rows` of its measurement): tokens = the sum of the
     prompt's ``block_lengths``, rounds = their count."""
-    return {setting: {p: (float(sum(r["block_lengths"])), len(r["block_lengths"])) for p, r in rows.items()}
+    return {setting: dict(zip(rows, prompt_totals([r["block_lengths"] for r in rows.values()])))
             for setting, rows in rows_by_setting.items()}
 
 

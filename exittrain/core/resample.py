@@ -59,12 +59,20 @@ def resampled_ratios_reference(numerator: Sequence[float], denominator: Sequence
     return torch.tensor(out, dtype=torch.float64)
 
 
+def _interval95(stats: Sequence[float]) -> list[float]:
+    """The 95% percentile interval of sorted bootstrap draws: ``[stats[int(0.025 N)], stats[min(N - 1,
+    int(0.975 N))]]``, the one convention every interval here uses."""
+    n = len(stats)
+    return [stats[int(0.025 * n)], stats[min(n - 1, int(0.975 * n))]]
+
+
 def bootstrap_ci(per_prompt: Sequence[Sequence[float]], resamples: int = 1000, seed: int = 0) -> tuple[float, float]:
     """95% interval of the pooled mean of ``per_prompt``'s values (for tau, each prompt's block
     lengths: the per-round mean over all prompts), resampling the prompts with replacement."""
     stats = sorted(resampled_ratios([sum(p) for p in per_prompt], [len(p) for p in per_prompt], draws=resamples,
                                     seed=seed).tolist())
-    return stats[int(0.025 * resamples)], stats[min(resamples - 1, int(0.975 * resamples))]
+    low, high = _interval95(stats)
+    return low, high
 
 
 def pooled(per_prompt: Sequence[Sequence[float]]) -> float:
@@ -101,7 +109,7 @@ def paired_pooled_difference(first: Sequence[Sequence[float]], second: Sequence[
 
     stats = (ratio(num_a, den_a) - ratio(num_b, den_b)).sort().values.tolist()
     return {"delta": pooled(first) - pooled(second),
-            "ci95": [stats[int(0.025 * draws)], stats[min(draws - 1, int(0.975 * draws))]], "prompts": len(num_a)}
+            "ci95": _interval95(stats), "prompts": len(num_a)}
 
 
 def paired_pooled_difference_reference(first: Sequence[Sequence[float]], second: Sequence[Sequence[float]], *,
@@ -116,7 +124,7 @@ def paired_pooled_difference_reference(first: Sequence[Sequence[float]], second:
         stats.append(first_tau - (sum(num_b[p] for p in picks) / b if b else 0.0))
     stats.sort()
     return {"delta": pooled(first) - pooled(second),
-            "ci95": [stats[int(0.025 * draws)], stats[min(draws - 1, int(0.975 * draws))]], "prompts": len(num_a)}
+            "ci95": _interval95(stats), "prompts": len(num_a)}
 
 
 # --- The crossed bootstrap: training seeds and prompts resampled at once -------------------------------
@@ -197,7 +205,7 @@ def _crossed_result(seeds: list[int], tables, stats: list[float], endpoint: str,
                                 endpoint) for i in range(len(seeds))]
     stats = sorted(stats)
     return {"endpoint": endpoint, "estimate": sum(per_seed) / len(per_seed),
-            "ci95": [stats[int(0.025 * draws)], stats[min(draws - 1, int(0.975 * draws))]],
+            "ci95": _interval95(stats),
             "per_seed": per_seed, "seeds": seeds, "prompts": len(tables[0][0]), "draws": draws}
 
 
