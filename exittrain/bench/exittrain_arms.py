@@ -598,7 +598,7 @@ def run(args) -> dict:
     if args.sharpen_temperatures:  # S: the chosen t_d's drafters join the measurement, on the same answers
         sharpening = choose_sharpening(args, cfg, target, drafters, settings)
         for name in list(drafters):
-            base = WARM if name == WARM else split_replicate(name)[0]
+            base = split_replicate(name)[0]  # the warm start is its own base
             if base in sharpening["chosen"]:
                 drafters[sharpened_name(name)] = drafters[name]
                 temperatures[sharpened_name(name)] = sharpening["chosen"][base]
